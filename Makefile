@@ -1,0 +1,33 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create .venv if missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch 2.13.0 CPU is pinned here: it installs from local disk; an unpinned torch pulls a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/convert_gpt2.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --durations=15
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m '' --durations=15
+
+bench: $(STAMP)
+	$(PY) bench/bridge.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check zerojax tests bench examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info

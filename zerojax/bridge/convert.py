@@ -1,0 +1,149 @@
+"""zerojax.convert: a torch.nn.Module -> (params, buffers, pure apply function)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.utils._pytree as torch_pytree
+from torch.export._tree_utils import reorder_kwargs
+
+from zerojax.bridge.capture import capture
+from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch, to_torch_dtype
+from zerojax.bridge.interpreter import GraphFunction
+from zerojax.bridge.output_tree import register_output_types
+
+log = logging.getLogger("zerojax")
+
+
+class Converted:
+    """A converted module: `params`, `buffers` and a pure `apply`.
+
+    `apply(params, buffers, *args, rng=None, **kwargs) -> (outputs, new_buffers)` is jit- and
+    grad-able. `outputs` has the structure of the torch module's output with jax.Array leaves;
+    `new_buffers` holds every buffer, updated where the module mutates it (BatchNorm stats).
+    A call with new input shapes or dtypes traces a new program, once, and caches it.
+    """
+
+    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
+        self.module = module
+        self.train = train
+        self.name = type(module).__name__
+        self.params, param_alias = _named_arrays(module.named_parameters(remove_duplicate=False))
+        self.buffers, buffer_alias = _named_arrays(module.named_buffers(remove_duplicate=False))
+        # Tied tensors: every state_dict name -> the one name that holds the array.
+        self.alias = {**param_alias, **buffer_alias}
+        self._programs: dict[Any, tuple[GraphFunction, Any, Any]] = {}
+        self._program_for(args, kwargs, reason=None)
+
+    @property
+    def tied(self) -> dict[str, str]:
+        """Names that share another entry's array: alias name -> canonical name in `params`."""
+        return {name: to for name, to in self.alias.items() if name != to}
+
+    def apply(self, params, buffers, *args, rng=None, float_dtype=None, **kwargs):
+        """Run the module as JAX: (outputs, new_buffers); see the class docstring."""
+        program, in_spec, out_spec = self._program_for(args, kwargs, reason="new input shapes")
+        leaves = torch_pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
+        tensors = [_as_jax(leaf) for leaf in leaves if _is_array(leaf)]
+        outputs, new_buffers = program(params, buffers, tensors, rng, float_dtype=float_dtype)
+        return torch_pytree.tree_unflatten(outputs, out_spec), new_buffers
+
+    __call__ = apply
+
+    def _program_for(self, args, kwargs, *, reason):
+        key = _signature_key(args, kwargs)
+        entry = self._programs.get(key)
+        if entry is None:
+            if reason is not None:
+                log.warning(
+                    "zerojax: %s for %s (%s); tracing and compiling a new program, cached "
+                    "for later calls with these shapes",
+                    reason,
+                    self.name,
+                    ", ".join(str(k) for k in key[1] if k is not None),
+                )
+            example_args, example_kwargs = torch_pytree.tree_map(_as_torch_example, (args, kwargs))
+            exported = capture(self.module, example_args, example_kwargs, train=self.train)
+            program = GraphFunction(
+                exported, train=self.train, alias=self.alias, model_name=self.name
+            )
+            out_spec = exported.call_spec.out_spec
+            register_output_types(out_spec)
+            entry = (program, exported.call_spec.in_spec, out_spec)
+            self._programs[key] = entry
+        return entry
+
+
+def convert(
+    module: torch.nn.Module,
+    args: Any = (),
+    kwargs: dict | None = None,
+    *,
+    train: bool | None = None,
+) -> Converted:
+    """Convert `module` into a pure JAX function, tracing it on example `args`/`kwargs`.
+
+    `train` defaults to `module.training` and decides dropout and BatchNorm behaviour.
+
+    >>> converted = zerojax.convert(model, (tokens,))
+    >>> logits, _ = jax.jit(converted.apply)(converted.params, converted.buffers, tokens)
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"convert() takes a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(args, tuple):
+        args = (args,)
+    train = module.training if train is None else bool(train)
+    return Converted(module, args, dict(kwargs or {}), train=train)
+
+
+def _named_arrays(named_tensors):
+    """{canonical name: jax array} and {every name: canonical name} (tied tensors share one)."""
+    arrays, alias, first_name = {}, {}, {}
+    for name, tensor in named_tensors:
+        if tensor is None:
+            continue
+        canonical = first_name.setdefault(id(tensor), name)
+        alias[name] = canonical
+        if canonical == name:
+            arrays[name] = from_torch(tensor)
+    return arrays, alias
+
+
+def _is_array(leaf) -> bool:
+    return isinstance(leaf, (torch.Tensor, jax.Array, np.ndarray))
+
+
+def _as_jax(leaf):
+    return from_torch(leaf) if isinstance(leaf, torch.Tensor) else jnp.asarray(leaf)
+
+
+def _as_torch_example(leaf):
+    """A torch tensor with `leaf`'s shape and dtype, to trace with (values when concrete)."""
+    if isinstance(leaf, torch.Tensor) or not _is_array(leaf):
+        return leaf
+    dtype = jnp.result_type(leaf)
+    # JAX holds torch's int64 (token ids, labels) as int32 unless x64 is on: trace as int64.
+    torch_dtype = torch.int64 if dtype == jnp.int32 else to_torch_dtype(dtype)
+    if isinstance(leaf, jax.core.Tracer):
+        return torch.zeros(leaf.shape, dtype=torch_dtype)
+    return to_torch(leaf).to(torch_dtype)
+
+
+def _signature_key(args, kwargs):
+    """Cache key: the pytree structure plus (shape, dtype) of arrays / value of other leaves."""
+    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    described = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            described.append((tuple(leaf.shape), str(to_jax_dtype(leaf.dtype))))
+        elif _is_array(leaf):
+            described.append((tuple(leaf.shape), str(jnp.result_type(leaf))))
+        else:
+            described.append(repr(leaf))
+    return str(spec), tuple(described)
+

@@ -1,0 +1,228 @@
+"""FX graph -> pure JAX function.
+
+A `GraphFunction` walks one exported, core-ATen graph node by node, calling the registered
+lowering of each ATen overload on JAX values. It is built once per exported program; calling it
+under `jax.jit` traces the walk, so the Python loop costs nothing at run time.
+
+Inputs come in the order of `graph_signature.input_specs` (torch 2.13 lifts constants before
+buffers, so placeholder order is not "params, buffers, inputs"); parameter and buffer targets are
+resolved through `alias` so that tied weights (GPT-2's wte / lm_head) read one array and their
+gradients add up.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+
+from zerojax.bridge.dtypes import from_torch
+from zerojax.bridge.errors import UnsupportedOpError, node_location
+from zerojax.bridge.registry import LoweringContext, get_lowering
+
+# Placement and layout arguments mean nothing to a JAX value (no per-op device, no strides).
+_LAYOUT_KWARGS = ("device", "layout", "pin_memory", "memory_format", "non_blocking")
+
+# Python-level functions torch.export leaves in the graph (tuple access, SymInt arithmetic).
+_PYTHON_FUNCTIONS = {
+    operator.getitem,
+    operator.add,
+    operator.sub,
+    operator.mul,
+    operator.floordiv,
+    operator.truediv,
+    operator.mod,
+    operator.neg,
+    operator.eq,
+    operator.ne,
+    operator.lt,
+    operator.le,
+    operator.gt,
+    operator.ge,
+}
+
+RANDOM_OPS_NEED_RNG = "pass rng=jax.random.key(seed) to apply() (a fresh key per step)"
+
+
+class GraphFunction:
+    """One exported program as a JAX function of (params, buffers, user inputs, rng)."""
+
+    def __init__(
+        self,
+        exported: torch.export.ExportedProgram,
+        *,
+        train: bool,
+        alias: dict[str, str],
+        model_name: str,
+    ):
+        self.graph = exported.graph_module.graph
+        self.train = train
+        self.model_name = model_name
+        signature = exported.graph_signature
+        self.inputs: list[tuple[InputKind, str | None]] = []
+        for spec in signature.input_specs:
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                self.inputs.append((spec.kind, alias.get(spec.target, spec.target)))
+            elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.USER_INPUT):
+                self.inputs.append((spec.kind, spec.target))
+            else:
+                raise UnsupportedOpError(
+                    f"{model_name}: graph input '{spec.arg.name}' is a {spec.kind.name}; zerojax "
+                    f"supports parameters, buffers, constant tensors and user inputs"
+                )
+        self.constants = {
+            name: from_torch(value)
+            for name, value in exported.constants.items()
+            if isinstance(value, torch.Tensor)
+        }
+        self.outputs: list[tuple[OutputKind, str | None]] = []
+        for spec in signature.output_specs:
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                self.outputs.append((spec.kind, alias.get(spec.target, spec.target)))
+            elif spec.kind == OutputKind.USER_OUTPUT:
+                self.outputs.append((spec.kind, None))
+            else:
+                what = {
+                    OutputKind.USER_INPUT_MUTATION: "mutates one of its inputs in place",
+                    OutputKind.PARAMETER_MUTATION: "mutates a parameter in place",
+                }.get(spec.kind, f"has a {spec.kind.name} output")
+                raise UnsupportedOpError(
+                    f"{model_name} {what} ('{spec.target}'); a converted model is a pure "
+                    f"function — clone the tensor before modifying it"
+                )
+        self.num_user_inputs = sum(kind == InputKind.USER_INPUT for kind, _ in self.inputs)
+        self.random_sites: dict[torch.fx.Node, int] = {}
+        self._check_supported()
+
+    def _check_supported(self) -> None:
+        missing: dict[str, torch.fx.Node] = {}
+        for node in self.graph.nodes:
+            if node.op == "call_function":
+                target = node.target
+                if target in _PYTHON_FUNCTIONS:
+                    continue
+                if not isinstance(target, torch._ops.OpOverload) or get_lowering(target) is None:
+                    missing.setdefault(str(target), node)
+            elif node.op in ("call_module", "call_method", "get_attr"):
+                missing.setdefault(f"{node.op} {node.target}", node)
+        if missing:
+            lines = "\n".join(
+                f"  {op}  in {node_location(node)}" for op, node in sorted(missing.items())
+            )
+            raise UnsupportedOpError(
+                f"zerojax has no lowering for {len(missing)} ATen op(s) in {self.model_name}:\n"
+                f"{lines}\nzerojax.bridge.supported_ops() lists what is supported; README.md "
+                f"('Op coverage') lists the known gaps and why."
+            )
+
+    def __call__(
+        self,
+        params: dict[str, jax.Array],
+        buffers: dict[str, jax.Array],
+        user_inputs: list,
+        rng: jax.Array | None,
+        float_dtype=None,
+    ) -> tuple[list, dict[str, jax.Array]]:
+        if len(user_inputs) != self.num_user_inputs:
+            raise TypeError(
+                f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "
+                f"got {len(user_inputs)}"
+            )
+        env: dict[torch.fx.Node, object] = {}
+        feed = iter(user_inputs)
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        for node, (kind, name) in zip(placeholders, self.inputs, strict=True):
+            if kind == InputKind.PARAMETER:
+                env[node] = _lookup(params, name, "parameter", self.model_name)
+            elif kind == InputKind.BUFFER:
+                env[node] = _lookup(buffers, name, "buffer", self.model_name)
+            elif kind == InputKind.CONSTANT_TENSOR:
+                env[node] = self.constants[name]
+            else:
+                env[node] = next(feed)
+
+        site_counter = iter(range(1 << 30))
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                results = list(node.args[0])
+                break
+            args = torch.fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+            if node.target in _PYTHON_FUNCTIONS:
+                env[node] = node.target(*args, **kwargs)
+                continue
+            for key in _LAYOUT_KWARGS:
+                kwargs.pop(key, None)
+            ctx = LoweringContext(
+                node=node,
+                train=self.train,
+                rng_for_site=_site_rng(rng, site_counter, node, self.model_name),
+                float_dtype=float_dtype,
+            )
+            lowering = get_lowering(node.target)
+            try:
+                value = lowering(ctx, *args, **kwargs)
+            except Exception as error:
+                error.add_note(f"while lowering {node.target} in {node_location(node)}")
+                raise
+            env[node] = _conform(value, node.meta.get("val"), ctx, node)
+
+        outputs, new_buffers = [], dict(buffers)
+        for value, (kind, name) in zip(results, self.outputs, strict=True):
+            value = env[value] if isinstance(value, torch.fx.Node) else value
+            if kind == OutputKind.BUFFER_MUTATION:
+                # A buffer keeps its own dtype (e.g. int64 num_batches_tracked, fp32 stats).
+                new_buffers[name] = jnp.asarray(value, dtype=buffers[name].dtype)
+            else:
+                outputs.append(value)
+        return outputs, new_buffers
+
+
+def _lookup(tree: dict, name: str, what: str, model_name: str):
+    try:
+        return tree[name]
+    except KeyError:
+        raise KeyError(
+            f"{model_name}: {what} '{name}' missing from the {what}s passed to apply() "
+            f"(got {len(tree)}: {', '.join(list(tree)[:5])}{', ...' if len(tree) > 5 else ''})"
+        ) from None
+
+
+def _site_rng(rng, counter, node, model_name) -> Callable[[], jax.Array]:
+    """A thunk giving this node's key: fold_in(rng, site index), the index fixed at first use."""
+
+    def key() -> jax.Array:
+        if rng is None:
+            raise ValueError(
+                f"{model_name} draws random numbers ({node.target} in {node_location(node)}, "
+                f"e.g. dropout in train mode); {RANDOM_OPS_NEED_RNG}"
+            )
+        return jax.random.fold_in(rng, next(counter))
+
+    return key
+
+
+def _conform(value, meta, ctx: LoweringContext, node):
+    """Cast a lowering's result to torch's recorded dtype and check torch's recorded shape."""
+    if isinstance(meta, torch.Tensor):
+        value = jnp.asarray(value)
+        expected = tuple(int(d) for d in meta.shape)
+        if value.shape != expected:
+            raise AssertionError(
+                f"lowering of {node.target} returned shape {value.shape}, torch says {expected} "
+                f"({node_location(node)})"
+            )
+        dtype = ctx.jax_dtype(meta.dtype)
+        return value if value.dtype == dtype else value.astype(dtype)
+    if isinstance(meta, (tuple, list)) and isinstance(value, (tuple, list)):
+        return type(value)(_conform(v, m, ctx, node) for v, m in zip(value, meta, strict=True))
+    if isinstance(value, (np.ndarray, np.generic)):
+        return jnp.asarray(value)
+    return value

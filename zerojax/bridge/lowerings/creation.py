@@ -1,0 +1,7 @@
+"""Lowerings: creation ops."""
+
+import torch
+
+from zerojax.bridge.registry import lowering  # noqa: F401
+
+aten = torch.ops.aten

@@ -1,0 +1,7 @@
+"""Lowerings: spectral ops."""
+
+import torch
+
+from zerojax.bridge.registry import lowering  # noqa: F401
+
+aten = torch.ops.aten
