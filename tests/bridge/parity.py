@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 import zerojax
-from zerojax.bridge.dtypes import to_torch
+from zerojax.bridge.dtypes import from_torch, to_torch
 
 
 class Lambda(torch.nn.Module):
@@ -29,7 +29,8 @@ def run_both(fn_or_module, *args, jit: bool = True, **kwargs):
         expected = module(*args, **kwargs)
     converted = zerojax.convert(module, args, kwargs)
     apply = jax.jit(converted.apply) if jit else converted.apply
-    got, _ = apply(converted.params, converted.buffers, *args, **kwargs)
+    jax_args, jax_kwargs = torch_pytree.tree_map_only(torch.Tensor, from_torch, (args, kwargs))
+    got, _ = apply(converted.params, converted.buffers, *jax_args, **jax_kwargs)
     got = torch_pytree.tree_map(lambda x: to_torch(x) if isinstance(x, jax.Array) else x, got)
     return expected, got
 

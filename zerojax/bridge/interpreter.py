@@ -158,8 +158,7 @@ class GraphFunction:
             if node.target in _PYTHON_FUNCTIONS:
                 env[node] = node.target(*args, **kwargs)
                 continue
-            for key in _LAYOUT_KWARGS:
-                kwargs.pop(key, None)
+            kwargs = {k: v for k, v in kwargs.items() if k not in _LAYOUT_KWARGS}
             ctx = LoweringContext(
                 node=node,
                 train=self.train,

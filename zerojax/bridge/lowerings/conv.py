@@ -1,7 +1,149 @@
-"""Lowerings: conv ops."""
+"""Lowerings: N-d convolution (plain, grouped, dilated, transposed) and its backward.
 
+Every form becomes one `lax.conv_general_dilated` in torch's NC<spatial> layout. A transposed
+convolution is the input-gradient of a plain one: the input is dilated by the stride
+(`lhs_dilation`), padded by dilation * (kernel - 1) - padding (+ output_padding on the high
+side), and convolved with the spatially flipped kernel whose in/out channels are swapped within
+each group. Accumulation follows `matmul.product_options` (fp32 for bf16/fp16).
+"""
+
+import jax
+import jax.numpy as jnp
 import torch
+from jax import lax
 
-from zerojax.bridge.registry import lowering  # noqa: F401
+from zerojax.bridge.dtypes import result_type
+from zerojax.bridge.lowerings.matmul import product_options
+from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
+
+
+def _per_dim(values, num_spatial: int) -> tuple[int, ...]:
+    """torch accepts one value for every spatial dim ([2] means [2, 2] for a 2-d conv)."""
+    values = tuple(int(v) for v in values)
+    return values * num_spatial if len(values) == 1 else values
+
+
+def _transposed_kernel(weight, groups: int):
+    """(C_in, C_out/g, *k) transposed-conv weight -> flipped (C_out, C_in/g, *k) conv weight."""
+    c_in, c_out_per_group, *kernel = weight.shape
+    grouped = weight.reshape(groups, c_in // groups, c_out_per_group, *kernel)
+    swapped = jnp.swapaxes(grouped, 1, 2).reshape(groups * c_out_per_group, c_in // groups, *kernel)
+    return jnp.flip(swapped, axis=tuple(range(2, weight.ndim)))
+
+
+def convolution(
+    input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+):
+    """aten.convolution on JAX arrays; input may be unbatched (C, *spatial)."""
+    num_spatial = weight.ndim - 2
+    unbatched = input.ndim == num_spatial + 1
+    if unbatched:
+        input = input[None]
+    stride = _per_dim(stride, num_spatial)
+    padding = _per_dim(padding, num_spatial)
+    dilation = _per_dim(dilation, num_spatial)
+    dtype = result_type(input, weight)
+    input, weight = input.astype(dtype), weight.astype(dtype)
+    kernel_size = weight.shape[2:]
+    if transposed:
+        output_padding = _per_dim(output_padding, num_spatial)
+        kernel = _transposed_kernel(weight, groups)
+        pads = [
+            (d * (k - 1) - p, d * (k - 1) - p + extra)
+            for k, p, d, extra in zip(kernel_size, padding, dilation, output_padding, strict=True)
+        ]
+        window_strides, lhs_dilation = (1,) * num_spatial, stride
+    else:
+        kernel = weight
+        pads = [(p, p) for p in padding]
+        window_strides, lhs_dilation = stride, (1,) * num_spatial
+    spatial = "DHW"[-num_spatial:] if num_spatial <= 3 else None
+    if spatial is None:
+        raise NotImplementedError(f"convolution over {num_spatial} spatial dims (torch: <= 3)")
+    dimension_numbers = lax.conv_dimension_numbers(
+        input.shape, kernel.shape, (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+    )
+    out = lax.conv_general_dilated(
+        input,
+        kernel,
+        window_strides=window_strides,
+        padding=pads,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=dilation,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=groups,
+        **product_options(dtype),
+    )
+    if bias is not None:
+        out = out + bias.astype(out.dtype).reshape((-1,) + (1,) * num_spatial)
+    return out[0] if unbatched else out
+
+
+@lowering(aten.convolution.default)
+def lower_convolution_default(
+    ctx, input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+):
+    """input (N, C_in, *s), weight (C_out, C_in/g, *k), or (C_in, C_out/g, *k) if transposed."""
+    return convolution(
+        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+@lowering(aten._convolution.default)
+def lower__convolution_default(
+    ctx,
+    input,
+    weight,
+    bias,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    benchmark,
+    deterministic,
+    cudnn_enabled,
+    allow_tf32,
+):
+    """aten.convolution plus backend hints (benchmark, cudnn, tf32) that mean nothing here."""
+    return convolution(
+        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
+    )
+
+
+@lowering(aten.convolution_backward.default)
+def lower_convolution_backward_default(
+    ctx,
+    grad_output,
+    input,
+    weight,
+    bias_sizes,
+    stride,
+    padding,
+    dilation,
+    transposed,
+    output_padding,
+    groups,
+    output_mask,
+):
+    """(grad_input, grad_weight, grad_bias), each None where output_mask is False."""
+
+    def forward(x, w):
+        return convolution(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
+
+    out, pullback = jax.vjp(forward, input, weight)
+    grad_input, grad_weight = pullback(grad_output.astype(out.dtype))
+    grad_bias = None
+    if output_mask[2]:
+        # Sum a bf16/fp16 gradient in fp32, as torch does, so many small terms are not lost.
+        dtype = jnp.promote_types(grad_output.dtype, jnp.float32)
+        spatial_axes = tuple(range(2, grad_output.ndim))
+        grad_bias = jnp.sum(grad_output, axis=(0, *spatial_axes), dtype=dtype)
+    return (
+        grad_input if output_mask[0] else None,
+        grad_weight if output_mask[1] else None,
+        grad_bias,
+    )

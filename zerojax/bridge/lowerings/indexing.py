@@ -1,7 +1,342 @@
-"""Lowerings: indexing ops."""
+"""Lowerings: gather/scatter, advanced indexing, embedding.
 
+Index tensors arrive as int32 (torch's int64 without jax_enable_x64). JAX clamps or drops
+out-of-range indices where torch raises, so a program torch rejects may run here.
+Ops whose output size depends on tensor values (nonzero, masked_select, x[bool_mask]) cannot be
+traced with static shapes and raise `DataDependentShapeError` naming a static alternative.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+from jax import lax
 
-from zerojax.bridge.registry import lowering  # noqa: F401
+from zerojax.bridge.dtypes import is_bool, is_floating
+from zerojax.bridge.errors import UnsupportedOpError
+from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
+
+
+class DataDependentShapeError(UnsupportedOpError):
+    """An op's output shape depends on tensor values; JAX needs static shapes."""
+
+
+def _data_dependent(ctx, what: str, alternative: str):
+    return DataDependentShapeError(
+        f"{what} ({ctx.node.target}) has an output size that depends on the tensor's values; "
+        f"torch.export records it as an unbacked size, and a jitted JAX program needs static "
+        f"shapes. Rewrite it with a fixed size: {alternative}"
+    )
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim % max(ndim, 1)
+
+
+def _is_mask(index) -> bool:
+    # torch treats uint8 index tensors as (deprecated) masks too.
+    return index is not None and (is_bool(index.dtype) or index.dtype == jnp.uint8)
+
+
+def _index_tuple(indices, ndim: int) -> tuple:
+    """torch's Tensor?[] indices as a numpy index: None means the whole dim, not a new axis.
+
+    numpy and torch agree on advanced indexing: adjacent index tensors put the broadcast index
+    dims in their place, index tensors separated by a sliced dim put them first.
+    """
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+def _masks_to_positions(indices) -> list:
+    """Replace each k-d bool mask by k int index arrays of static length mask.size.
+
+    Unused slots point one past the end of their dim, so a scatter with mode="drop" skips them.
+    """
+    out = []
+    for index in indices:
+        if not _is_mask(index):
+            out.append(index)
+            continue
+        fill = tuple(index.shape)  # out of bounds in every dim
+        out.extend(jnp.nonzero(index, size=index.size, fill_value=fill))
+    return out
+
+
+# --- gather family ---------------------------------------------------------------------------
+
+
+@lowering(aten.index.Tensor, aten._unsafe_index.Tensor)
+def lower_index_tensor(ctx, self, indices):
+    """self[indices] with numpy advanced-indexing semantics; None entries keep a dim whole."""
+    if any(_is_mask(i) for i in indices):
+        raise _data_dependent(
+            ctx,
+            "boolean-mask indexing x[mask]",
+            "torch.where(mask, x, fill) keeps the shape; x.masked_fill(~mask, 0) or a weighted "
+            "sum with mask.float() replace a selection followed by a reduction",
+        )
+    return self[_index_tuple(indices, self.ndim)]
+
+
+@lowering(aten.gather.default)
+def lower_gather_default(ctx, self, dim, index, *, sparse_grad=False):
+    """out[..i_dim..] = self[..index[..]..]; index may be smaller than self in other dims."""
+    if self.ndim == 0:
+        return jnp.take(self.reshape(1), index.reshape(-1)).reshape(index.shape)
+    dim = _dim(dim, self.ndim)
+    # take_along_axis needs equal non-gathered dims: cut self down to index's extent.
+    limits = [self.shape[d] if d == dim else index.shape[d] for d in range(self.ndim)]
+    source = lax.slice(self, (0,) * self.ndim, tuple(limits))
+    return jnp.take_along_axis(source, index, axis=dim, mode="clip")
+
+
+@lowering(aten.index_select.default)
+def lower_index_select_default(ctx, self, dim, index):
+    if self.ndim == 0:
+        return jnp.take(self.reshape(1), index.reshape(-1)).reshape(ctx.out_shape)
+    return jnp.take(self, index.reshape(-1), axis=_dim(dim, self.ndim), mode="clip")
+
+
+@lowering(aten.embedding.default)
+def lower_embedding_default(
+    ctx, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False
+):
+    """weight[indices]; padding_idx rows get no gradient; scale_grad_by_freq divides each row's
+    gradient by how often its index occurs in `indices`. `sparse` only picks torch's grad layout.
+    """
+    rows = jnp.take(weight, indices, axis=0, mode="clip")
+    if scale_grad_by_freq:
+        counts = jnp.zeros(weight.shape[0], jnp.int32).at[indices.reshape(-1)].add(1)
+        scale = (1.0 / counts[indices]).astype(rows.dtype)[..., None]
+        frozen = lax.stop_gradient(rows)
+        # Same value, gradient scaled: frozen + (rows - frozen) * scale.
+        rows = frozen + (rows - frozen) * scale
+    if padding_idx is not None and padding_idx >= 0:
+        keep = (indices != padding_idx)[..., None]
+        rows = jnp.where(keep, rows, lax.stop_gradient(rows))
+    return rows
+
+
+@lowering(aten.embedding_dense_backward.default)
+def lower_embedding_dense_backward_default(
+    ctx, grad_output, indices, num_weights, padding_idx, scale_grad_by_freq
+):
+    """Gradient of embedding w.r.t. weight: scatter-add grad rows into a (num_weights, D) zero."""
+    flat_indices = indices.reshape(-1)
+    grads = grad_output.reshape(flat_indices.shape[0], -1)
+    if padding_idx >= 0:
+        grads = jnp.where((flat_indices != padding_idx)[:, None], grads, 0)
+    if scale_grad_by_freq:
+        counts = jnp.zeros(num_weights, jnp.int32).at[flat_indices].add(1)
+        grads = grads / counts[flat_indices][:, None].astype(grads.dtype)
+    dtype = grad_output.dtype if is_floating(grad_output.dtype) else jnp.float32
+    return jnp.zeros((num_weights, grads.shape[1]), dtype).at[flat_indices].add(grads)
+
+
+# --- scatter family --------------------------------------------------------------------------
+
+
+def _scatter_positions(self, dim, index):
+    """The full index tuple addressing self[.., index[i], ..] for every element i of index."""
+    dim = _dim(dim, self.ndim)
+    return tuple(
+        index if d == dim else lax.broadcasted_iota(jnp.int32, index.shape, d)
+        for d in range(index.ndim)
+    )
+
+
+def _scatter_source(src, index):
+    """src cut down to index's shape (torch reads only that corner of src)."""
+    if src.ndim == 0:
+        return src
+    return lax.slice(src, (0,) * src.ndim, tuple(index.shape))
+
+
+def _check_scatter(self, index):
+    if self.ndim == 0 or index.ndim == 0:
+        raise NotImplementedError("scatter on 0-d tensors is not supported; unsqueeze first")
+
+
+@lowering(aten.scatter.src)
+def lower_scatter_src(ctx, self, dim, index, src):
+    """self with self[.., index[i], ..] = src[i]; with duplicate indices torch picks any writer."""
+    _check_scatter(self, index)
+    positions = _scatter_positions(self, dim, index)
+    return self.at[positions].set(_scatter_source(src, index).astype(self.dtype), mode="drop")
+
+
+@lowering(aten.scatter.value)
+def lower_scatter_value(ctx, self, dim, index, value):
+    _check_scatter(self, index)
+    positions = _scatter_positions(self, dim, index)
+    return self.at[positions].set(jnp.asarray(value, self.dtype), mode="drop")
+
+
+@lowering(aten.scatter_add.default)
+def lower_scatter_add_default(ctx, self, dim, index, src):
+    """self with src[i] added at self[.., index[i], ..]; duplicate indices accumulate."""
+    _check_scatter(self, index)
+    positions = _scatter_positions(self, dim, index)
+    return self.at[positions].add(_scatter_source(src, index).astype(self.dtype), mode="drop")
+
+
+def _reduce_identity(reduce: str, dtype):
+    if reduce in ("sum", "mean"):
+        return jnp.zeros((), dtype)
+    if reduce == "prod":
+        return jnp.ones((), dtype)
+    if is_floating(dtype):
+        return jnp.asarray(-jnp.inf if reduce == "amax" else jnp.inf, dtype)
+    if is_bool(dtype):
+        return jnp.asarray(reduce == "amin", dtype)
+    info = jnp.iinfo(dtype)
+    return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
+
+
+@lowering(aten.scatter_reduce.two)
+def lower_scatter_reduce_two(ctx, self, dim, index, src, reduce, *, include_self=True):
+    """Reduce src into self at index with sum/prod/mean/amax/amin.
+
+    include_self=False: scattered-to positions start from the reduction's identity instead of
+    self; untouched positions keep self. mean divides by the number of contributions (+1 for
+    self), flooring for integer dtypes as torch does.
+    """
+    if reduce not in ("sum", "prod", "mean", "amax", "amin"):
+        raise ValueError(f"scatter_reduce: unknown reduce {reduce!r}")
+    _check_scatter(self, index)
+    positions = _scatter_positions(self, dim, index)
+    values = _scatter_source(src, index).astype(self.dtype)
+    hit = jnp.zeros(self.shape, jnp.bool_).at[positions].set(True, mode="drop")
+    base = self if include_self else jnp.where(hit, _reduce_identity(reduce, self.dtype), self)
+    scatter = base.at[positions]
+    if reduce in ("sum", "mean"):
+        out = scatter.add(values, mode="drop")
+    elif reduce == "prod":
+        out = scatter.multiply(values, mode="drop")
+    elif reduce == "amax":
+        out = scatter.max(values, mode="drop")
+    else:
+        out = scatter.min(values, mode="drop")
+    if reduce != "mean":
+        return out
+    counts = jnp.zeros(self.shape, jnp.int32).at[positions].add(1, mode="drop")
+    counts = counts + int(include_self)
+    counts = jnp.maximum(counts, 1).astype(self.dtype)
+    if is_floating(self.dtype):
+        return out / counts
+    return jnp.floor_divide(out, counts)
+
+
+@lowering(aten.index_put.default, aten._unsafe_index_put.default)
+def lower_index_put_default(ctx, self, indices, values, accumulate=False):
+    """self with self[indices] = values (or += with accumulate, duplicates summing).
+
+    values broadcasts to the indexed shape. Bool masks become fixed-size position lists whose
+    unused slots are dropped, so masked assignment stays static.
+    """
+    values = values.astype(self.dtype)
+    has_mask = any(_is_mask(i) for i in indices)
+    if has_mask and _is_single_leading_mask(indices, values, self):
+        return _masked_put(self, indices, values, accumulate)
+    indices = _masks_to_positions(indices) if has_mask else indices
+    target = self.at[_index_tuple(indices, self.ndim)]
+    mode = "drop" if has_mask else None
+    if accumulate:
+        return target.add(values, mode=mode)
+    return target.set(values, mode=mode)
+
+
+def _is_single_leading_mask(indices, values, self) -> bool:
+    """One mask, every other entry None, and values broadcast along the selected elements."""
+    masks = [i for i in indices if i is not None]
+    if len(masks) != 1 or not _is_mask(masks[0]):
+        return False
+    position = next(k for k, i in enumerate(indices) if i is not None)
+    trailing = self.ndim - position - masks[0].ndim
+    if position > 0:
+        return False
+    # The indexed shape is (count, *trailing dims); values must not vary along count.
+    return values.ndim <= trailing or values.shape[values.ndim - trailing - 1] == 1
+
+
+def _masked_put(self, indices, values, accumulate):
+    """self[mask] = values for a leading mask, as a select (no scatter)."""
+    mask = indices[0].astype(jnp.bool_)
+    trailing = self.shape[mask.ndim :]
+    if values.ndim > len(trailing):
+        values = values.reshape(values.shape[values.ndim - len(trailing) :])
+    values = jnp.broadcast_to(values, trailing)
+    mask = mask.reshape(mask.shape + (1,) * len(trailing))
+    if accumulate:
+        return self + jnp.where(mask, values, jnp.zeros((), self.dtype))
+    return jnp.where(mask, values, self)
+
+
+@lowering(aten.put.default)
+def lower_put_default(ctx, self, index, source, accumulate=False):
+    """self.flatten()[index] = source (or +=), then self's shape; negative indices wrap."""
+    flat = self.reshape(-1).at[index.reshape(-1)]
+    source = source.reshape(-1).astype(self.dtype)
+    flat = flat.add(source) if accumulate else flat.set(source)
+    return flat.reshape(self.shape)
+
+
+@lowering(aten.masked_scatter.default)
+def lower_masked_scatter_default(ctx, self, mask, source):
+    """Fill self's masked positions, in row-major order, with consecutive elements of source."""
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    flat_mask = jnp.broadcast_to(mask, shape).reshape(-1)
+    flat_self = jnp.broadcast_to(self, shape).reshape(-1)
+    # The k-th True takes source.flatten()[k]; cumsum counts Trues up to and including it.
+    order = jnp.cumsum(flat_mask.astype(jnp.int32)) - 1
+    taken = jnp.take(source.reshape(-1).astype(self.dtype), order, mode="clip")
+    return jnp.where(flat_mask, taken, flat_self).reshape(shape)
+
+
+@lowering(aten.select_scatter.default)
+def lower_select_scatter_default(ctx, self, src, dim, index):
+    dim = _dim(dim, self.ndim)
+    index = index % self.shape[dim]
+    return self.at[(slice(None),) * dim + (index,)].set(src.astype(self.dtype))
+
+
+@lowering(aten.slice_scatter.default)
+def lower_slice_scatter_default(ctx, self, src, dim=0, start=None, end=None, step=1):
+    """self with self[.., start:end:step, ..] = src (bounds as in aten.slice)."""
+    dim = _dim(dim, self.ndim)
+    start, end, _ = slice(start, end, step).indices(self.shape[dim])
+    end = max(start, end)
+    return self.at[(slice(None),) * dim + (slice(start, end, step),)].set(src.astype(self.dtype))
+
+
+# --- data-dependent shapes -------------------------------------------------------------------
+
+
+@lowering(aten.nonzero.default)
+def lower_nonzero_default(ctx, self):
+    raise _data_dependent(
+        ctx,
+        "torch.nonzero / torch.where(cond) / argwhere",
+        "keep the mask and use torch.where(cond, a, b), or torch.nonzero_static(x, size=N, "
+        "fill_value=-1) with a known upper bound N",
+    )
+
+
+@lowering(aten.masked_select.default)
+def lower_masked_select_default(ctx, self, mask):
+    raise _data_dependent(
+        ctx,
+        "torch.masked_select / x[mask]",
+        "torch.where(mask, x, fill) keeps the shape; reduce with (x * mask).sum() instead",
+    )
+
+
+@lowering(aten.nonzero_static.default)
+def lower_nonzero_static_default(ctx, self, *, size, fill_value=-1):
+    """The first `size` nonzero coordinates (row-major), padded with fill_value: (size, ndim)."""
+    if self.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int32)
+    coords = jnp.nonzero(self, size=size, fill_value=fill_value)
+    return jnp.stack(coords, axis=-1)

@@ -1,7 +1,73 @@
-"""Lowerings: matmul ops."""
+"""Lowerings: matrix products (mm, bmm and the fused add-and-multiply family).
 
+Low-precision floats (bf16/fp16) multiply with fp32 accumulation (`preferred_element_type`), as
+torch's CPU and CUDA kernels do; the interpreter then rounds the result to torch's dtype once.
+fp32 products ask for `Precision.HIGHEST` because torch's default (`allow_tf32=False`) is a true
+fp32 matmul, while XLA on GPU would otherwise use TF32 or bf16 passes.
+Integer products stay integer, as torch's CPU kernels compute them (wrapping on overflow).
+"""
+
+import jax.numpy as jnp
+import numpy as np
 import torch
+from jax import lax
 
-from zerojax.bridge.registry import lowering  # noqa: F401
+from zerojax.bridge.dtypes import is_floating, result_type
+from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
+
+_LOW_PRECISION = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def product_options(dtype) -> dict:
+    """Keyword arguments for jnp.matmul/einsum/lax.conv that reproduce torch's accumulation."""
+    dtype = np.dtype(dtype)
+    if dtype in _LOW_PRECISION:
+        return {"preferred_element_type": jnp.float32}
+    if is_floating(dtype):
+        return {"precision": lax.Precision.HIGHEST}
+    return {}
+
+
+def _einsum(spec: str, a, b):
+    """`spec` contraction of a and b in their common torch dtype, accumulated like torch."""
+    dtype = result_type(a, b)
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), **product_options(dtype))
+
+
+def _add_scaled(self, product, beta, alpha):
+    """beta * self + alpha * product; beta == 0 ignores self (its NaN/inf too), as torch does."""
+    out = product if alpha == 1 else product * alpha
+    if beta == 0:
+        return out
+    # Add in the accumulation dtype so a bf16 result is rounded once, like torch's fused kernel.
+    return out + (self.astype(out.dtype) if beta == 1 else self.astype(out.dtype) * beta)
+
+
+@lowering(aten.mm.default)
+def lower_mm_default(ctx, self, mat2):
+    return _einsum("ij,jk->ik", self, mat2)
+
+
+@lowering(aten.bmm.default)
+def lower_bmm_default(ctx, self, mat2):
+    return _einsum("bij,bjk->bik", self, mat2)
+
+
+@lowering(aten.addmm.default)
+def lower_addmm_default(ctx, self, mat1, mat2, *, beta=1, alpha=1):
+    """beta * self + alpha * (mat1 @ mat2); self broadcasts to the (n, p) result."""
+    return _add_scaled(self, _einsum("ij,jk->ik", mat1, mat2), beta, alpha)
+
+
+@lowering(aten.addbmm.default)
+def lower_addbmm_default(ctx, self, batch1, batch2, *, beta=1, alpha=1):
+    """beta * self + alpha * sum_b(batch1[b] @ batch2[b])."""
+    return _add_scaled(self, _einsum("bij,bjk->ik", batch1, batch2), beta, alpha)
+
+
+@lowering(aten.addmv.default)
+def lower_addmv_default(ctx, self, mat, vec, *, beta=1, alpha=1):
+    """beta * self + alpha * (mat @ vec)."""
+    return _add_scaled(self, _einsum("ij,j->i", mat, vec), beta, alpha)

@@ -1,7 +1,129 @@
-"""Lowerings: norm ops."""
+"""Lowerings: layer, group and batch normalization (the ops torch keeps whole in core ATen).
 
+Statistics are computed in fp32 for bf16/fp16 inputs, as torch's kernels do, with the two-pass
+variance mean((x - mean)^2), which is as accurate as torch's Welford sums. rms_norm,
+instance_norm and the *_backward ops of these norms decompose before they reach zerojax.
+
+BatchNorm in train mode exports as `_native_batch_norm_legit_functional`, whose new running
+statistics become the module's updated buffers: running_var moves towards the *unbiased* batch
+variance, new = (1 - momentum) * old + momentum * batch, exactly as torch updates them in place.
+"""
+
+import jax.numpy as jnp
+import numpy as np
 import torch
+from jax import lax
 
-from zerojax.bridge.registry import lowering  # noqa: F401
+from zerojax.bridge.dtypes import is_floating
+from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
+
+
+def _compute_dtype(x):
+    """fp32 for bf16/fp16 (torch's accumulation type), else x's own float dtype."""
+    dtype = np.dtype(x.dtype)
+    if not is_floating(dtype) or dtype.itemsize < 4:
+        return np.dtype(jnp.float32)
+    return dtype
+
+
+def _moments(x, axes):
+    """(mean, biased variance, x - mean) over `axes`, keeping dims."""
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    centered = x - mean
+    return mean, jnp.mean(jnp.square(centered), axis=axes, keepdims=True), centered
+
+
+def _affine(out, weight, bias, shape):
+    """out * weight + bias with the per-channel parameters reshaped to broadcast as `shape`."""
+    if weight is not None:
+        out = out * weight.astype(out.dtype).reshape(shape)
+    if bias is not None:
+        out = out + bias.astype(out.dtype).reshape(shape)
+    return out
+
+
+@lowering(aten.native_layer_norm.default)
+def lower_native_layer_norm_default(ctx, input, normalized_shape, weight, bias, eps):
+    """(out, mean, rstd) over the trailing len(normalized_shape) dims; stats keep those dims."""
+    x = input.astype(_compute_dtype(input))
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    mean, var, centered = _moments(x, axes)
+    rstd = lax.rsqrt(var + eps)
+    out = _affine(centered * rstd, weight, bias, tuple(normalized_shape))
+    return out, mean, rstd
+
+
+@lowering(aten.native_group_norm.default)
+def lower_native_group_norm_default(ctx, input, weight, bias, N, C, HxW, group, eps):
+    """(out, mean (N, group), rstd (N, group)); input is (N, C, *spatial) with HxW = prod(spatial)."""
+    x = input.astype(_compute_dtype(input)).reshape(N, group, -1)
+    mean, var, centered = _moments(x, (2,))
+    rstd = lax.rsqrt(var + eps)
+    out = (centered * rstd).reshape(input.shape)
+    out = _affine(out, weight, bias, (C,) + (1,) * (input.ndim - 2))
+    return out, mean.reshape(N, group), rstd.reshape(N, group)
+
+
+def _channel_shape(input) -> tuple[int, ...]:
+    """Shape that broadcasts a (C,) vector over input (N, C, *spatial)."""
+    return (input.shape[1],) + (1,) * (input.ndim - 2)
+
+
+def _batch_norm_train(input, weight, bias, eps):
+    """Normalize with batch statistics: (out, mean, invstd, unbiased var), stats of shape (C,)."""
+    x = input.astype(_compute_dtype(input))
+    axes = (0, *range(2, input.ndim))
+    mean, var, centered = _moments(x, axes)
+    invstd = lax.rsqrt(var + eps)
+    out = _affine(centered * invstd, weight, bias, _channel_shape(input))
+    count = x.size // x.shape[1]
+    # n / (n - 1) as a traced division: a single value per channel gives inf/nan like torch.
+    unbiased = var * (count / jnp.asarray(count - 1, var.dtype))
+    return out, mean.reshape(-1), invstd.reshape(-1), unbiased.reshape(-1)
+
+
+def _batch_norm_eval(input, weight, bias, running_mean, running_var, eps):
+    """Normalize with running statistics; torch returns empty (0,) save_mean/save_invstd."""
+    dtype = _compute_dtype(input)
+    shape = _channel_shape(input)
+    mean = running_mean.astype(dtype).reshape(shape)
+    invstd = lax.rsqrt(running_var.astype(dtype).reshape(shape) + eps)
+    out = _affine((input.astype(dtype) - mean) * invstd, weight, bias, shape)
+    empty = jnp.zeros((0,), dtype)
+    return out, empty, empty
+
+
+@lowering(aten._native_batch_norm_legit_functional.default)
+def lower__native_batch_norm_legit_functional_default(
+    ctx, input, weight, bias, running_mean, running_var, training, momentum, eps
+):
+    """(out, save_mean, save_invstd, new_running_mean, new_running_var); stats untouched in eval."""
+    if not training:
+        out, save_mean, save_invstd = _batch_norm_eval(
+            input, weight, bias, running_mean, running_var, eps
+        )
+        return out, save_mean, save_invstd, running_mean, running_var
+    out, mean, invstd, unbiased_var = _batch_norm_train(input, weight, bias, eps)
+    new_mean = (1 - momentum) * running_mean.astype(mean.dtype) + momentum * mean
+    new_var = (1 - momentum) * running_var.astype(mean.dtype) + momentum * unbiased_var
+    return out, mean, invstd, new_mean, new_var
+
+
+@lowering(aten._native_batch_norm_legit_no_training.default)
+def lower__native_batch_norm_legit_no_training_default(
+    ctx, input, weight, bias, running_mean, running_var, momentum, eps
+):
+    """Eval-mode batch norm with running statistics: (out, empty, empty)."""
+    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
+
+
+@lowering(aten._native_batch_norm_legit.no_stats)
+def lower__native_batch_norm_legit_no_stats(ctx, input, weight, bias, training, momentum, eps):
+    """Batch norm without running statistics (track_running_stats=False, instance norm).
+
+    Batch statistics are used whatever `training` says: there are no others.
+    """
+    out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
+    return out, mean, invstd

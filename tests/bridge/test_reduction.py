@@ -1,0 +1,420 @@
+"""Parity of the reduction, scan, softmax and sort lowerings with torch eager.
+
+Run: .venv/bin/python -m pytest -q tests/bridge/test_reduction.py -p no:cacheprovider
+
+Each case exports a small torch callable, converts it with zerojax and compares the jitted JAX
+result with torch (dtype, shape, values; indices exactly). Ties are built from small
+integer-valued floats so that "first index wins" rules are exercised, and NaNs are planted in
+the inputs. Several ops share one callable where that keeps the export/compile count down.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+import torch.utils._pytree as torch_pytree
+
+import zerojax
+from tests.bridge.parity import Lambda, check, run_both
+from zerojax.bridge.dtypes import from_torch, to_torch
+
+NAN = float("nan")
+
+
+def ties(*shape):
+    """Floats drawn from {-2, ..., 2}: plenty of equal values in every slice."""
+    return torch.randint(-2, 3, shape).float()
+
+
+def with_nans(x, *positions):
+    x = x.clone()
+    for position in positions:
+        x[position] = NAN
+    return x
+
+
+# --- sums, means, products -----------------------------------------------------------------------
+
+
+def test_sum_mean_over_dims():
+    """dim None and [] mean all dims; negative and repeated-order dims; keepdim."""
+    x = torch.randn(2, 3, 4)
+    check(
+        lambda x: (
+            x.sum(),
+            x.sum([], keepdim=True),
+            x.sum(1),
+            x.sum([0, 2]),
+            x.mean(-1, keepdim=True),
+            x.mean([-1, 0], keepdim=True),
+            x.mean(),
+        ),
+        x,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_sum_of_integers_and_bools_is_int64(dtype):
+    x = torch.randint(0, 3, (3, 5)).to(dtype)
+    check(lambda x: (x.sum(), x.sum(1), x.sum(0, keepdim=True), x.prod(1), x.cumsum(1)), x)
+
+
+def test_reductions_with_dtype_argument():
+    x = torch.randn(3, 4)
+    check(
+        lambda x: (
+            x.sum(1, dtype=torch.float64),
+            x.mean(0, dtype=torch.float64),
+            x.sum(1, dtype=torch.bfloat16),
+            x.cumsum(0, dtype=torch.float64),
+            x.prod(1, dtype=torch.float64),
+        ),
+        x,
+        rtol=1e-2,
+        atol=1e-2,
+    )
+
+
+def test_bf16_reductions_accumulate_in_fp32():
+    x = torch.randn(4, 64).bfloat16()
+    check(lambda x: (x.sum(1), x.mean(), x.cumsum(1), x.var(1)), x, rtol=1e-2, atol=1e-2)
+
+
+def test_mean_of_all_dims_and_prod():
+    x = torch.rand(3, 4) + 0.5
+    check(lambda x: (x.mean(), x.prod(), x.prod(0, keepdim=True), x.prod(-1)), x)
+
+
+def test_var_and_var_mean():
+    x = torch.randn(3, 5)
+    check(
+        lambda x: (
+            torch.var(x),
+            torch.var(x, 1),
+            torch.var(x, [0, 1], correction=0, keepdim=True),
+            torch.var_mean(x, -1, correction=2, keepdim=True),
+            torch.var_mean(x, 0, correction=0.5),
+            torch.var_mean(x),
+        ),
+        x,
+    )
+
+
+def test_std_decomposes_to_var():
+    x = torch.randn(3, 5)
+    check(lambda x: (torch.std(x, 1), torch.std_mean(x, 0, correction=0)), x)
+
+
+def test_var_of_single_element_is_nan_like_torch():
+    x = torch.randn(4, 1)
+    check(lambda x: (torch.var(x, 1), torch.var(x, 1, correction=0)), x)
+
+
+# --- extrema -------------------------------------------------------------------------------------
+
+
+def test_amax_amin():
+    x = torch.randn(3, 4, 2)
+    check(
+        lambda x: (
+            x.amax(),
+            x.amin([], True),
+            x.amax(1, True),
+            x.amin([-1, 0]),
+            x.amax(-2),
+            x.max(),
+            x.min(),
+        ),
+        x,
+    )
+
+
+def test_arg_extrema_first_index_on_ties():
+    x = ties(5, 6)
+    check(
+        lambda x: (
+            x.argmax(),
+            x.argmin(None, True),
+            x.argmax(1),
+            x.argmin(-2, True),
+            x.max(0),
+            x.min(1, True),
+            x.max(-1),
+        ),
+        x,
+    )
+
+
+def test_nan_is_the_extreme_of_both_ends():
+    x = with_nans(torch.randn(4, 5), (0, 3), (2, 1), (2, 4))
+    check(
+        lambda x: (
+            x.amax(1),
+            x.amin(0),
+            x.max(),
+            x.min(),
+            x.argmax(1),
+            x.argmin(1),
+            x.argmax(),
+            x.max(1),
+            x.min(1),
+        ),
+        x,
+    )
+
+
+def test_integer_and_bool_extrema():
+    x = torch.randint(-3, 4, (4, 5))
+    check(lambda x: (x.amax(1), x.argmax(0), x.max(1), x.min(0), x.max()), x)
+    b = torch.rand(4, 5) > 0.5
+    check(lambda b: (b.amax(1), b.max(1), b.max(), b.any()), b)
+
+
+# --- logical -------------------------------------------------------------------------------------
+
+
+def test_any():
+    b = torch.rand(3, 4, 2) > 0.8
+    check(
+        lambda b: (
+            b.any(),
+            b.any(1),
+            b.any(-1, keepdim=True),
+            torch.any(b, dim=(0, 2)),
+            torch.any(b, dim=()),
+        ),
+        b,
+    )
+
+
+def test_all_decomposes_to_any():
+    b = torch.rand(3, 4) > 0.2
+    check(lambda b: (b.all(), b.all(1), torch.all(b, dim=(0, 1))), b)
+
+
+def test_any_of_numbers_counts_nan_as_true():
+    x = with_nans(torch.randint(0, 2, (3, 4)).float(), (1, 1))
+    check(lambda x: (x.any(1), torch.any(x, dim=(0, 1), keepdim=True)), x)
+    u = torch.randint(0, 2, (3, 4), dtype=torch.uint8)
+    check(lambda u: (u.any(), u.any(0)), u)
+
+
+# --- scans ---------------------------------------------------------------------------------------
+
+
+def test_cumsum_cumprod_logcumsumexp():
+    x = torch.randn(3, 4)
+    check(
+        lambda x: (x.cumsum(0), x.cumsum(-1), x.cumprod(1), x.cumprod(-2), x.logcumsumexp(-1)),
+        x,
+        rtol=1e-5,
+    )
+
+
+def test_logcumsumexp_handles_large_and_infinite_values():
+    x = torch.tensor([[1000.0, -1000.0, 999.0, float("-inf")], [float("-inf")] * 2 + [3.0, 4.0]])
+    check(lambda x: x.logcumsumexp(1), x)
+
+
+def test_cummax_cummin_latest_index_on_ties():
+    x = ties(5, 6)
+    check(lambda x: (x.cummax(0), x.cummin(1), x.cummax(-1), x.cummin(-2)), x)
+
+
+def test_cummax_cummin_with_nan_and_ints():
+    x = torch.tensor([[1.0, 3.0, 3.0, NAN, 2.0, NAN, 3.0], [3.0, 1.0, 1.0, 2.0, 1.0, -1.0, -1.0]])
+    check(lambda x: (x.cummax(1), x.cummin(1)), x)
+    check(lambda x: (x.cummax(1), x.cummin(0)), torch.randint(-2, 3, (3, 6)))
+
+
+# --- softmax -------------------------------------------------------------------------------------
+
+
+def test_softmax_log_softmax():
+    x = torch.randn(3, 4, 5)
+    check(lambda x: (x.softmax(0), x.log_softmax(1), x.softmax(-1), x.log_softmax(-1)), x)
+
+
+def test_log_softmax_is_stable_for_large_logits():
+    x = torch.randn(4, 8) * 1e4
+    x[0, 0] = 1e30
+    check(lambda x: (x.log_softmax(-1), x.softmax(-1)), x, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_softmax(dtype):
+    x = (torch.randn(4, 16) * 4).to(dtype)
+    check(lambda x: (x.softmax(-1), x.log_softmax(0)), x, rtol=1e-2, atol=1e-2)
+
+
+def test_half_to_float_softmax():
+    """softmax(dtype=float32) on bf16 becomes a _to_copy then _softmax in fp32."""
+    x = (torch.randn(4, 16) * 4).bfloat16()
+    check(
+        lambda x: (torch.softmax(x, 0, dtype=torch.float32), torch.log_softmax(x, 1, dtype=torch.float32)),
+        x,
+        rtol=1e-5,
+    )
+
+
+# --- sort and selection --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_sort_is_stable(descending):
+    x = ties(6, 7)
+    check(
+        lambda x: (
+            torch.sort(x, dim=0, descending=descending),
+            torch.sort(x, dim=-1, descending=descending, stable=True),
+            torch.argsort(x, dim=1, descending=descending),
+        ),
+        x,
+    )
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_sort_puts_nan_last_and_merges_zeros(descending):
+    x = torch.tensor([[2.0, NAN, -0.0, 0.0, -1.0, NAN, float("inf"), -0.0, float("-inf")]])
+    x = torch.cat([x, -x])  # -NaN sorts as the largest too
+    check(lambda x: torch.sort(x, descending=descending), x)
+
+
+def test_sort_integers_and_bools():
+    i = torch.randint(-3, 4, (3, 8))
+    i[0, 0] = torch.iinfo(torch.int32).min  # ~x must not overflow where -x would
+    check(lambda i: (torch.sort(i), torch.sort(i, 0, descending=True)), i)
+    b = torch.rand(3, 8) > 0.5
+    check(lambda b: (torch.sort(b, stable=True), torch.sort(b, descending=True, stable=True)), b)
+
+
+def _check_topk_on_ties(fn, x):
+    """torch's CPU topk orders tied values arbitrarily (its partial sort); zerojax puts the lower
+    index first. Values must match exactly and each index must point at its value."""
+    (expected, expected_index), (got, got_index) = run_both(fn, x)
+    torch.testing.assert_close(got, expected, equal_nan=True)
+    assert got_index.dtype == torch.int32
+    dim = fn.dim
+    torch.testing.assert_close(x.gather(dim, got_index.long()), got, equal_nan=True)
+    assert (got_index.sort(dim).values.diff(dim=dim) > 0).all(), "indices must be distinct"
+    ordered = got_index.float() + got_index.shape[dim] * (got != got.roll(1, dim)).cumsum(dim)
+    assert (ordered.diff(dim=dim) > 0).all(), "tied values must come lowest index first"
+
+
+@pytest.mark.parametrize("k, dim, largest", [(3, -1, True), (2, 0, False), (6, 1, True)])
+def test_topk_on_ties(k, dim, largest):
+    def fn(x):
+        return tuple(torch.topk(x, k, dim=dim, largest=largest))
+
+    fn.dim = dim
+    _check_topk_on_ties(fn, ties(5, 6))
+
+
+def test_topk_distinct_values_match_torch_exactly():
+    x = torch.randn(4, 7)
+    i = torch.randperm(28).reshape(4, 7) - 10
+    check(lambda x: (torch.topk(x, 3), torch.topk(x, 2, 0, largest=False)), x)
+    check(lambda i: (torch.topk(i, 3), torch.topk(i, 2, largest=False)), i)
+
+
+def test_topk_nan_and_signed_zero():
+    x = torch.tensor([[0.5, NAN, 1.0, -0.0, 3.0, -NAN, -2.0]])
+    check(lambda x: (torch.topk(x, 4), torch.topk(x, 4, largest=False)), x)
+
+
+def test_topk_unsorted_holds_the_same_elements():
+    x = torch.randn(3, 10)
+    check(lambda x: torch.topk(x, 4, sorted=False).values.sort().values, x)
+
+
+def test_median_kthvalue_distinct_values():
+    x = torch.randperm(30).float().reshape(5, 6)
+    check(
+        lambda x: (
+            x.median(),
+            x.median(1),
+            x.median(0, keepdim=True),
+            x.nanmedian(),
+            x.nanmedian(1),
+            x.kthvalue(2, 1),
+            x.kthvalue(5, 0, keepdim=True),
+        ),
+        x,
+    )
+
+
+def test_median_with_nan():
+    x = with_nans(torch.randperm(24).float().reshape(4, 6), (0, 2), (0, 4), (2, 0))
+    x[3] = NAN
+    check(lambda x: (x.median(), x.median(1), x.nanmedian(), x.nanmedian(1).values), x)
+
+
+def test_mode_smallest_value_last_index():
+    x = torch.randint(0, 4, (5, 9)).float()
+    check(lambda x: (x.mode(1), x.mode(0, keepdim=True)), x)
+    check(lambda i: i.mode(), torch.randint(-2, 2, (3, 7)))
+
+
+# --- 0-d inputs ----------------------------------------------------------------------------------
+
+
+def test_zero_dim_inputs():
+    x = torch.randn(())
+    check(
+        lambda x: (
+            x.sum(),
+            x.sum(0),
+            x.mean(-1, keepdim=True),
+            x.amax(0),
+            x.argmax(),
+            x.argmax(0, keepdim=True),
+            x.max(0),
+            x.min(-1, keepdim=True),
+            x.cumsum(0),
+            x.cummax(0),
+            x.softmax(0),
+            x.log_softmax(-1),
+            torch.sort(x, 0),
+            torch.topk(x, 1),
+            torch.var(x, correction=0),
+            x.any(0),
+        ),
+        x,
+    )
+
+
+# --- gradients -----------------------------------------------------------------------------------
+
+
+def _grad_parity(fn, x, *, rtol=1e-5, atol=1e-6):
+    """jax.grad of a random weighting of fn's float outputs, against torch autograd (plain
+    sums would make softmax's gradient vanish)."""
+    converted = zerojax.convert(Lambda(fn), (x,))
+    outputs = [o for o in torch_pytree.tree_leaves(fn(x)) if o.is_floating_point()]
+    weights = [torch.randn(o.shape) for o in outputs]
+
+    def loss(array):
+        out, _ = converted.apply(converted.params, converted.buffers, array)
+        leaves = [o for o in jax.tree_util.tree_leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+        return sum(jnp.sum(o * from_torch(w)) for o, w in zip(leaves, weights, strict=True))
+
+    got = to_torch(jax.jit(jax.grad(loss))(from_torch(x)))
+    leaf = x.clone().requires_grad_(True)
+    outputs = [o for o in torch_pytree.tree_leaves(fn(leaf)) if o.is_floating_point()]
+    sum((o * w).sum() for o, w in zip(outputs, weights)).backward()
+    torch.testing.assert_close(got, leaf.grad, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("softmax", lambda x: (x.softmax(-1), x.log_softmax(0))),
+        ("moments", lambda x: (x.sum(1), x.mean(), x.var(1), torch.var_mean(x, 0, correction=0))),
+        ("extrema_ties", lambda x: (x.amax(1), x.amin(), x.max(), x.max(1).values)),
+        ("sort_topk", lambda x: (x.sort(0).values, x.topk(2).values, x.median(1).values)),
+        ("scans", lambda x: (x.cumsum(1), x.cumprod(0), x.logcumsumexp(1), x.cummax(1).values)),
+    ],
+)
+def test_gradient_parity(name, fn):
+    x = ties(4, 6) if name == "extrema_ties" else torch.randn(4, 6)
+    _grad_parity(fn, x)

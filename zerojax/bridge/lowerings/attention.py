@@ -1,0 +1,124 @@
+"""Lowerings: scaled_dot_product_attention, kept whole by capture (see capture.KEPT_WHOLE).
+
+torch's decomposition of SDPA produces bad strides (pytorch#141107) and would scatter the op
+into a dozen nodes; kept whole it is one call the bridge can route to a fused kernel.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from zerojax.bridge.registry import lowering
+
+aten = torch.ops.aten
+
+
+def attention_reference(
+    query, key, value, *, mask=None, causal=False, scale=None, dropout_p=0.0, rng=None
+):
+    """softmax(q k^T * scale + mask) v with torch's SDPA semantics, fp32 softmax.
+
+    `mask` is boolean (True = attend) or additive, broadcastable to (..., L, S); `causal` is
+    top-left aligned like torch (`ones(L, S).tril()`). Rows with every key masked give zeros,
+    as torch's math backend does (its `_safe_softmax`).
+    """
+    length, source_length = query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    # bf16/fp16 matmuls accumulate in fp32; the softmax runs in fp32 too.
+    scores = jnp.einsum(
+        "...le,...se->...ls", query, key, preferred_element_type=jnp.float32
+    ) * jnp.float32(scale)
+    allowed = None
+    if causal:
+        allowed = jnp.tril(jnp.ones((length, source_length), dtype=bool))
+    if mask is not None:
+        if mask.dtype == jnp.bool_:
+            allowed = mask if allowed is None else jnp.logical_and(allowed, mask)
+        else:
+            scores = scores + mask.astype(jnp.float32)
+    if allowed is not None:
+        scores = jnp.where(allowed, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(scores - jax.lax.stop_gradient(row_max))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1.0), 0.0)
+    if dropout_p > 0.0:
+        keep = jax.random.bernoulli(rng, 1.0 - dropout_p, weights.shape)
+        weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0)
+    return jnp.einsum(
+        "...ls,...se->...le",
+        weights.astype(value.dtype),
+        value,
+        preferred_element_type=jnp.float32,
+    ).astype(query.dtype), weights
+
+
+def _repeat_kv_heads(query, key, value):
+    """Grouped-query attention: each key/value head serves query_heads / kv_heads queries."""
+    groups = query.shape[-3] // key.shape[-3]
+    return jnp.repeat(key, groups, axis=-3), jnp.repeat(value, groups, axis=-3)
+
+
+def _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        key, value = _repeat_kv_heads(query, key, value)
+    rng = ctx.rng_key() if dropout_p > 0.0 else None
+    return attention_reference(
+        query,
+        key,
+        value,
+        mask=attn_mask,
+        causal=is_causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        rng=rng,
+    )
+
+
+@lowering(aten.scaled_dot_product_attention.default)
+def lower_scaled_dot_product_attention(
+    ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+    enable_gqa=False,
+):
+    out, _ = _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return out
+
+
+@lowering(aten._scaled_dot_product_attention_math.default)
+def lower_scaled_dot_product_attention_math(
+    ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, dropout_mask=None,
+    *, scale=None, enable_gqa=False,
+):
+    """(output, attention weights); an explicit dropout_mask replaces the random draw."""
+    if dropout_mask is not None:
+        raise NotImplementedError(
+            "aten._scaled_dot_product_attention_math with an explicit dropout_mask is not "
+            "supported; call F.scaled_dot_product_attention with dropout_p instead"
+        )
+    out, weights = _sdpa(
+        ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    )
+    return out, weights
+
+
+@lowering(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def lower_scaled_dot_product_flash_attention_for_cpu(
+    ctx, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
+):
+    """(output, logsumexp of the scaled, masked scores per query row)."""
+    out, _ = _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, False)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = jnp.einsum("...le,...se->...ls", query, key, preferred_element_type=jnp.float32)
+    scores = scores * scale
+    if is_causal:
+        causal = jnp.tril(jnp.ones((query.shape[-2], key.shape[-2]), dtype=bool))
+        scores = jnp.where(causal, scores, -jnp.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == jnp.bool_:
+            scores = jnp.where(attn_mask, scores, -jnp.inf)
+        else:
+            scores = scores + attn_mask.astype(jnp.float32)
+    return out, jax.nn.logsumexp(scores, axis=-1)
