@@ -23,11 +23,21 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m '' --durations=15
 
-bench: $(STAMP)
-	$(PY) bench/bridge.py
+# Peers (torch2jax, torchax) live in their own venv, never in zerojax's dependencies;
+# --no-deps keeps them from replacing the pinned torch.
+BENCH_VENV := .venv-bench
+$(BENCH_VENV)/.installed: pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(BENCH_VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	-$(BENCH_VENV)/bin/python -m pip install --quiet --no-deps torch2jax torchax
+	touch $@
+
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_VENV)/bin/python bench/bridge.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info

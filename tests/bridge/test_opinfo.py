@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import sys
 import traceback
 import warnings
 
@@ -193,6 +194,16 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+def _error_text() -> str:
+    """The exception being handled, its notes, and the innermost zerojax frame it came from."""
+    error = sys.exc_info()[1]
+    text = "".join(traceback.format_exception_only(error)).strip()
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if "/zerojax/" in f.filename]
+    if frames:
+        text += f"\n  raised at {frames[-1].filename}:{frames[-1].lineno}  `{frames[-1].line}`"
+    return text
+
+
 def _capture_reason(error: CaptureError) -> str:
     """torch's own reason from a CaptureError, on one line."""
     cause = error.__cause__ or error
@@ -335,16 +346,14 @@ def evaluate(entry: str, info, cases: list[Case]) -> list[Outcome]:
         outcomes, runnable = _attribute_unsupported(module, error)
         return outcomes + evaluate(entry, info, runnable)
     except Exception:  # noqa: BLE001  (a bridge bug: reported as a failure of the case)
-        message = f"zerojax.convert raised:\n{traceback.format_exc(limit=-4)}"
-        return _narrow(entry, info, cases, "fail", message)
+        return _narrow(entry, info, cases, "fail", f"zerojax.convert raised {_error_text()}")
 
     try:
         inputs = [from_torch(t) for t in module.inputs()]
         got, _ = jax.jit(converted.apply)(converted.params, converted.buffers, *inputs)
         got = _to_torch_tree(got)
     except Exception:  # noqa: BLE001  (a lowering bug: reported as a failure of the case)
-        message = f"running the converted op raised:\n{traceback.format_exc(limit=-4)}"
-        return _narrow(entry, info, cases, "fail", message)
+        return _narrow(entry, info, cases, "fail", f"running it raised {_error_text()}")
     return [_compare(entry, case, e, g) for case, e, g in zip(cases, expected, got, strict=True)]
 
 

@@ -9,7 +9,9 @@ grid_sampler_{2,3}d gathers at data-dependent positions (GridSampler.h).
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -83,32 +85,46 @@ def _cubic_taps(size_in, size_out, align_corners, scale):
     return np.clip(taps, 0, size_in - 1), weights
 
 
-def _antialias_taps(size_in, size_out, align_corners, scale):
-    """torch's _compute_indices_min_size_weights_aa with the bilinear (triangle) filter: when
-    downsampling, the filter widens by the scale so every input pixel contributes."""
-    ratio = float(
-        (size_in - 1) / (size_out - 1) if size_out > 1 else 0
-        if align_corners
-        else (1.0 / scale if scale is not None and scale > 0 else size_in / size_out)
-    )
-    support = 1.0 * ratio if ratio >= 1.0 else 1.0
+def _triangle(x):
+    return np.maximum(0.0, 1.0 - np.abs(x))
+
+
+def _keys_cubic(x, a=-0.5):
+    """PIL's bicubic filter (a = -0.5), which torch's antialiased bicubic uses."""
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
+
+
+def _antialias_taps(size_in, size_out, align_corners, scale, *, filter_fn, filter_size):
+    """torch's _compute_index_ranges_weights with antialias: when downsampling by `ratio`, the
+    filter is stretched by it so every input pixel contributes; weights are renormalized."""
+    if align_corners:
+        ratio = _f32(size_in - 1) / _f32(size_out - 1) if size_out > 1 else _f32(0)
+    else:
+        ratio = _inverse_scale(size_in, size_out, scale)
+    ratio = float(ratio)
+    support = filter_size * 0.5 * (ratio if ratio >= 1.0 else 1.0)
     inverse = 1.0 / ratio if ratio >= 1.0 else 1.0
-    all_taps, all_weights = [], []
-    for i in range(size_out):
-        center = ratio * (i + 0.5)
-        lo = max(int(center - support + 0.5), 0)
-        hi = min(int(center + support + 0.5), size_in)
-        w = np.array([max(0.0, 1.0 - abs((j - center + lo + 0.5) * inverse)) for j in range(hi - lo)])
-        total = w.sum()
-        all_taps.append(np.arange(lo, hi))
-        all_weights.append(w / total if total != 0 else w)
-    width = max(len(t) for t in all_taps)
+    width = int(math.ceil(support)) * 2 + 1
     taps = np.zeros((size_out, width), np.int64)
     weights = np.zeros((size_out, width), _f32)
-    for i, (t, w) in enumerate(zip(all_taps, all_weights)):
-        taps[i, : len(t)], taps[i, len(t) :] = t, t[-1]
-        weights[i, : len(w)] = w
+    for i in range(size_out):
+        center = ratio * (i + 0.5)
+        # int() truncates toward zero, as torch's static_cast<int64_t> does.
+        lo = max(int(center - support + 0.5), 0)
+        count = min(int(center + support + 0.5), size_in) - lo
+        w = filter_fn((np.arange(count) + lo - center + 0.5) * inverse)
+        total = w.sum()
+        weights[i, :count] = w / total if total != 0 else w
+        taps[i, :count] = np.arange(lo, lo + count)
+        taps[i, count:] = lo + count - 1  # weight 0: any valid index will do
     return taps, weights
+
+
+_bilinear_aa_taps = functools.partial(_antialias_taps, filter_fn=_triangle, filter_size=2)
+_bicubic_aa_taps = functools.partial(_antialias_taps, filter_fn=_keys_cubic, filter_size=4)
 
 
 def _resample(x, out_sizes, make_taps):
@@ -240,16 +256,30 @@ def lower_upsample_bicubic2d_default(
 
 @lowering(aten._upsample_bilinear2d_aa.vec)
 def lower__upsample_bilinear2d_aa_vec(ctx, input, output_size, align_corners, scale_factors):
-    """Antialiased bilinear (interpolate(..., antialias=True)), PIL's triangle filter."""
+    """Antialiased bilinear (interpolate(..., antialias=True)): PIL's triangle filter."""
     scales = _vec_scales(scale_factors, 2)
-    return _interpolating(ctx, input, align_corners, scales, _antialias_taps)
+    return _interpolating(ctx, input, align_corners, scales, _bilinear_aa_taps)
 
 
 @lowering(aten._upsample_bilinear2d_aa.default)
 def lower__upsample_bilinear2d_aa_default(
     ctx, self, output_size, align_corners, scales_h=None, scales_w=None
 ):
-    return _interpolating(ctx, self, align_corners, [scales_h, scales_w], _antialias_taps)
+    return _interpolating(ctx, self, align_corners, [scales_h, scales_w], _bilinear_aa_taps)
+
+
+@lowering(aten._upsample_bicubic2d_aa.vec)
+def lower__upsample_bicubic2d_aa_vec(ctx, input, output_size, align_corners, scale_factors):
+    """Antialiased bicubic: PIL's cubic filter (a = -0.5)."""
+    scales = _vec_scales(scale_factors, 2)
+    return _interpolating(ctx, input, align_corners, scales, _bicubic_aa_taps)
+
+
+@lowering(aten._upsample_bicubic2d_aa.default)
+def lower__upsample_bicubic2d_aa_default(
+    ctx, self, output_size, align_corners, scales_h=None, scales_w=None
+):
+    return _interpolating(ctx, self, align_corners, [scales_h, scales_w], _bicubic_aa_taps)
 
 
 # grid_sampler's integer codes (GridSamplerInterpolation / GridSamplerPadding in torch).
