@@ -51,7 +51,12 @@ def assert_close(expected, got, *, rtol=1.3e-6, atol=1e-5, what=""):
         assert g.dtype in (e.dtype, expected_dtype), f"{what}[{i}]: dtype {g.dtype} vs {e.dtype}"
         assert tuple(g.shape) == tuple(e.shape), f"{what}[{i}]: shape {g.shape} vs {e.shape}"
         torch.testing.assert_close(
-            g.to(e.dtype), e, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}[{i}]: {m}"
+            g.to(e.dtype),
+            e,
+            rtol=rtol,
+            atol=atol,
+            equal_nan=True,
+            msg=lambda m: f"{what}[{i}]: {m}",
         )
 
 
@@ -59,5 +64,3 @@ def check(fn_or_module, *args, rtol=1.3e-6, atol=1e-5, jit=True, **kwargs):
     expected, got = run_both(fn_or_module, *args, jit=jit, **kwargs)
     assert_close(expected, got, rtol=rtol, atol=atol, what=getattr(fn_or_module, "__name__", ""))
     return got
-
-

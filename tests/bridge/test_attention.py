@@ -92,9 +92,13 @@ def test_sdpa_bf16_tracks_torch():
 def test_sdpa_gradients_match_torch():
     q, k, v = (t.requires_grad_() for t in qkv())
     mask = torch.randn(1, 1, 8, 8)
-    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True).square().sum().backward()
+    F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=True
+    ).square().sum().backward()
 
-    fn = Lambda(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True))
+    fn = Lambda(
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
+    )
     args = (q.detach(), k.detach(), v.detach(), mask)
     converted = zerojax.convert(fn, args)
 
@@ -102,7 +106,9 @@ def test_sdpa_gradients_match_torch():
         out, _ = converted.apply({}, {}, q, k, v, args[3])
         return (out**2).sum()
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(*(zerojax.bridge.dtypes.from_torch(a) for a in args[:3]))
+    grads = jax.grad(loss, argnums=(0, 1, 2))(
+        *(zerojax.bridge.dtypes.from_torch(a) for a in args[:3])
+    )
     for got, want in zip(grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(to_torch(got), want, rtol=1e-5, atol=1e-5)
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 import pytest
 import torch
 
 import zerojax
+from tests.bridge.test_models import gradient_errors, relative_error
 from zerojax.bridge.dtypes import from_torch
 
 transformers = pytest.importorskip("transformers")
@@ -31,15 +31,6 @@ FORWARD_RTOL = 1e-5
 GRAD_RTOL = 1e-4
 VOCAB = 128
 BATCH, SEQ = 2, 16
-
-
-def relative_error(got, expected) -> float:
-    got = np.asarray(got, dtype=np.float64)
-    expected = np.asarray(expected, dtype=np.float64)
-    assert got.shape == expected.shape, f"shape {got.shape} vs {expected.shape}"
-    scale = np.linalg.norm(expected)
-    diff = np.linalg.norm(got - expected)
-    return float(diff / scale) if scale > 0 else float(diff)
 
 
 def _token_inputs():
@@ -163,10 +154,7 @@ def test_loss_gradient_matches_torch_for_every_parameter(name):
         return out.loss
 
     grads = jax.jit(jax.grad(loss))(converted.params)
-    errors = {}
-    for param_name, param in torch_params.items():
-        expected = param.grad if param.grad is not None else torch.zeros_like(param)
-        errors[param_name] = relative_error(grads[param_name], expected.numpy())
+    errors = gradient_errors(grads, torch_params)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= GRAD_RTOL, (
         f"{name}: gradient of '{worst}' relative error {errors[worst]:.2e} > {GRAD_RTOL:.0e}"

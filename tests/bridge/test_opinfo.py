@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import sys
 import traceback
 import warnings
@@ -197,7 +198,11 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
 def _error_text() -> str:
     """The exception being handled, its notes, and the innermost zerojax frame it came from."""
     error = sys.exc_info()[1]
-    text = "".join(traceback.format_exception_only(error)).strip()
+    lines = "".join(traceback.format_exception_only(error)).splitlines()
+    # JAX's note about its filtered traceback says nothing about the failure.
+    text = "\n".join(
+        line for line in lines if not line.startswith(("For simplicity, JAX", "-" * 20))
+    ).strip()
     frames = [f for f in traceback.extract_tb(error.__traceback__) if "/zerojax/" in f.filename]
     if frames:
         text += f"\n  raised at {frames[-1].filename}:{frames[-1].lineno}  `{frames[-1].line}`"
@@ -228,21 +233,18 @@ def _missing_ops(graph: torch.fx.Graph, nodes) -> set[str]:
     return missing
 
 
-def _gap_outcome(case: Case, missing: set[str], error_text: str) -> Outcome:
+def _gap_outcome(case: Case, missing: set[str]) -> Outcome:
     unknown = sorted(op for op in missing if op not in table.ATEN_GAPS)
     if unknown:
         return _failed(
             case,
-            f"needs {', '.join(unknown)}: no lowering and no reason in "
-            f"tests/bridge/opinfo_table.py ATEN_GAPS (lower it, or list it there with why)\n"
-            f"{error_text}",
+            f"UnsupportedOpError: needs {', '.join(unknown)}: no lowering, and no reason in "
+            f"tests/bridge/opinfo_table.py ATEN_GAPS (lower it, or list it there with why)",
         )
     return _skipped(case, "; ".join(f"needs {op}: {table.ATEN_GAPS[op]}" for op in sorted(missing)))
 
 
-def _attribute_unsupported(
-    module: SampleProgram, error: UnsupportedOpError
-) -> tuple[list[Outcome], list[Case]]:
+def _attribute_unsupported(module: SampleProgram) -> tuple[list[Outcome], list[Case]]:
     """Which cases need which unlowered ops: re-capture once and walk each case's outputs.
 
     Returns the skip/fail outcomes of the cases that need one, and the cases that need none.
@@ -266,7 +268,7 @@ def _attribute_unsupported(
     for case, missing in zip(module.cases, per_case, strict=True):
         missing |= unattributed
         if missing:
-            outcomes.append(_gap_outcome(case, missing, str(error)))
+            outcomes.append(_gap_outcome(case, missing))
         else:
             runnable.append(case)
     return outcomes, runnable
@@ -343,7 +345,7 @@ def evaluate(entry: str, info, cases: list[Case]) -> list[Outcome]:
     except UnsupportedOpError as error:
         if "no lowering" not in str(error):  # mutates an input in place, or a similar form
             return _narrow(entry, info, cases, "skip", _first_line(error))
-        outcomes, runnable = _attribute_unsupported(module, error)
+        outcomes, runnable = _attribute_unsupported(module)
         return outcomes + evaluate(entry, info, runnable)
     except Exception:  # noqa: BLE001  (a bridge bug: reported as a failure of the case)
         return _narrow(entry, info, cases, "fail", f"zerojax.convert raised {_error_text()}")
@@ -386,8 +388,15 @@ def check_entry(entry: str, dtype: torch.dtype, max_samples: int | None) -> None
         pytest.skip(f"OpInfo has no {dtype} samples for {entry}")
     failures = [o for o in outcomes if o.status == "fail"]
     if failures:
+        by_message: dict[str, list[Outcome]] = {}
+        for failure in failures:
+            by_message.setdefault(failure.message, []).append(failure)
         pytest.fail(
-            "\n\n".join(f"{entry} {o.case.label}:\n{o.message}" for o in failures), pytrace=False
+            "\n\n".join(
+                f"{entry} " + "; ".join(o.case.label for o in group) + f":\n{message}"
+                for message, group in by_message.items()
+            ),
+            pytrace=False,
         )
     if all(o.status == "skip" for o in outcomes):
         reasons = list(dict.fromkeys(o.message for o in outcomes))
@@ -396,6 +405,15 @@ def check_entry(entry: str, dtype: torch.dtype, max_samples: int | None) -> None
 
 # ---------------------------------------------------------------------------------------------
 # Tests
+
+
+@pytest.fixture(autouse=True)
+def _quiet_export_trace():
+    """torch.export's structured trace log would fill every failure report with DEBUG lines."""
+    trace_log = logging.getLogger("torch.__trace")
+    saved, trace_log.disabled = trace_log.disabled, True
+    yield
+    trace_log.disabled = saved
 
 
 def test_tables_name_real_entries():

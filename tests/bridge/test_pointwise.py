@@ -118,24 +118,51 @@ UNARY = [
 ]
 
 
-@pytest.mark.parametrize(
-    "fn, make, rtol", [u[1:] for u in UNARY], ids=[u[0] for u in UNARY]
-)
+@pytest.mark.parametrize("fn, make, rtol", [u[1:] for u in UNARY], ids=[u[0] for u in UNARY])
 def test_unary_float32(fn, make, rtol):
     check(fn, make(3, 4), rtol=rtol or 1.3e-6)
 
 
-@pytest.mark.parametrize("fn", [torch.exp, torch.sin, torch.sqrt, torch.sigmoid, torch.abs,
-                                torch.floor, torch.round, torch.sign, torch.neg, torch.relu])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        torch.exp,
+        torch.sin,
+        torch.sqrt,
+        torch.sigmoid,
+        torch.abs,
+        torch.floor,
+        torch.round,
+        torch.sign,
+        torch.neg,
+        torch.relu,
+    ],
+)
 def test_unary_zero_dim(fn):
     check(fn, positive())
 
 
 @pytest.mark.parametrize(
     "fn",
-    [torch.exp, torch.sqrt, torch.sin, torch.reciprocal, torch.abs, torch.neg, torch.sign,
-     torch.floor, torch.ceil, torch.round, torch.trunc, torch.relu, torch.signbit, torch.isnan,
-     torch.bitwise_not, torch.square, lambda x: torch.round(x, decimals=1)],
+    [
+        torch.exp,
+        torch.sqrt,
+        torch.sin,
+        torch.reciprocal,
+        torch.abs,
+        torch.neg,
+        torch.sign,
+        torch.floor,
+        torch.ceil,
+        torch.round,
+        torch.trunc,
+        torch.relu,
+        torch.signbit,
+        torch.isnan,
+        torch.bitwise_not,
+        torch.square,
+        lambda x: torch.round(x, decimals=1),
+    ],
 )
 def test_unary_int(fn):
     check(fn, ints(3, 4))
@@ -156,8 +183,18 @@ def test_round_decimals(decimals):
 
 @pytest.mark.parametrize(
     "fn",
-    [torch.exp, torch.tanh, torch.sigmoid, torch.log1p, torch.erf, torch.rsqrt, F.gelu,
-     lambda x: x * 3 + 1, lambda x, y=None: x / 7, lambda x: torch.clamp(x, 0.5, 1.5)],
+    [
+        torch.exp,
+        torch.tanh,
+        torch.sigmoid,
+        torch.log1p,
+        torch.erf,
+        torch.rsqrt,
+        F.gelu,
+        lambda x: x * 3 + 1,
+        lambda x, y=None: x / 7,
+        lambda x: torch.clamp(x, 0.5, 1.5),
+    ],
 )
 def test_bf16(fn):
     check(fn, positive(4, 5).bfloat16(), rtol=1e-2, atol=1e-2)
@@ -185,10 +222,18 @@ def test_gelu_exact_differs_from_tanh():
 
 @pytest.mark.parametrize(
     "fn",
-    [F.elu, lambda x: F.elu(x, alpha=0.7), F.selu, F.celu,
-     lambda x: torch.ops.aten.elu(x, 1.3, 0.8, 1.7),
-     F.hardtanh, F.relu6, lambda x: F.hardtanh(x, -0.3, 0.4),
-     F.leaky_relu, lambda x: F.leaky_relu(x, 0.2)],
+    [
+        F.elu,
+        lambda x: F.elu(x, alpha=0.7),
+        F.selu,
+        F.celu,
+        lambda x: torch.ops.aten.elu(x, 1.3, 0.8, 1.7),
+        F.hardtanh,
+        F.relu6,
+        lambda x: F.hardtanh(x, -0.3, 0.4),
+        F.leaky_relu,
+        lambda x: F.leaky_relu(x, 0.2),
+    ],
 )
 def test_activations(fn):
     check(fn, real(4, 5) * 3)
@@ -220,9 +265,15 @@ def test_add_sub_mul(fn, args):
 
 @pytest.mark.parametrize(
     "fn",
-    [lambda x: x * 2.5, lambda x: x + 1, lambda x: 3 - x, lambda x: x - 0.25,
-     lambda x: torch.ops.aten.add.Scalar(x, 3, 2), lambda x: torch.ops.aten.sub.Scalar(x, 2.5, 2),
-     lambda x: torch.ops.aten.mul.Scalar(x, 0.1)],
+    [
+        lambda x: x * 2.5,
+        lambda x: x + 1,
+        lambda x: 3 - x,
+        lambda x: x - 0.25,
+        lambda x: torch.ops.aten.add.Scalar(x, 3, 2),
+        lambda x: torch.ops.aten.sub.Scalar(x, 2.5, 2),
+        lambda x: torch.ops.aten.mul.Scalar(x, 0.1),
+    ],
 )
 @pytest.mark.parametrize("make", [real, ints], ids=["float", "int"])
 def test_python_scalar_operands(fn, make):
@@ -378,9 +429,7 @@ def test_bitwise_not_and_shifts():
     check(lambda s: torch.bitwise_left_shift(3, s), torch.randint(0, 5, (3, 4)))
 
 
-@pytest.mark.parametrize(
-    "op", [torch.logical_and, torch.logical_or, torch.logical_xor]
-)
+@pytest.mark.parametrize("op", [torch.logical_and, torch.logical_or, torch.logical_xor])
 def test_logical(op):
     a = torch.tensor([0.0, 1.0, NAN, -0.0, 2.0, 0.0])
     b = torch.tensor([0.0, 0.0, 0.0, 3.0, -1.0, NAN])

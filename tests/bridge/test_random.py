@@ -76,7 +76,12 @@ def test_rand_randn_statistics_and_dtype():
 def test_rand_like_bernoulli_randint_randperm():
     x = torch.rand(50, 50)
     u, b, i, perm = run(
-        lambda x: (torch.rand_like(x), torch.bernoulli(x), torch.randint(3, 7, (100,)), torch.randperm(10)),
+        lambda x: (
+            torch.rand_like(x),
+            torch.bernoulli(x),
+            torch.randint(3, 7, (100,)),
+            torch.randperm(10),
+        ),
         x,
     )
     assert u.shape == (50, 50)

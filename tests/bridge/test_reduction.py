@@ -251,7 +251,10 @@ def test_half_to_float_softmax():
     """softmax(dtype=float32) on bf16 becomes a _to_copy then _softmax in fp32."""
     x = (torch.randn(4, 16) * 4).bfloat16()
     check(
-        lambda x: (torch.softmax(x, 0, dtype=torch.float32), torch.log_softmax(x, 1, dtype=torch.float32)),
+        lambda x: (
+            torch.softmax(x, 0, dtype=torch.float32),
+            torch.log_softmax(x, 1, dtype=torch.float32),
+        ),
         x,
         rtol=1e-5,
     )
@@ -297,7 +300,8 @@ def _check_topk_on_ties(fn, x):
     dim = fn.dim
     torch.testing.assert_close(x.gather(dim, got_index.long()), got, equal_nan=True)
     assert (got_index.sort(dim).values.diff(dim=dim) > 0).all(), "indices must be distinct"
-    ordered = got_index.float() + got_index.shape[dim] * (got != got.roll(1, dim)).cumsum(dim)
+    run = (got != got.roll(1, dim)).cumsum(dim)  # runs of equal values, numbered in order
+    ordered = got_index.float() + x.shape[dim] * run
     assert (ordered.diff(dim=dim) > 0).all(), "tied values must come lowest index first"
 
 
@@ -395,7 +399,9 @@ def _grad_parity(fn, x, *, rtol=1e-5, atol=1e-6):
 
     def loss(array):
         out, _ = converted.apply(converted.params, converted.buffers, array)
-        leaves = [o for o in jax.tree_util.tree_leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)]
+        leaves = [
+            o for o in jax.tree_util.tree_leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)
+        ]
         return sum(jnp.sum(o * from_torch(w)) for o, w in zip(leaves, weights, strict=True))
 
     got = to_torch(jax.jit(jax.grad(loss))(from_torch(x)))

@@ -29,95 +29,114 @@ def _make(args):
     return [make() for make in args]
 
 
+# name -> (fn returning related variants as a tuple, input factories); one export per group
+# keeps the file fast. The comment names the overload each group exercises after decomposition.
 CASES = {
-    # view.default
-    "view": (lambda x: x.view(12, 5), _x(3, 4, 5)),
-    "view_infer": (lambda x: x.view(-1, 2, 5), _x(3, 4, 5)),
-    "flatten_0d": (lambda x: x.reshape(1, 1), _x()),
+    # view.default (incl. -1 and 0-d)
+    "view": (lambda x, s: (x.view(12, 5), x.view(-1, 2, 5), s.reshape(1, 1)), _x(3, 4, 5), _x()),
     # expand.default: -1 keeps a dim, new leading dims
-    "expand": (lambda x: x.expand(2, 3, -1, 5), _x(3, 1, 5)),
-    "expand_0d": (lambda x: x.expand(2, 3), _x()),
-    # permute.default
-    "permute": (lambda x: x.permute(2, 0, 1), _x(3, 4, 5)),
-    "permute_neg": (lambda x: x.permute(-1, -3, -2), _x(3, 4, 5)),
+    "expand": (lambda x, s: (x.expand(2, 3, -1, 5), s.expand(2, 3)), _x(3, 1, 5), _x()),
+    # permute.default, also from transpose/movedim
+    "permute": (
+        lambda x: (x.permute(2, 0, 1), x.permute(-1, -3, -2), x.transpose(0, 1), x.movedim(0, -1)),
+        _x(3, 4, 5),
+    ),
     # unsqueeze.default
-    "unsqueeze": (lambda x: x.unsqueeze(1), _x(3, 4)),
-    "unsqueeze_neg": (lambda x: x.unsqueeze(-1), _x(3, 4)),
-    "unsqueeze_0d": (lambda x: x.unsqueeze(0), _x()),
-    # squeeze.dims (torch leaves a non-1 dim alone)
-    "squeeze_dim": (lambda x: x.squeeze(1), _x(3, 1, 5)),
-    "squeeze_all": (lambda x: x.squeeze(), _x(1, 3, 1, 5)),
-    "squeeze_non1": (lambda x: x.squeeze(0), _x(3, 1, 5)),
-    "squeeze_dims": (lambda x: x.squeeze((0, -2)), _x(1, 3, 1, 5)),
-    # select.int
-    "select": (lambda x: x[1], _x(3, 4)),
-    "select_neg": (lambda x: x[:, -1], _x(3, 4)),
-    "unbind": (lambda x: x.unbind(1), _x(3, 4)),
-    # slice.Tensor
-    "slice": (lambda x: x[:, 1:3], _x(3, 4, 5)),
-    "slice_step": (lambda x: x[::2, 1::3], _x(5, 7)),
-    "slice_neg": (lambda x: x[-3:-1], _x(5, 2)),
-    "slice_clamp": (lambda x: x[1:100], _x(5, 2)),
-    "slice_empty": (lambda x: x[4:2], _x(5, 2)),
-    "narrow": (lambda x: x.narrow(1, 1, 2), _x(3, 4)),
-    # cat.default
-    "cat": (lambda x, y: torch.cat([x, y], 0), _x(2, 3), _x(4, 3)),
-    "cat_neg": (lambda x, y: torch.cat([x, y, x], -1), _x(2, 3), _x(2, 1)),
-    "cat_legacy_empty": (lambda x, y: torch.cat([x, y], 1), _x(2, 3), _x(0)),
-    "cat_promote": (
-        lambda x, y: torch.cat([x, y]),
+    "unsqueeze": (lambda x, s: (x.unsqueeze(1), x.unsqueeze(-1), s.unsqueeze(0)), _x(3, 4), _x()),
+    # squeeze.dims (torch leaves a named non-1 dim alone)
+    "squeeze": (
+        lambda x, y: (y.squeeze(1), x.squeeze(), y.squeeze(0), x.squeeze((0, -2))),
+        _x(1, 3, 1, 5),
+        _x(3, 1, 5),
+    ),
+    # select.int, negative index; unbind becomes select too
+    "select": (lambda x: (x[1], x[:, -1], *x.unbind(1)), _x(3, 4)),
+    # slice.Tensor: steps, negative and out-of-range bounds, empty result; narrow
+    "slice": (
+        lambda x: (x[:, 1:3], x[::2, 1::3], x[-3:-1], x[1:100], x[4:2], x.narrow(1, 1, 2)),
+        _x(5, 7),
+    ),
+    # cat.default: negative dim, legacy (0,) tensors skipped, dtype promotion, stack
+    "cat": (
+        lambda x, y, e, i, j: (
+            torch.cat([x, y], 0),
+            torch.cat([x, y[:2], x], -1),
+            torch.cat([x, e], 1),
+            torch.cat([x, i]),
+            torch.cat([i, j]),
+            torch.stack([x, x], 1),
+        ),
         _x(2, 3),
+        _x(4, 3),
+        _x(0),
         _ints(5, (1, 3)),
+        _ints(5, (2, 3)),
     ),
-    "cat_int": (lambda x, y: torch.cat([x, y]), _ints(9, (2,)), _ints(9, (3,))),
-    "stack": (lambda x, y: torch.stack([x, y], 1), _x(2, 3), _x(2, 3)),
-    # split_with_sizes.default
-    "split": (lambda x: x.split(2, 1), _x(3, 5)),
-    "split_sizes": (lambda x: x.split([1, 3, 1], -1), _x(3, 5)),
-    "chunk": (lambda x: x.chunk(3, 0), _x(7, 2)),
-    # flip.default
-    "flip": (lambda x: x.flip(0, -1), _x(3, 4, 5)),
-    "flip_bool": (lambda x: x.flip(1), _bools(3, 4)),
-    "rot90": (lambda x: x.rot90(1, (0, 1)), _x(3, 4)),
-    # repeat.default
-    "repeat": (lambda x: x.repeat(2, 1, 3), _x(3, 4)),
-    "tile_int": (lambda x: x.tile(2), _ints(9, (3,))),
-    # constant_pad_nd.default (negative pads crop)
-    "pad": (lambda x: F.pad(x, (1, 2, 0, 3), value=1.5), _x(2, 3, 4)),
-    "pad_crop": (lambda x: F.pad(x, (-1, 2, 1, -2)), _x(2, 3, 4)),
-    "pad_bool": (lambda x: F.pad(x, (1, 1), value=True), _bools(3, 4)),
-    # diagonal.default
-    "diagonal": (lambda x: x.diagonal(), _x(3, 4)),
-    "diagonal_offset": (lambda x: x.diagonal(1, 0, 2), _x(3, 4, 5)),
-    "diagonal_neg": (lambda x: x.diagonal(-2, -1, 0), _x(4, 3, 5)),
-    "diagonal_empty": (lambda x: x.diagonal(7), _x(3, 4)),
-    # as_strided.default
-    "as_strided": (lambda x: x.as_strided((3, 2), (4, 1), 1), _x(3, 4)),
-    "as_strided_overlap": (lambda x: x.as_strided((4, 3), (1, 2)), _x(12)),
+    # split_with_sizes.default (split, split with sizes, chunk)
+    "split": (lambda x: (x.split(2, 1), x.split([1, 3, 1], -1), x.chunk(2, 0)), _x(3, 5)),
+    # flip.default, also under rot90; bool input
+    "flip": (lambda x, b: (x.flip(0, -1), b.flip(1), x.rot90(1, (0, 1))), _x(3, 4), _bools(3, 4)),
+    # repeat.default (extra leading dims), int input
+    "repeat": (lambda x, i: (x.repeat(2, 1, 3), i.tile(2)), _x(3, 4), _ints(9, (3,))),
+    # constant_pad_nd.default (negative pads crop), bool input
+    "pad": (
+        lambda x, b: (
+            F.pad(x, (1, 2, 0, 3), value=1.5),
+            F.pad(x, (-1, 2, 1, -2)),
+            F.pad(b, (1, 1), value=True),
+        ),
+        _x(2, 3, 4),
+        _bools(3, 4),
+    ),
+    # diagonal.default: offsets either side, negative dims, empty diagonal
+    "diagonal": (
+        lambda x, y: (x.diagonal(), y.diagonal(1, 0, 2), y.diagonal(-2, -1, 0), x.diagonal(7)),
+        _x(3, 4),
+        _x(4, 3, 5),
+    ),
+    # as_strided.default: storage offset, overlapping windows
+    "as_strided": (
+        lambda x: (x.as_strided((3, 2), (4, 1), 1), x.as_strided((4, 3), (1, 2))),
+        _x(3, 4),
+    ),
     # unfold.default (Tensor.unfold)
-    "unfold": (lambda x: x.unfold(1, 3, 2), _x(2, 7, 3)),
-    "unfold_neg": (lambda x: x.unfold(-1, 2, 1), _x(2, 5)),
-    # alias.default
-    "detach": (lambda x: x.detach(), _x(3)),
-    # view.dtype
-    "view_dtype_same": (lambda x: x.view(torch.int32), _x(3, 4)),
-    "view_dtype_narrow": (lambda x: x.view(torch.bfloat16), _x(3, 4)),
-    "view_dtype_wide": (lambda x: x.view(torch.int16).view(torch.float32), _x(3, 4)),
-    "meshgrid": (
-        lambda x, y: torch.meshgrid(x, y, indexing="ij"),
-        _x(3),
-        _x(4),
+    "unfold": (lambda x: (x.unfold(1, 3, 2), x.unfold(-1, 2, 1)), _x(2, 7, 3)),
+    # alias.default, view.dtype (same, narrower, wider element size)
+    "alias_view_dtype": (
+        lambda x: (
+            x.detach(),
+            x.view(torch.int32),
+            x.view(torch.bfloat16),
+            x.view(torch.int16).view(torch.float32),
+        ),
+        _x(3, 4),
     ),
+    # expand.default + view.default
+    "meshgrid": (lambda x, y: torch.meshgrid(x, y, indexing="ij"), _x(3), _x(4)),
 }
 
 # These decompose into pointwise ops (abs/sub/clamp) around index.Tensor/arange.
 PADS = {
-    "reflect1d": (lambda x: F.pad(x, (2, 1), mode="reflect"), _x(2, 3, 5)),
-    "reflect2d": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"), _x(2, 3, 4, 5)),
-    "reflect3d": (lambda x: F.pad(x, (1, 1, 1, 0, 0, 1), mode="reflect"), _x(1, 2, 3, 4, 5)),
-    "replicate1d": (lambda x: F.pad(x, (2, 1), mode="replicate"), _x(2, 3, 5)),
-    "replicate2d": (lambda x: F.pad(x, (1, 2, 2, 1), mode="replicate"), _x(2, 3, 4, 5)),
-    "replicate3d": (lambda x: F.pad(x, (1, 1, 1, 0, 0, 1), mode="replicate"), _x(1, 2, 3, 4, 5)),
+    "reflect": (
+        lambda x, y, z: (
+            F.pad(x, (2, 1), mode="reflect"),
+            F.pad(y, (1, 2, 2, 1), mode="reflect"),
+            F.pad(z, (1, 1, 1, 0, 0, 1), mode="reflect"),
+        ),
+        _x(2, 3, 5),
+        _x(2, 3, 4, 5),
+        _x(1, 2, 3, 4, 5),
+    ),
+    "replicate": (
+        lambda x, y, z: (
+            F.pad(x, (2, 1), mode="replicate"),
+            F.pad(y, (1, 2, 2, 1), mode="replicate"),
+            F.pad(z, (1, 1, 1, 0, 0, 1), mode="replicate"),
+        ),
+        _x(2, 3, 5),
+        _x(2, 3, 4, 5),
+        _x(1, 2, 3, 4, 5),
+    ),
     "circular": (lambda x: F.pad(x, (1, 2), mode="circular"), _x(2, 3, 5)),
 }
 

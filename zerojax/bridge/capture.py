@@ -51,6 +51,11 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
             exported = torch.export.export(module, args, kwargs, strict=False)
         except Exception as error:  # torch raises many types here; all mean "cannot capture"
             reason = f"{type(error).__name__}: {error}"
+            if "cache_utils" in reason:
+                reason += (
+                    "\nHint: a Hugging Face model returns its KV cache; convert it with "
+                    "use_cache=False (in the config or as a keyword argument)."
+                )
             raise CaptureError(
                 f"torch.export could not capture {type(module).__name__}; zerojax converts only "
                 f"what torch.export can trace (no data-dependent Python control flow, no "

@@ -33,9 +33,7 @@ def _transposed_kernel(weight, groups: int):
     return jnp.flip(swapped, axis=tuple(range(2, weight.ndim)))
 
 
-def convolution(
-    input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
-):
+def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     """aten.convolution on JAX arrays; input may be unbatched (C, *spatial)."""
     num_spatial = weight.ndim - 2
     unbatched = input.ndim == num_spatial + 1
@@ -59,9 +57,7 @@ def convolution(
         kernel = weight
         pads = [(p, p) for p in padding]
         window_strides, lhs_dilation = stride, (1,) * num_spatial
-    spatial = "DHW"[-num_spatial:] if num_spatial <= 3 else None
-    if spatial is None:
-        raise NotImplementedError(f"convolution over {num_spatial} spatial dims (torch: <= 3)")
+    spatial = "DHW"[3 - num_spatial :]  # torch convolves over 1 to 3 spatial dims
     dimension_numbers = lax.conv_dimension_numbers(
         input.shape, kernel.shape, (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
     )
@@ -132,7 +128,9 @@ def lower_convolution_backward_default(
     """(grad_input, grad_weight, grad_bias), each None where output_mask is False."""
 
     def forward(x, w):
-        return convolution(x, w, None, stride, padding, dilation, transposed, output_padding, groups)
+        return convolution(
+            x, w, None, stride, padding, dilation, transposed, output_padding, groups
+        )
 
     out, pullback = jax.vjp(forward, input, weight)
     grad_input, grad_weight = pullback(grad_output.astype(out.dtype))

@@ -98,8 +98,10 @@ def _top_key(x, largest: bool) -> jax.Array:
     if is_floating(x.dtype):
         value = x if largest else -x
         value = jnp.where(value == 0, jnp.zeros_like(value), value)
-        # Positive NaN is the largest value in XLA's total order; -NaN would be the smallest.
-        return jnp.where(jnp.isnan(x), jnp.full_like(value, jnp.nan), value)
+        # XLA's total order ranks +NaN above and -NaN below every number; torch's NaN is the
+        # largest value, so it is +NaN for top-k and -NaN for bottom-k (keys negated).
+        nan = jnp.full_like(value, jnp.nan)
+        return jnp.where(jnp.isnan(x), nan if largest else -nan, value)
     if is_bool(x.dtype):
         x = x.astype(jnp.uint8)
     return x if largest else ~x

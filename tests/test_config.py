@@ -1,0 +1,314 @@
+"""Config loading and validation: YAML/JSON/dict, DeepSpeed mapping, and the exact messages
+users see for bad input.
+
+Run: .venv/bin/python -m pytest -q tests/test_config.py
+Exists because a config typo must be an error that names the key, never a silent default.
+"""
+
+import json
+import re
+import warnings
+from dataclasses import FrozenInstanceError
+from pathlib import Path
+
+import pytest
+
+from zerojax.config import (
+    Config,
+    ConfigError,
+    ConfigWarning,
+    LossScaleConfig,
+    load_config,
+    parse_precision,
+)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(raw, num_devices=8):
+    return load_config(raw, num_devices=num_devices)
+
+
+# Each bad config and the exact message it must produce (matched in full, as a literal).
+BAD_CONFIGS = [
+    ({"mesh": {"data": -1, "tensor": 3}},
+     "mesh.tensor=3 does not divide 8 devices"),
+    ({"mesh": {"data": 2, "tensor": 2}},
+     "mesh: data=2 x tensor=2 = 4 devices, but there are 8; make the product 8 or set one axis "
+     "to -1 to fill the remaining devices"),
+    ({"mesh": {"data": -1, "fsdp": -1}},
+     "mesh: mesh.data=-1 and mesh.fsdp=-1; at most one axis may be -1"),
+    ({"mesh": {"data": 0}}, "mesh.data=0: expected an integer >= 1"),
+    ({"mesh": {"data": True}}, "mesh.data=true: expected an integer >= 1"),
+    ({"mesh": {"tensr": 8}},
+     "mesh.tensr: unknown key (did you mean 'tensor'?); allowed keys: data, fsdp, tensor, "
+     "expert, sequence"),
+    ({"mesh": [8]}, "mesh=[8]: expected a mapping of keys to values"),
+    ({"zero_stage": 4}, "zero_stage=4: allowed: 0, 1, 2, 3"),
+    ({"zero": {"stage": "3"}}, "zero.stage='3': allowed: 0, 1, 2, 3"),
+    ({"zero_stage": 1, "zero": {"stage": 2}}, "zero_stage and zero.stage are both set; keep one"),
+    ({"zero": {"data_parallel_axes": ["data", "batch"]}},
+     "zero.data_parallel_axes[1]='batch': allowed: data, fsdp, tensor, expert, sequence"),
+    ({"zero": {"max_replicated_fraction": 1.5}},
+     "zero.max_replicated_fraction=1.5: expected a number between 0 and 1.0"),
+    ({"zero": {"max_replicated": 0.5}},
+     "zero.max_replicated: unknown key (did you mean 'max_replicated_fraction'?); allowed keys: "
+     "stage, data_parallel_axes, max_replicated_fraction"),
+    ({"zero_sage": 3},
+     "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
+     "zero, rules, inputs, precision, kernels, checkpoint, train, devices, optimizer"),
+    ({"rules": [{"pattern": "a", "spec": [None]}, "gpt2", {"pattern": "(", "spec": [None]}]},
+     "rules[2].pattern: invalid regex '(': missing ), unterminated subpattern at position 0"),
+    ({"rules": ["gpt3"]},
+     "rules[0]='gpt3': unknown preset; allowed: gpt2, nanogpt, llama, bert, expert"),
+    ({"mesh": {"data": 4, "tensor": 2}, "rules": [{"pattern": "w", "spec": ["expert"]}]},
+     "rules[0].spec[0]='expert': axis 'expert' is not in the mesh; mesh axes: data, tensor"),
+    ({"mesh": {"data": 4, "tensor": 2}, "rules": [{"pattern": "w", "spec": ["tensor", "tensor"]}]},
+     "rules[0].spec=[\"tensor\", \"tensor\"]: axis 'tensor' is used by two dims"),
+    ({"rules": [{"pattern": "w"}]},
+     "rules[0]: missing key 'spec'; a rule is {pattern: REGEX, spec: [per-dim axes]}"),
+    ({"rules": [{"pattern": "w", "spec": "data", "axes": 1}]},
+     "rules[0].axes: unknown key; allowed keys: pattern, spec"),
+    ({"rules": [{"pattern": "w", "spec": "data"}]},
+     "rules[0].spec='data': expected a list with one entry per dim: null, an axis, or a list "
+     "of axes"),
+    ({"inputs": {"sequence_axis": "sequence"}},
+     "inputs.sequence_axis='sequence': allowed: data, null"),
+    ({"precision": {"param_dtype": "fp8"}},
+     "precision.param_dtype='fp8': allowed: float32, bfloat16, float16"),
+    ({"precision": "params=bfloat16,master=float16"},
+     "precision.master_dtype='float16': allowed: float32, null"),
+    ({"precision": "params=bfloat16,moment=float32"},
+     "precision='params=bfloat16,moment=float32': unknown key 'moment'; allowed: params, "
+     "compute, output, master, optimizer_state, grad_reduce"),
+    ({"precision": "params=float32,master=float32"},
+     "precision.master_dtype='float32' with param_dtype='float32': the params already are "
+     "float32 masters; set master_dtype to null or use a 16-bit param_dtype"),
+    ({"precision": {"param_dtype": "bfloat16", "loss_scale": "dynamic"}},
+     "precision.loss_scale is set but no param/compute/grad_reduce dtype is float16; loss "
+     "scaling is only for float16 (remove it, or use float16)"),
+    ({"kernels": {"attention": "flash"}},
+     "kernels.attention='flash': allowed: auto, pallas, reference"),
+    ({"checkpoint": {"max_to_keep": 0}}, "checkpoint.max_to_keep=0: expected an integer >= 1"),
+    ({"train": {"gradient_clipping": -1.0}},
+     "train.gradient_clipping=-1.0: expected a number > 0"),
+    ({"train": {"micro_batch_size": 4, "global_batch_size": 30}},
+     "train.global_batch_size=30 != train.micro_batch_size=4 x "
+     "train.gradient_accumulation_steps=1 x data-parallel size 8 (= 32); batch sizes must "
+     "multiply out"),
+    ({"train": {"global_batch_size": 12, "gradient_accumulation_steps": 2}},
+     "train.global_batch_size=12 is not divisible by train.gradient_accumulation_steps=2 x "
+     "data-parallel size 8 (= 16); batch sizes must multiply out"),
+    ({"devices": {"platform": "gpu", "num_cpu_devices": 8}},
+     "devices.num_cpu_devices=8: only applies to platform 'cpu', not 'gpu'"),
+    ({"devices": {"platform": "mps"}}, "devices.platform='mps': allowed: cpu, gpu, tpu, null"),
+    ({"optimizer": {"type": "Adafactor"}},
+     "optimizer.type='adafactor': allowed: adam, adamw, sgd, adagrad, lamb, lion"),
+]
+
+
+@pytest.mark.parametrize("raw, message", BAD_CONFIGS, ids=[m[:40] for _, m in BAD_CONFIGS])
+def test_bad_config_message(raw, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        load(raw)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_defaults_and_frozen():
+    config = load({})
+    assert config.mesh.axes == (("data", -1),) and config.mesh.shape == (8,)
+    assert config.zero_stage == 0 and config.data_parallel_size == 8
+    assert config.rules == () and config.optimizer is None and config.format == "zerojax"
+    with pytest.raises(FrozenInstanceError):
+        config.zero = None
+    assert hash(config) == hash(load({}))  # frozen all the way down: usable as a static arg
+
+
+def test_mesh_fill_and_order():
+    config = load({"mesh": {"tensor": 2, "data": -1}})
+    assert config.mesh.axis_names == ("tensor", "data") and config.mesh.shape == (2, 4)
+    assert config.mesh.size("data") == 4 and config.mesh.size("expert") == 1
+    assert load({"mesh": {"data": 2, "fsdp": 2, "tensor": 2}}).data_parallel_size == 4
+    dp = load({"mesh": {"data": 4, "expert": 2}, "zero": {"data_parallel_axes": ["expert"]}})
+    assert dp.data_parallel_axes == ("expert",) and dp.data_parallel_size == 2
+
+
+def test_num_cpu_devices_sets_device_count():
+    config = load_config({"devices": {"num_cpu_devices": 4}, "mesh": {"data": -1}})
+    assert config.mesh.shape == (4,) and config.devices.platform == "cpu"
+
+
+def test_rules_presets_expand_in_order():
+    config = load({"mesh": {"data": 4, "tensor": 2},
+                   "rules": [{"pattern": r"wte\.weight$", "spec": [None, "tensor"]}, "gpt2",
+                             {"pattern": "x", "spec": [["data", "tensor"]]}]})
+    assert config.rules[0].spec == (None, "tensor") and config.rules[0].origin == "rules[0]"
+    assert all(r.preset == "gpt2" for r in config.rules[1:-1])
+    assert config.rules[-1].spec == (("data", "tensor"),) and config.rules[-1].origin == "rules[2]"
+
+
+def test_precision_string_and_loss_scale():
+    assert parse_precision("params=bfloat16, compute=bfloat16 ,master=float32") == {
+        "param_dtype": "bfloat16", "compute_dtype": "bfloat16", "master_dtype": "float32"}
+    p = load({"precision": "params=bfloat16,compute=bfloat16,master=float32"}).precision
+    assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.output_dtype) == (
+        "bfloat16", "bfloat16", "float32", "float32")
+    fp16 = load({"precision": "params=float16,compute=float16,master=float32"}).precision
+    assert fp16.loss_scale == LossScaleConfig()  # float16 turns on dynamic loss scaling
+    static = load({"precision": {"compute_dtype": "float16", "loss_scale": 128}}).precision
+    assert static.loss_scale == LossScaleConfig(dynamic=False, initial_scale=128.0)
+
+
+def test_batch_sizes_are_derived():
+    train = load({"train": {"global_batch_size": 64, "gradient_accumulation_steps": 2}}).train
+    assert train.micro_batch_size == 4
+    assert load({"train": {"micro_batch_size": 2}}).train.global_batch_size == 16
+
+
+def test_yaml_file_and_example(tmp_path):
+    config = load_config(EXAMPLES / "zero3.yaml")
+    assert config.mesh.axes == (("fsdp", -1),) and config.mesh.shape == (8,)
+    assert config.zero_stage == 3 and config.rules[0].preset == "gpt2"
+    assert config.source.endswith("zero3.yaml") and config.train.global_batch_size == 32
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"mesh": {"fsdp": 8}, "zero_stage": 2}))
+    assert load_config(path).zero_stage == 2
+
+
+def test_yaml_syntax_error_shows_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("mesh:\n  data: 4\n  tensor: [2\nzero_stage: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:4:11: YAML syntax error: "):
+        load(path)
+
+
+def test_json_syntax_error_shows_file_and_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{\n  "mesh": {"data": 8},\n  "zero_stage": 3,\n}\n')
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:4:1: JSON syntax error: "):
+        load(path)
+
+
+def test_duplicate_yaml_key_is_an_error(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("zero_stage: 1\nmesh: {data: 8}\nzero_stage: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:3:1: duplicate key 'zero_stage'$"):
+        load(path)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="^cannot read config file /nonexistent.yaml: "):
+        load("/nonexistent.yaml")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+
+
+def test_deepspeed_example_maps_every_key():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the example uses only supported keys: no warning
+        config = load(EXAMPLES / "ds_config.json")
+    assert config.format == "deepspeed" and config.zero_stage == 2
+    assert config.mesh.axes == (("data", -1),)
+    p = config.precision
+    assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.optimizer_state_dtype,
+            p.grad_reduce_dtype) == ("bfloat16", "bfloat16", "float32", "float32", "float32")
+    assert config.train.micro_batch_size == 4 and config.train.global_batch_size == 32
+    assert config.train.gradient_clipping == 1.0
+    assert config.optimizer.type == "adamw"
+    assert config.optimizer.kwargs == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8,
+                                       "weight_decay": 0.1}
+
+
+def test_deepspeed_pure_bf16_states():
+    config = load({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                            "bf16_optimizer_states": True}, "zero_optimization": {"stage": 3}})
+    p = config.precision
+    assert (p.master_dtype, p.grad_reduce_dtype, p.optimizer_state_dtype) == (
+        None, "bfloat16", "bfloat16")
+
+
+def test_deepspeed_fp16_loss_scale():
+    dynamic = load({"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500,
+                             "hysteresis": 1, "min_loss_scale": 2}}).precision
+    assert dynamic.param_dtype == "float16" and dynamic.master_dtype == "float32"
+    assert dynamic.loss_scale == LossScaleConfig(dynamic=True, initial_scale=4096.0, window=500,
+                                                 hysteresis=1, min_scale=2.0)
+    static = load({"fp16": {"enabled": True, "loss_scale": 1024}}).precision
+    assert static.loss_scale == LossScaleConfig(dynamic=False, initial_scale=1024.0)
+
+
+def test_deepspeed_adam_is_adamw_unless_told():
+    assert load({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                 "train_batch_size": 8}).optimizer.type == "adamw"
+    config = load({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}},
+                   "train_batch_size": 8})
+    assert config.optimizer.type == "adam" and config.optimizer.kwargs == {"lr": 1e-3}
+
+
+def test_deepspeed_unsupported_keys_each_warn():
+    raw = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 10,
+        "scheduler": {"type": "WarmupLR"},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "offload_param": {"device": "cpu"}},
+        "bf16": {"enabled": True, "immediate_grad_update": True},
+    }
+    with pytest.warns(ConfigWarning) as record:
+        config = load(raw)
+    messages = sorted(str(w.message) for w in record)
+    assert messages == sorted([
+        "DeepSpeed key 'steps_per_print' is not supported by zerojax and is ignored",
+        "DeepSpeed key 'scheduler' is not supported by zerojax and is ignored",
+        "DeepSpeed key 'zero_optimization.overlap_comm' is not supported by zerojax and is "
+        "ignored (XLA schedules and buckets communication itself)",
+        "DeepSpeed key 'zero_optimization.offload_param' is not supported by zerojax and is "
+        "ignored",
+        "DeepSpeed key 'bf16.immediate_grad_update' is not supported by zerojax and is ignored",
+    ])
+    assert config.zero_stage == 3 and config.train.global_batch_size == 16
+
+
+def test_deepspeed_native_section():
+    config = load({"zero_optimization": {"stage": 3},
+                   "zerojax": {"mesh": {"fsdp": 4, "tensor": 2}, "rules": ["llama"]}})
+    assert config.mesh.shape == (4, 2) and config.rules[0].preset == "llama"
+
+
+DEEPSPEED_BAD = [
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+     "bf16.enabled and fp16.enabled are both true; enable at most one"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+     "train_batch_size=30 != train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
+     "data-parallel size 8 (= 32); batch sizes must multiply out"),
+    ({"train_batch_size": 12},
+     "train_batch_size=12 is not divisible by gradient_accumulation_steps=1 x data-parallel "
+     "size 8 (= 8); batch sizes must multiply out"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4: allowed: 0, 1, 2, 3"),
+    ({"train_micro_batch_size_per_gpu": "auto"},
+     "train_micro_batch_size_per_gpu='auto': 'auto' is filled in by the Hugging Face Trainer; "
+     "give the value"),
+    ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes': expected true or false"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0: expected an integer >= 1"),
+    ({"fp16": {"enabled": True, "loss_scale": -1}},
+     "fp16.loss_scale=-1.0: allowed: 0 (dynamic) or a scale > 0"),
+    ({"optimizer": {"type": "OneBitAdam"}, "train_batch_size": 8},
+     "optimizer.type='onebitadam': allowed: adam, adamw, sgd, adagrad, lamb, lion"),
+    ({"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
+     "zerojax.zero_stage: unknown key; allowed keys: mesh, rules, inputs, kernels, checkpoint, "
+     "devices"),
+]
+
+
+@pytest.mark.parametrize("raw, message", DEEPSPEED_BAD, ids=[m[:40] for _, m in DEEPSPEED_BAD])
+def test_bad_deepspeed_config_message(raw, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        load(raw)
+
+
+def test_load_config_passes_config_through():
+    config = load({})
+    assert load_config(config) is config and isinstance(config, Config)

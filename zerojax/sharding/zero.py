@@ -1,0 +1,316 @@
+"""ZeRO stages as shardings: (parameter names/shapes/dtypes, config, mesh) -> `ShardingPlan`.
+
+ZeRO (Rajbhandari et al., 2020) partitions training state over the data-parallel ranks. In an
+SPMD program that is nothing but a different PartitionSpec per component, so a stage is a table:
+
+    component         stage 0   stage 1   stage 2   stage 3
+    optimizer state   base      zero      zero      zero
+    master weights    base      zero      zero      zero
+    gradients         base      base      zero      zero
+    params (stored)   base      base      base      zero
+    params (compute)  base      base      base      base    (stage 3 all-gathers per step)
+
+`base` is the tensor/expert-parallel spec from the first matching rule (replicated over the
+data-parallel axes); `zero` adds the data-parallel axes to the largest dim that no rule uses and
+that their product divides. A parameter with no such dim, or a rule dim its axes do not divide,
+stays replicated and is reported by name in `plan.replicated`; if the replicated bytes exceed
+`zero.max_replicated_fraction`, planning fails listing the five largest offenders (MaxText's
+guard), because a ZeRO stage that silently shards nothing is the bug users hit elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from zerojax.config import Config, ConfigError, ConfigWarning, load_config
+from zerojax.sharding.rules import match_rules, rule_partition_spec, to_partition_spec
+
+__all__ = ["ReplicatedParam", "ShardingPlan", "make_sharding_plan", "zero_dims"]
+
+COMPONENTS = ("params", "compute_params", "grads", "opt_state", "master_weights")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplicatedParam:
+    """A parameter kept whole where the plan wanted it split, and why."""
+
+    name: str
+    shape: tuple[int, ...]
+    bytes: int
+    spec: PartitionSpec
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.name} shape={self.shape} spec={self.spec} ({self.bytes:,} bytes): {self.reason}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingPlan:
+    """Where every piece of training state lives. Each component maps parameter name ->
+    NamedSharding; optimizer-state arrays shaped like a parameter use `opt_state[name]`
+    (see `optimizer_state_shardings`)."""
+
+    mesh: Mesh
+    stage: int
+    data_parallel_axes: tuple[str, ...]
+    params: Mapping[str, NamedSharding]
+    """Parameter storage between steps (ZeRO-sharded at stage 3)."""
+    compute_params: Mapping[str, NamedSharding]
+    """Parameters inside forward/backward: the rule spec only, ZeRO axes gathered."""
+    grads: Mapping[str, NamedSharding]
+    opt_state: Mapping[str, NamedSharding]
+    master_weights: Mapping[str, NamedSharding]
+    rule_for: Mapping[str, str | None]
+    """Origin of the rule that gave each parameter its tensor/expert spec (None: no rule)."""
+    shapes: Mapping[str, tuple[int, ...]]
+    nbytes: Mapping[str, int]
+    replicated: tuple[ReplicatedParam, ...]
+    """Parameters not split as intended, largest first."""
+    batch_axes: tuple[str, ...]
+    sequence_axis: str | None
+    batch_dim: int = 0
+    sequence_dim: int = 1
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+    @property
+    def replicated_fraction(self) -> float:
+        """Bytes of reported parameters over all parameter bytes; a reported parameter counts
+        whole even if some axes still split it (the guard errs on the loud side)."""
+        total = self.total_bytes
+        return sum(r.bytes for r in self.replicated) / total if total else 0.0
+
+    def input_sharding(self, ndim: int) -> NamedSharding:
+        """Sharding for a batch input of rank `ndim`: batch dim over the batch axes, sequence
+        dim over the sequence axis (if configured and the input has that dim)."""
+        entries: list[Any] = [None] * ndim
+        if ndim > self.batch_dim and self.batch_axes:
+            axes = self.batch_axes
+            entries[self.batch_dim] = axes[0] if len(axes) == 1 else axes
+        if self.sequence_axis and ndim > self.sequence_dim:
+            entries[self.sequence_dim] = self.sequence_axis
+        return NamedSharding(self.mesh, PartitionSpec(*entries))
+
+    def optimizer_state_shardings(self, state: Any) -> Any:
+        """Shardings for an optax-style state pytree: a leaf found under a parameter's name with
+        that parameter's shape gets `opt_state[name]`; everything else (step counts, scalars)
+        is replicated."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+
+        def pick(path, leaf):
+            for key in reversed(path):
+                name = getattr(key, "key", None)
+                if name in self.opt_state and tuple(np.shape(leaf)) == self.shapes[name]:
+                    return self.opt_state[name]
+            return replicated
+
+        return jax.tree_util.tree_map_with_path(pick, state)
+
+    def describe(self) -> str:
+        """One line per parameter: shape, stored / compute / optimizer-state specs, rule."""
+        rows = [("name", "shape", "params", "compute", "grads", "opt_state", "rule")]
+        for name in self.params:
+            rows.append((name, str(self.shapes[name]), *(
+                _spec_str(getattr(self, c)[name].spec) for c in
+                ("params", "compute_params", "grads", "opt_state")
+            ), self.rule_for[name] or "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        mesh = " x ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
+        header = f"ZeRO stage {self.stage} on mesh {mesh}"
+        footer = [f"replicated (not split as intended): {r}" for r in self.replicated]
+        return "\n".join([header, *lines, *footer])
+
+
+def _spec_str(spec: PartitionSpec) -> str:
+    return "(" + ", ".join("None" if e is None else repr(e) for e in spec) + ")"
+
+
+def zero_dims(
+    shape: tuple[int, ...],
+    base: tuple[tuple[str, ...], ...],
+    dp_axes: tuple[str, ...],
+    axis_sizes: Mapping[str, int],
+) -> tuple[tuple[tuple[str, ...], ...], str | None]:
+    """Add `dp_axes` to the largest dim of `shape` that `base` leaves free and that their
+    product divides. Returns (dims, None), or (base, reason) when no dim qualifies."""
+    dp_axes = tuple(a for a in dp_axes if not any(a in used for used in base))
+    dp_size = math.prod(axis_sizes[a] for a in dp_axes)
+    if dp_size == 1:
+        return base, None
+    free = [d for d in range(len(shape)) if not base[d] and shape[d] % dp_size == 0]
+    if not free:
+        sizes = "x".join(f"{a}={axis_sizes[a]}" for a in dp_axes)
+        used = [d for d in range(len(shape)) if base[d]]
+        taken = f"; dims {used} are taken by a rule" if used else ""
+        return base, f"no dim of {tuple(shape)} is divisible by {dp_size} ({sizes}){taken}"
+    # Largest dim: the shards are the biggest contiguous blocks, and ties pick the first dim.
+    dim = max(free, key=lambda d: (shape[d], -d))
+    return tuple(base[d] + dp_axes if d == dim else base[d] for d in range(len(shape))), None
+
+
+def _shape_dtype(name: str, value: Any) -> tuple[tuple[int, ...], int]:
+    try:
+        shape = tuple(int(s) for s in value.shape)
+        dtype = value.dtype
+    except AttributeError:
+        raise TypeError(
+            f"parameter {name!r}: expected an array-like with .shape and .dtype (jax.Array, "
+            f"jax.ShapeDtypeStruct, torch.Tensor, numpy array), got {type(value).__name__}"
+        ) from None
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        itemsize = dtype.itemsize  # torch.dtype
+    return shape, itemsize * math.prod(shape)
+
+
+def make_sharding_plan(
+    params: Mapping[str, Any],
+    config: Config | Mapping | str,
+    mesh: Mesh | None = None,
+) -> ShardingPlan:
+    """Plan where each parameter, gradient, optimizer-state array and master weight lives.
+
+    `params` maps state_dict names to anything with `.shape` and `.dtype` (no data is read).
+    `mesh` defaults to `zerojax.sharding.make_mesh(config)`; its axes must match the config's.
+    Warns (`ConfigWarning`) for each user rule, or whole preset, that matches no parameter;
+    raises `ConfigError` when a rule's spec has more dims than a parameter it matches, or when
+    more than `zero.max_replicated_fraction` of parameter bytes stays replicated.
+
+        >>> plan = make_sharding_plan(converted.params, load_config("examples/zero3.yaml"))
+        >>> params = {k: jax.device_put(v, plan.params[k]) for k, v in converted.params.items()}
+    """
+    config = load_config(config)
+    if mesh is None:
+        from zerojax.sharding.mesh import make_mesh
+
+        mesh = make_mesh(config)
+    axis_sizes = dict(mesh.shape)
+    if tuple(mesh.axis_names) != config.mesh.axis_names:
+        raise ConfigError(
+            f"mesh axes {tuple(mesh.axis_names)} differ from the config's mesh "
+            f"{config.mesh.axis_names}; build the mesh with zerojax.sharding.make_mesh(config)"
+        )
+    rules = config.rules
+    chosen, unmatched = match_rules(params, rules)
+    _warn_unmatched(rules, unmatched)
+
+    dp_axes = tuple(a for a in config.data_parallel_axes if axis_sizes[a] > 1)
+    specs: dict[str, dict[str, PartitionSpec]] = {c: {} for c in COMPONENTS}
+    shapes, nbytes, rule_for, replicated = {}, {}, {}, []
+    for name, value in params.items():
+        shape, size = _shape_dtype(name, value)
+        shapes[name], nbytes[name] = shape, size
+        index = chosen[name]
+        rule = rules[index] if index is not None else None
+        rule_for[name] = rule.origin if rule else None
+        base, reasons = tuple(() for _ in shape), []
+        if rule is not None:
+            base, reason = _rule_dims(name, shape, rule, axis_sizes)
+            reasons += [reason] if reason else []
+        dims = base
+        if config.zero.stage > 0:
+            dims, reason = zero_dims(shape, base, dp_axes, axis_sizes)
+            reasons += [f"ZeRO-{config.zero.stage}: {reason}"] if reason else []
+        if reasons:
+            replicated.append(ReplicatedParam(name=name, shape=shape, bytes=size,
+                                              spec=to_partition_spec(dims),
+                                              reason="; ".join(reasons)))
+        zero_spec, base_spec = to_partition_spec(dims), to_partition_spec(base)
+        stage = config.zero.stage
+        specs["compute_params"][name] = base_spec
+        specs["params"][name] = zero_spec if stage >= 3 else base_spec
+        specs["grads"][name] = zero_spec if stage >= 2 else base_spec
+        specs["opt_state"][name] = zero_spec if stage >= 1 else base_spec
+        specs["master_weights"][name] = zero_spec if stage >= 1 else base_spec
+
+    report = tuple(sorted(replicated, key=lambda r: (-r.bytes, r.name)))
+    batch_axes = config.inputs.batch_axes
+    if batch_axes is None:
+        batch_axes = dp_axes
+    plan = ShardingPlan(
+        mesh=mesh,
+        stage=config.zero.stage,
+        data_parallel_axes=dp_axes,
+        **{
+            c: MappingProxyType({n: NamedSharding(mesh, s) for n, s in specs[c].items()})
+            for c in COMPONENTS
+        },
+        rule_for=MappingProxyType(rule_for),
+        shapes=MappingProxyType(shapes),
+        nbytes=MappingProxyType(nbytes),
+        replicated=report,
+        batch_axes=tuple(batch_axes),
+        sequence_axis=config.inputs.sequence_axis,
+        batch_dim=config.inputs.batch_dim,
+        sequence_dim=config.inputs.sequence_dim,
+    )
+    _check_replicated(plan, config.zero.max_replicated_fraction)
+    return plan
+
+
+def _rule_dims(name, shape, rule, axis_sizes):
+    dims = rule_partition_spec(rule.spec, axis_sizes, drop_missing=rule.preset is not None)
+    if len(dims) > len(shape):
+        raise ConfigError(
+            f"{rule.origin}: spec {list(rule.spec)} has {len(dims)} dims but parameter {name!r} "
+            f"matched by pattern {rule.pattern!r} has shape {shape}; fix the spec or the pattern"
+        )
+    dims = dims + ((),) * (len(shape) - len(dims))
+    reasons, kept = [], []
+    for d, axes in enumerate(dims):
+        split = math.prod(axis_sizes[a] for a in axes)
+        if shape[d] % split:
+            sizes = "x".join(f"{a}={axis_sizes[a]}" for a in axes)
+            reasons.append(f"{rule.origin} splits dim {d} (size {shape[d]}) over {sizes}, "
+                           f"which does not divide it")
+            axes = ()
+        kept.append(axes)
+    return tuple(kept), "; ".join(reasons) or None
+
+
+def _warn_unmatched(rules, unmatched: list[int]) -> None:
+    presets: dict[str, list[int]] = {}
+    for index, rule in enumerate(rules):
+        if rule.preset is not None:
+            presets.setdefault(rule.origin, []).append(index)
+    lines = [f"{rules[i].origin}: pattern {rules[i].pattern!r}"
+             for i in unmatched if rules[i].preset is None]
+    # A preset is a menu for a model family: parts of it missing (no biases, tied head) is
+    # normal; all of it missing means the wrong preset.
+    lines += [f"{origin}: none of its {len(idx)} patterns"
+              for origin, idx in presets.items() if set(idx) <= set(unmatched)]
+    if lines:
+        warnings.warn(
+            "sharding rules that match no parameter (check the pattern or the preset):\n  "
+            + "\n  ".join(lines),
+            ConfigWarning,
+            stacklevel=3,
+        )
+
+
+def _check_replicated(plan: ShardingPlan, limit: float) -> None:
+    fraction = plan.replicated_fraction
+    if fraction <= limit:
+        return
+    worst = "\n  ".join(str(r) for r in plan.replicated[:5])
+    total = plan.total_bytes
+    raise ConfigError(
+        f"ZeRO stage {plan.stage}: {fraction:.1%} of parameter bytes "
+        f"({total * fraction:,.0f} of {total:,}) stay replicated, more than "
+        f"zero.max_replicated_fraction={limit}. Largest offenders:\n  {worst}\n"
+        "Fix: make those dims divisible by the mesh axes, change the rules, or raise "
+        "zero.max_replicated_fraction."
+    )
