@@ -78,13 +78,27 @@ def _converted_eval(name: str):
 
 
 def assert_tree_close(expected, got, *, rtol, what):
-    exp_leaves, exp_spec = torch_pytree.tree_flatten(expected)
-    got_leaves, got_spec = torch_pytree.tree_flatten(got)
-    assert exp_spec == got_spec, f"{what}: structure {got_spec} vs torch {exp_spec}"
-    for i, (e, g) in enumerate(zip(exp_leaves, got_leaves, strict=True)):
-        assert isinstance(g, jax.Array), f"{what}[{i}]: {type(g).__name__} is not a jax.Array"
+    """Same leaves at the same key paths, each within `rtol` relative error.
+
+    Compared by path, not by torch TreeSpec equality: jax.jit returns a plain dict with its keys
+    sorted (JAX flattens dicts in sorted-key order), so only the key order may differ.
+    """
+    exp_leaves = {
+        torch_pytree.keystr(path): leaf
+        for path, leaf in torch_pytree.tree_flatten_with_path(expected)[0]
+    }
+    got_leaves = {
+        torch_pytree.keystr(path): leaf
+        for path, leaf in torch_pytree.tree_flatten_with_path(got)[0]
+    }
+    assert set(got_leaves) == set(exp_leaves), (
+        f"{what}: {sorted(got_leaves)} vs {sorted(exp_leaves)}"
+    )
+    for path, e in exp_leaves.items():
+        g = got_leaves[path]
+        assert isinstance(g, jax.Array), f"{what}{path}: {type(g).__name__} is not a jax.Array"
         err = relative_error(g, e.detach().numpy())
-        assert err <= rtol, f"{what}[{i}]: relative error {err:.2e} > {rtol:.0e}"
+        assert err <= rtol, f"{what}{path}: relative error {err:.2e} > {rtol:.0e}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,18 +141,11 @@ def test_gradient_parity(name):
     )
 
 
-def test_gpt2_tied_weights_share_one_array_and_gradient():
-    model, args, converted = _converted_eval("gpt2")
+def test_gpt2_tied_weights_are_one_array():
+    """lm_head.weight is an alias: its gradient is wte.weight's (test_gradient_parity[gpt2])."""
+    _, _, converted = _converted_eval("gpt2")
     assert converted.tied == {"lm_head.weight": "wte.weight"}
-    assert "lm_head.weight" not in converted.params
-    # torch's shared parameter accumulates both uses (embedding lookup and lm_head matmul).
-    model.zero_grad()
-    scalar_loss(model(*args)).backward()
-    jax_args = to_jax_args(args)
-    grads = jax.grad(lambda p: scalar_loss(converted.apply(p, converted.buffers, *jax_args)[0]))(
-        converted.params
-    )
-    assert relative_error(grads["wte.weight"], model.wte.weight.grad.numpy()) <= GRAD_RTOL
+    assert "wte.weight" in converted.params and "lm_head.weight" not in converted.params
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +179,9 @@ def test_batchnorm_train_mode_updates_buffers_like_torch():
 
 def test_batchnorm_eval_mode_leaves_buffers_unchanged():
     _, args, converted = _converted_eval("cnn")
-    _, new_buffers = converted.apply(converted.params, converted.buffers, *to_jax_args(args))
+    _, new_buffers = jax.jit(converted.apply)(
+        converted.params, converted.buffers, *to_jax_args(args)
+    )
     for name, value in converted.buffers.items():
         np.testing.assert_array_equal(new_buffers[name], value)
 
@@ -268,11 +277,10 @@ def test_sdpa_dropout_depends_on_key():
 
 
 def test_new_batch_size_retraces_once_with_one_warning(caplog):
-    torch.manual_seed(0)
-    model, (x,) = ARCHITECTURES["mlp"]()
-    model.eval()
-    converted = zerojax.convert(model, (x,))
-    bigger = torch.randn(7, x.shape[1])
+    # Not under jax.jit: jit's own cache would hide whether zerojax caches the new program.
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh()).eval()
+    converted = zerojax.convert(model, (torch.randn(2, 8),))
+    bigger = torch.randn(5, 8)
     with caplog.at_level(logging.WARNING, logger="zerojax"):
         out, _ = converted.apply(converted.params, converted.buffers, from_torch(bigger))
     warnings = [r for r in caplog.records if r.name == "zerojax"]
@@ -283,18 +291,16 @@ def test_new_batch_size_retraces_once_with_one_warning(caplog):
 
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="zerojax"):
-        converted.apply(converted.params, converted.buffers, from_torch(torch.randn(7, x.shape[1])))
+        converted.apply(converted.params, converted.buffers, from_torch(torch.randn(5, 8)))
         # The original shape is still cached too.
-        converted.apply(converted.params, converted.buffers, from_torch(x))
+        converted.apply(converted.params, converted.buffers, from_torch(torch.randn(2, 8)))
     assert [r for r in caplog.records if r.name == "zerojax"] == []
 
 
 def test_new_batch_size_under_jit():
-    torch.manual_seed(0)
-    model, (x,) = ARCHITECTURES["mlp"]()
-    model.eval()
-    converted = zerojax.convert(model, (x,))
-    bigger = torch.randn(5, x.shape[1])
+    _, (x,), converted = _converted_eval("mlp")
+    model = converted.module
+    bigger = torch.randn(3 * x.shape[0], x.shape[1])
     out, _ = jax.jit(converted.apply)(converted.params, converted.buffers, from_torch(bigger))
     with torch.no_grad():
         assert relative_error(out, model(bigger).numpy()) <= FORWARD_RTOL

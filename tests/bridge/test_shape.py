@@ -94,9 +94,14 @@ CASES = {
         _x(3, 4),
         _x(4, 3, 5),
     ),
-    # as_strided.default: storage offset, overlapping windows
+    # as_strided.default: storage offset, overlapping windows, views of a permuted/sliced input
     "as_strided": (
-        lambda x: (x.as_strided((3, 2), (4, 1), 1), x.as_strided((4, 3), (1, 2))),
+        lambda x: (
+            x.as_strided((3, 2), (4, 1), 1),
+            x.as_strided((4, 3), (1, 2)),
+            x.t().as_strided((2, 3), (1, 4)),
+            x[1:, 1:].as_strided((2, 2), (4, 1)),
+        ),
         _x(3, 4),
     ),
     # unfold.default (Tensor.unfold)
@@ -172,3 +177,9 @@ def test_pad_overloads_direct(op, rank):
 def test_view_dtype_int64_raises():
     with pytest.raises(NotImplementedError, match="64-bit"):
         check(lambda x: x.view(torch.float64), torch.randint(9, (3,)))
+
+
+def test_as_strided_outside_input_raises():
+    """A read outside the input's own elements needs storage zerojax does not have."""
+    with pytest.raises(NotImplementedError, match="outside its input"):
+        check(lambda x: x[1:].as_strided((2, 2), (1, 2), 0), torch.randn(3, 4))

@@ -37,10 +37,14 @@ class DuplicateLoweringError(RuntimeError):
 def lowering(*overloads: torch._ops.OpOverload) -> Callable[[Lowering], Lowering]:
     """Register `fn` as the lowering of each overload; registering an overload twice raises."""
 
+    for overload in overloads:
+        if not isinstance(overload, torch._ops.OpOverload):
+            raise TypeError(
+                f"@lowering expects ATen overloads (e.g. aten.add.Tensor), got {overload!r}"
+            )
+
     def register(fn: Lowering) -> Lowering:
         for overload in overloads:
-            if not isinstance(overload, torch._ops.OpOverload):
-                raise TypeError(f"@lowering expects ATen overloads, got {overload!r}")
             if overload in _LOWERINGS:
                 previous = _LOWERINGS[overload]
                 raise DuplicateLoweringError(

@@ -202,18 +202,51 @@ def lower_diagonal_default(ctx, self, offset=0, dim1=0, dim2=1):
     return jnp.diagonal(self, offset, dim1, dim2)
 
 
+def _storage_positions(shape, stride, offset) -> np.ndarray:
+    """The storage index of every element of a strided view (static, numpy)."""
+    positions = np.full(tuple(shape), offset, np.int64)
+    for axis, (size, step) in enumerate(zip(shape, stride)):
+        positions += (np.arange(size) * step).reshape((-1,) + (1,) * (len(shape) - axis - 1))
+    return positions
+
+
 @lowering(aten.as_strided.default)
 def lower_as_strided_default(ctx, self, size, stride, storage_offset=None):
-    """Gather the computed flat offsets from the input read as contiguous storage.
+    """Read `size` elements at `stride`/`storage_offset` of the input's storage.
 
-    After functionalization the input is a fresh value, so its "storage" is its row-major
-    layout; a graph that applies as_strided to a non-contiguous view would differ.
+    zerojax holds values, not storage: the input's storage is rebuilt from its recorded strides
+    (a permuted or sliced view included), which covers every read that stays inside the input.
     """
-    flat = self.reshape(-1)
-    index = jnp.full(tuple(size), storage_offset or 0, jnp.int32)
+    meta = ctx.node.args[0].meta["val"]
+    in_stride = tuple(int(s) for s in meta.stride())
+    in_offset = int(meta.storage_offset())
+    offset = in_offset if storage_offset is None else storage_offset
+    held = _storage_positions(self.shape, in_stride, in_offset).reshape(-1)
+    wanted = _storage_positions(size, stride, offset)
+    if wanted.size == 0:
+        return jnp.zeros(tuple(size), self.dtype)
+    base = int(min(held.min(initial=offset), wanted.min()))
+    span = int(max(held.max(initial=offset), wanted.max())) - base + 1
+    covered = np.zeros(span, bool)
+    covered[held - base] = True
+    if not covered[wanted - base].all():
+        raise NotImplementedError(
+            f"as_strided(size={list(size)}, stride={list(stride)}, storage_offset={offset}) "
+            f"reads storage outside its input (shape {list(self.shape)}, stride "
+            f"{list(in_stride)}, offset {in_offset}); zerojax holds tensor values, not "
+            f"storage. Apply as_strided to the base tensor, or use unfold/slicing instead"
+        )
+    if span == held.size and np.array_equal(held - base, np.arange(span)):
+        storage = self.reshape(-1)  # contiguous input: its values are its storage
+    else:
+        storage = jnp.zeros(span, self.dtype).at[jnp.asarray(held - base, jnp.int32)].set(
+            self.reshape(-1), unique_indices=True
+        )
+    index = jnp.full(tuple(size), offset - base, jnp.int32)
     for axis, step in enumerate(stride):
+        # An iota expression instead of a constant: no index table baked into the program.
         index = index + lax.broadcasted_iota(jnp.int32, tuple(size), axis) * step
-    return jnp.take(flat, index, mode="clip")
+    return jnp.take(storage, index, mode="clip")
 
 
 @lowering(aten.unfold.default)
