@@ -59,9 +59,11 @@ def run_torch2jax(module, args):
 
     fn = t2j(module)
     state = {k: from_torch(v) for k, v in module.state_dict().items()}
+    # Differentiate the float entries only (BatchNorm's int counter is state, not a weight).
+    floats = {k: v for k, v in state.items() if jnp.issubdtype(v.dtype, jnp.floating)}
     jax_args = [from_torch(a) for a in args]
     out = jax.jit(lambda s: fn(*jax_args, state_dict=s))(state)
-    jax.jit(jax.grad(lambda s: scalar_loss(fn(*jax_args, state_dict=s))))(state)
+    jax.jit(jax.grad(lambda f: scalar_loss(fn(*jax_args, state_dict={**state, **f}))))(floats)
     return out
 
 

@@ -31,79 +31,150 @@ def load(raw, num_devices=8):
 
 # Each bad config and the exact message it must produce (matched in full, as a literal).
 BAD_CONFIGS = [
-    ({"mesh": {"data": -1, "tensor": 3}},
-     "mesh.tensor=3 does not divide 8 devices"),
-    ({"mesh": {"data": 2, "tensor": 2}},
-     "mesh: data=2 x tensor=2 = 4 devices, but there are 8; make the product 8 or set one axis "
-     "to -1 to fill the remaining devices"),
-    ({"mesh": {"data": -1, "fsdp": -1}},
-     "mesh: mesh.data=-1 and mesh.fsdp=-1; at most one axis may be -1"),
+    ({"mesh": {"data": -1, "tensor": 3}}, "mesh.tensor=3 does not divide 8 devices"),
+    (
+        {"mesh": {"data": 2, "tensor": 2}},
+        (
+            "mesh: data=2 x tensor=2 = 4 devices, but there are 8; make the product 8 or set one axis "
+            "to -1 to fill the remaining devices"
+        ),
+    ),
+    (
+        {"mesh": {"data": -1, "fsdp": -1}},
+        "mesh.data=-1 and mesh.fsdp=-1: at most one axis may be -1",
+    ),
     ({"mesh": {"data": 0}}, "mesh.data=0: expected an integer >= 1"),
     ({"mesh": {"data": True}}, "mesh.data=true: expected an integer >= 1"),
-    ({"mesh": {"tensr": 8}},
-     "mesh.tensr: unknown key (did you mean 'tensor'?); allowed keys: data, fsdp, tensor, "
-     "expert, sequence"),
+    (
+        {"mesh": {"tensr": 8}},
+        (
+            "mesh.tensr: unknown key (did you mean 'tensor'?); allowed keys: data, fsdp, tensor, "
+            "expert, sequence"
+        ),
+    ),
     ({"mesh": [8]}, "mesh=[8]: expected a mapping of keys to values"),
     ({"zero_stage": 4}, "zero_stage=4: allowed: 0, 1, 2, 3"),
     ({"zero": {"stage": "3"}}, "zero.stage='3': allowed: 0, 1, 2, 3"),
     ({"zero_stage": 1, "zero": {"stage": 2}}, "zero_stage and zero.stage are both set; keep one"),
-    ({"zero": {"data_parallel_axes": ["data", "batch"]}},
-     "zero.data_parallel_axes[1]='batch': allowed: data, fsdp, tensor, expert, sequence"),
-    ({"zero": {"max_replicated_fraction": 1.5}},
-     "zero.max_replicated_fraction=1.5: expected a number between 0 and 1.0"),
-    ({"zero": {"max_replicated": 0.5}},
-     "zero.max_replicated: unknown key (did you mean 'max_replicated_fraction'?); allowed keys: "
-     "stage, data_parallel_axes, max_replicated_fraction"),
-    ({"zero_sage": 3},
-     "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
-     "zero, rules, inputs, precision, kernels, checkpoint, train, devices, optimizer"),
-    ({"rules": [{"pattern": "a", "spec": [None]}, "gpt2", {"pattern": "(", "spec": [None]}]},
-     "rules[2].pattern: invalid regex '(': missing ), unterminated subpattern at position 0"),
-    ({"rules": ["gpt3"]},
-     "rules[0]='gpt3': unknown preset; allowed: gpt2, nanogpt, llama, bert, expert"),
-    ({"mesh": {"data": 4, "tensor": 2}, "rules": [{"pattern": "w", "spec": ["expert"]}]},
-     "rules[0].spec[0]='expert': axis 'expert' is not in the mesh; mesh axes: data, tensor"),
-    ({"mesh": {"data": 4, "tensor": 2}, "rules": [{"pattern": "w", "spec": ["tensor", "tensor"]}]},
-     "rules[0].spec=[\"tensor\", \"tensor\"]: axis 'tensor' is used by two dims"),
-    ({"rules": [{"pattern": "w"}]},
-     "rules[0]: missing key 'spec'; a rule is {pattern: REGEX, spec: [per-dim axes]}"),
-    ({"rules": [{"pattern": "w", "spec": "data", "axes": 1}]},
-     "rules[0].axes: unknown key; allowed keys: pattern, spec"),
-    ({"rules": [{"pattern": "w", "spec": "data"}]},
-     "rules[0].spec='data': expected a list with one entry per dim: null, an axis, or a list "
-     "of axes"),
-    ({"inputs": {"sequence_axis": "sequence"}},
-     "inputs.sequence_axis='sequence': allowed: data, null"),
-    ({"precision": {"param_dtype": "fp8"}},
-     "precision.param_dtype='fp8': allowed: float32, bfloat16, float16"),
-    ({"precision": "params=bfloat16,master=float16"},
-     "precision.master_dtype='float16': allowed: float32, null"),
-    ({"precision": "params=bfloat16,moment=float32"},
-     "precision='params=bfloat16,moment=float32': unknown key 'moment'; allowed: params, "
-     "compute, output, master, optimizer_state, grad_reduce"),
-    ({"precision": "params=float32,master=float32"},
-     "precision.master_dtype='float32' with param_dtype='float32': the params already are "
-     "float32 masters; set master_dtype to null or use a 16-bit param_dtype"),
-    ({"precision": {"param_dtype": "bfloat16", "loss_scale": "dynamic"}},
-     "precision.loss_scale is set but no param/compute/grad_reduce dtype is float16; loss "
-     "scaling is only for float16 (remove it, or use float16)"),
-    ({"kernels": {"attention": "flash"}},
-     "kernels.attention='flash': allowed: auto, pallas, reference"),
+    (
+        {"zero": {"data_parallel_axes": ["data", "batch"]}},
+        "zero.data_parallel_axes[1]='batch': allowed: data, fsdp, tensor, expert, sequence",
+    ),
+    (
+        {"zero": {"max_replicated_fraction": 1.5}},
+        "zero.max_replicated_fraction=1.5: expected a number between 0 and 1.0",
+    ),
+    (
+        {"zero": {"max_replicated": 0.5}},
+        (
+            "zero.max_replicated: unknown key (did you mean 'max_replicated_fraction'?); allowed keys: "
+            "stage, data_parallel_axes, max_replicated_fraction"
+        ),
+    ),
+    (
+        {"zero_sage": 3},
+        (
+            "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
+            "zero, rules, inputs, precision, kernels, checkpoint, train, devices, optimizer"
+        ),
+    ),
+    (
+        {"rules": [{"pattern": "a", "spec": [None]}, "gpt2", {"pattern": "(", "spec": [None]}]},
+        "rules[2].pattern: invalid regex '(': missing ), unterminated subpattern at position 0",
+    ),
+    (
+        {"rules": ["gpt3"]},
+        "rules[0]='gpt3': unknown preset; allowed: gpt2, nanogpt, llama, bert, expert",
+    ),
+    (
+        {"mesh": {"data": 4, "tensor": 2}, "rules": [{"pattern": "w", "spec": ["expert"]}]},
+        "rules[0].spec[0]='expert': axis 'expert' is not in the mesh; mesh axes: data, tensor",
+    ),
+    (
+        {
+            "mesh": {"data": 4, "tensor": 2},
+            "rules": [{"pattern": "w", "spec": ["tensor", "tensor"]}],
+        },
+        'rules[0].spec=["tensor", "tensor"]: axis \'tensor\' is used by two dims',
+    ),
+    (
+        {"rules": [{"pattern": "w"}]},
+        "rules[0]: missing key 'spec'; a rule is {pattern: REGEX, spec: [per-dim axes]}",
+    ),
+    (
+        {"rules": [{"pattern": "w", "spec": "data", "axes": 1}]},
+        "rules[0].axes: unknown key; allowed keys: pattern, spec",
+    ),
+    (
+        {"rules": [{"pattern": "w", "spec": "data"}]},
+        (
+            "rules[0].spec='data': expected a list with one entry per dim: null, an axis, or a list "
+            "of axes"
+        ),
+    ),
+    (
+        {"inputs": {"sequence_axis": "sequence"}},
+        "inputs.sequence_axis='sequence': allowed: data, null",
+    ),
+    (
+        {"precision": {"param_dtype": "fp8"}},
+        "precision.param_dtype='fp8': allowed: float32, bfloat16, float16",
+    ),
+    (
+        {"precision": "params=bfloat16,master=float16"},
+        "precision.master_dtype='float16': allowed: float32, null",
+    ),
+    (
+        {"precision": "params=bfloat16,moment=float32"},
+        (
+            "precision='params=bfloat16,moment=float32': unknown key 'moment'; allowed: params, "
+            "compute, output, master, optimizer_state, grad_reduce"
+        ),
+    ),
+    (
+        {"precision": "params=float32,master=float32"},
+        (
+            "precision.master_dtype='float32' with param_dtype='float32': the params already are "
+            "float32 masters; set master_dtype to null or use a 16-bit param_dtype"
+        ),
+    ),
+    (
+        {"precision": {"param_dtype": "bfloat16", "loss_scale": "dynamic"}},
+        (
+            "precision.loss_scale is set but no param/compute/grad_reduce dtype is float16; loss "
+            "scaling is only for float16 (remove it, or use float16)"
+        ),
+    ),
+    (
+        {"kernels": {"attention": "flash"}},
+        "kernels.attention='flash': allowed: auto, pallas, reference",
+    ),
     ({"checkpoint": {"max_to_keep": 0}}, "checkpoint.max_to_keep=0: expected an integer >= 1"),
-    ({"train": {"gradient_clipping": -1.0}},
-     "train.gradient_clipping=-1.0: expected a number > 0"),
-    ({"train": {"micro_batch_size": 4, "global_batch_size": 30}},
-     "train.global_batch_size=30 != train.micro_batch_size=4 x "
-     "train.gradient_accumulation_steps=1 x data-parallel size 8 (= 32); batch sizes must "
-     "multiply out"),
-    ({"train": {"global_batch_size": 12, "gradient_accumulation_steps": 2}},
-     "train.global_batch_size=12 is not divisible by train.gradient_accumulation_steps=2 x "
-     "data-parallel size 8 (= 16); batch sizes must multiply out"),
-    ({"devices": {"platform": "gpu", "num_cpu_devices": 8}},
-     "devices.num_cpu_devices=8: only applies to platform 'cpu', not 'gpu'"),
+    ({"train": {"gradient_clipping": -1.0}}, "train.gradient_clipping=-1.0: expected a number > 0"),
+    (
+        {"train": {"micro_batch_size": 4, "global_batch_size": 30}},
+        (
+            "train.global_batch_size=30 != train.micro_batch_size=4 x "
+            "train.gradient_accumulation_steps=1 x data-parallel size 8 (= 32); batch sizes must "
+            "multiply out"
+        ),
+    ),
+    (
+        {"train": {"global_batch_size": 12, "gradient_accumulation_steps": 2}},
+        (
+            "train.global_batch_size=12 is not divisible by train.gradient_accumulation_steps=2 x "
+            "data-parallel size 8 (= 16); batch sizes must multiply out"
+        ),
+    ),
+    (
+        {"devices": {"platform": "gpu", "num_cpu_devices": 8}},
+        "devices.num_cpu_devices=8: only applies to platform 'cpu', not 'gpu'",
+    ),
     ({"devices": {"platform": "mps"}}, "devices.platform='mps': allowed: cpu, gpu, tpu, null"),
-    ({"optimizer": {"type": "Adafactor"}},
-     "optimizer.type='adafactor': allowed: adam, adamw, sgd, adagrad, lamb, lion"),
+    (
+        {"optimizer": {"type": "Adafactor"}},
+        "optimizer.type='adafactor': allowed: adam, adamw, sgd, adagrad, lamb, lion",
+    ),
 ]
 
 
@@ -142,9 +213,16 @@ def test_num_cpu_devices_sets_device_count():
 
 
 def test_rules_presets_expand_in_order():
-    config = load({"mesh": {"data": 4, "tensor": 2},
-                   "rules": [{"pattern": r"wte\.weight$", "spec": [None, "tensor"]}, "gpt2",
-                             {"pattern": "x", "spec": [["data", "tensor"]]}]})
+    config = load(
+        {
+            "mesh": {"data": 4, "tensor": 2},
+            "rules": [
+                {"pattern": r"wte\.weight$", "spec": [None, "tensor"]},
+                "gpt2",
+                {"pattern": "x", "spec": [["data", "tensor"]]},
+            ],
+        }
+    )
     assert config.rules[0].spec == (None, "tensor") and config.rules[0].origin == "rules[0]"
     assert all(r.preset == "gpt2" for r in config.rules[1:-1])
     assert config.rules[-1].spec == (("data", "tensor"),) and config.rules[-1].origin == "rules[2]"
@@ -152,10 +230,17 @@ def test_rules_presets_expand_in_order():
 
 def test_precision_string_and_loss_scale():
     assert parse_precision("params=bfloat16, compute=bfloat16 ,master=float32") == {
-        "param_dtype": "bfloat16", "compute_dtype": "bfloat16", "master_dtype": "float32"}
+        "param_dtype": "bfloat16",
+        "compute_dtype": "bfloat16",
+        "master_dtype": "float32",
+    }
     p = load({"precision": "params=bfloat16,compute=bfloat16,master=float32"}).precision
     assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.output_dtype) == (
-        "bfloat16", "bfloat16", "float32", "float32")
+        "bfloat16",
+        "bfloat16",
+        "float32",
+        "float32",
+    )
     fp16 = load({"precision": "params=float16,compute=float16,master=float32"}).precision
     assert fp16.loss_scale == LossScaleConfig()  # float16 turns on dynamic loss scaling
     static = load({"precision": {"compute_dtype": "float16", "loss_scale": 128}}).precision
@@ -195,7 +280,9 @@ def test_json_syntax_error_shows_file_and_line(tmp_path):
 def test_duplicate_yaml_key_is_an_error(tmp_path):
     path = tmp_path / "dup.yaml"
     path.write_text("zero_stage: 1\nmesh: {data: 8}\nzero_stage: 3\n")
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:3:1: duplicate key 'zero_stage'$"):
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(path))}:3:1: duplicate key 'zero_stage'$"
+    ):
         load(path)
 
 
@@ -214,38 +301,76 @@ def test_deepspeed_example_maps_every_key():
     assert config.format == "deepspeed" and config.zero_stage == 2
     assert config.mesh.axes == (("data", -1),)
     p = config.precision
-    assert (p.param_dtype, p.compute_dtype, p.master_dtype, p.optimizer_state_dtype,
-            p.grad_reduce_dtype) == ("bfloat16", "bfloat16", "float32", "float32", "float32")
+    assert (
+        p.param_dtype,
+        p.compute_dtype,
+        p.master_dtype,
+        p.optimizer_state_dtype,
+        p.grad_reduce_dtype,
+    ) == ("bfloat16", "bfloat16", "float32", "float32", "float32")
     assert config.train.micro_batch_size == 4 and config.train.global_batch_size == 32
     assert config.train.gradient_clipping == 1.0
     assert config.optimizer.type == "adamw"
-    assert config.optimizer.kwargs == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8,
-                                       "weight_decay": 0.1}
+    assert config.optimizer.kwargs == {
+        "lr": 3e-4,
+        "betas": (0.9, 0.95),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+    }
 
 
 def test_deepspeed_pure_bf16_states():
-    config = load({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
-                            "bf16_optimizer_states": True}, "zero_optimization": {"stage": 3}})
+    config = load(
+        {
+            "bf16": {
+                "enabled": True,
+                "bf16_master_weights_and_grads": True,
+                "bf16_optimizer_states": True,
+            },
+            "zero_optimization": {"stage": 3},
+        }
+    )
     p = config.precision
     assert (p.master_dtype, p.grad_reduce_dtype, p.optimizer_state_dtype) == (
-        None, "bfloat16", "bfloat16")
+        None,
+        "bfloat16",
+        "bfloat16",
+    )
 
 
 def test_deepspeed_fp16_loss_scale():
-    dynamic = load({"fp16": {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500,
-                             "hysteresis": 1, "min_loss_scale": 2}}).precision
+    dynamic = load(
+        {
+            "fp16": {
+                "enabled": True,
+                "initial_scale_power": 12,
+                "loss_scale_window": 500,
+                "hysteresis": 1,
+                "min_loss_scale": 2,
+            }
+        }
+    ).precision
     assert dynamic.param_dtype == "float16" and dynamic.master_dtype == "float32"
-    assert dynamic.loss_scale == LossScaleConfig(dynamic=True, initial_scale=4096.0, window=500,
-                                                 hysteresis=1, min_scale=2.0)
+    assert dynamic.loss_scale == LossScaleConfig(
+        dynamic=True, initial_scale=4096.0, window=500, hysteresis=1, min_scale=2.0
+    )
     static = load({"fp16": {"enabled": True, "loss_scale": 1024}}).precision
     assert static.loss_scale == LossScaleConfig(dynamic=False, initial_scale=1024.0)
 
 
 def test_deepspeed_adam_is_adamw_unless_told():
-    assert load({"optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
-                 "train_batch_size": 8}).optimizer.type == "adamw"
-    config = load({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}},
-                   "train_batch_size": 8})
+    assert (
+        load(
+            {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "train_batch_size": 8}
+        ).optimizer.type
+        == "adamw"
+    )
+    config = load(
+        {
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}},
+            "train_batch_size": 8,
+        }
+    )
     assert config.optimizer.type == "adam" and config.optimizer.kwargs == {"lr": 1e-3}
 
 
@@ -260,46 +385,85 @@ def test_deepspeed_unsupported_keys_each_warn():
     with pytest.warns(ConfigWarning) as record:
         config = load(raw)
     messages = sorted(str(w.message) for w in record)
-    assert messages == sorted([
-        "DeepSpeed key 'steps_per_print' is not supported by zerojax and is ignored",
-        "DeepSpeed key 'scheduler' is not supported by zerojax and is ignored",
-        "DeepSpeed key 'zero_optimization.overlap_comm' is not supported by zerojax and is "
-        "ignored (XLA schedules and buckets communication itself)",
-        "DeepSpeed key 'zero_optimization.offload_param' is not supported by zerojax and is "
-        "ignored",
-        "DeepSpeed key 'bf16.immediate_grad_update' is not supported by zerojax and is ignored",
-    ])
+    assert messages == sorted(
+        [
+            "DeepSpeed key 'steps_per_print' is not supported by zerojax and is ignored",
+            "DeepSpeed key 'scheduler' is not supported by zerojax and is ignored",
+            (
+                "DeepSpeed key 'zero_optimization.overlap_comm' is not supported by zerojax and is "
+                "ignored (XLA schedules and buckets communication itself)"
+            ),
+            (
+                "DeepSpeed key 'zero_optimization.offload_param' is not supported by zerojax and is "
+                "ignored"
+            ),
+            "DeepSpeed key 'bf16.immediate_grad_update' is not supported by zerojax and is ignored",
+        ]
+    )
     assert config.zero_stage == 3 and config.train.global_batch_size == 16
 
 
 def test_deepspeed_native_section():
-    config = load({"zero_optimization": {"stage": 3},
-                   "zerojax": {"mesh": {"fsdp": 4, "tensor": 2}, "rules": ["llama"]}})
+    config = load(
+        {
+            "zero_optimization": {"stage": 3},
+            "zerojax": {"mesh": {"fsdp": 4, "tensor": 2}, "rules": ["llama"]},
+        }
+    )
     assert config.mesh.shape == (4, 2) and config.rules[0].preset == "llama"
 
 
 DEEPSPEED_BAD = [
-    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}},
-     "bf16.enabled and fp16.enabled are both true; enable at most one"),
-    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
-     "train_batch_size=30 != train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
-     "data-parallel size 8 (= 32); batch sizes must multiply out"),
-    ({"train_batch_size": 12},
-     "train_batch_size=12 is not divisible by gradient_accumulation_steps=1 x data-parallel "
-     "size 8 (= 8); batch sizes must multiply out"),
+    (
+        {"fp16": {"enabled": True}, "mesh": {"data": 8}},
+        (
+            "the config mixes DeepSpeed keys (fp16) with zerojax keys (mesh); in a DeepSpeed config "
+            "put zerojax sections under a 'zerojax' key, or write the whole config in zerojax form"
+        ),
+    ),
+    (
+        {"bf16": {"enabled": True}, "fp16": {"enabled": True}},
+        "bf16.enabled and fp16.enabled are both true; enable at most one",
+    ),
+    (
+        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+        (
+            "train_batch_size=30 != train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
+            "data-parallel size 8 (= 32); batch sizes must multiply out"
+        ),
+    ),
+    (
+        {"train_batch_size": 12},
+        (
+            "train_batch_size=12 is not divisible by gradient_accumulation_steps=1 x data-parallel "
+            "size 8 (= 8); batch sizes must multiply out"
+        ),
+    ),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4: allowed: 0, 1, 2, 3"),
-    ({"train_micro_batch_size_per_gpu": "auto"},
-     "train_micro_batch_size_per_gpu='auto': 'auto' is filled in by the Hugging Face Trainer; "
-     "give the value"),
+    (
+        {"train_micro_batch_size_per_gpu": "auto"},
+        (
+            "train_micro_batch_size_per_gpu='auto': 'auto' is filled in by the Hugging Face Trainer; "
+            "give the value"
+        ),
+    ),
     ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes': expected true or false"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0: expected an integer >= 1"),
-    ({"fp16": {"enabled": True, "loss_scale": -1}},
-     "fp16.loss_scale=-1.0: allowed: 0 (dynamic) or a scale > 0"),
-    ({"optimizer": {"type": "OneBitAdam"}, "train_batch_size": 8},
-     "optimizer.type='onebitadam': allowed: adam, adamw, sgd, adagrad, lamb, lion"),
-    ({"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
-     "zerojax.zero_stage: unknown key; allowed keys: mesh, rules, inputs, kernels, checkpoint, "
-     "devices"),
+    (
+        {"fp16": {"enabled": True, "loss_scale": -1}},
+        "fp16.loss_scale=-1.0: allowed: 0 (dynamic) or a scale > 0",
+    ),
+    (
+        {"optimizer": {"type": "OneBitAdam"}, "train_batch_size": 8},
+        "optimizer.type='onebitadam': allowed: adam, adamw, sgd, adagrad, lamb, lion",
+    ),
+    (
+        {"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
+        (
+            "zerojax.zero_stage: unknown key; allowed keys: mesh, rules, inputs, kernels, checkpoint, "
+            "devices"
+        ),
+    ),
 ]
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import yaml
 
 __all__ = [
+    "MESH_AXES",
     "CheckpointConfig",
     "Config",
     "ConfigError",
@@ -47,15 +48,14 @@ __all__ = [
     "InputsConfig",
     "KernelsConfig",
     "LossScaleConfig",
-    "MESH_AXES",
     "MeshConfig",
     "OptimizerConfig",
     "PrecisionConfig",
     "Rule",
     "TrainConfig",
     "ZeroConfig",
-    "load_config",
     "deepspeed_to_zerojax",
+    "load_config",
     "parse_precision",
 ]
 
@@ -341,9 +341,7 @@ def _check_keys(path: str, mapping: Mapping, allowed: tuple[str, ...]) -> None:
             where = f"{path}.{key}" if path else str(key)
             close = difflib.get_close_matches(str(key), allowed, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{where}: unknown key{hint}; allowed keys: {', '.join(allowed)}"
-            )
+            raise ConfigError(f"{where}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
 
 
 def _mapping(path: str, value: Any) -> Mapping:
@@ -486,7 +484,7 @@ def _parse_mesh(raw: Any, num_devices: int) -> MeshConfig:
     fill = [name for name, size in axes if size == -1]
     if len(fill) > 1:
         raise ConfigError(
-            f"mesh: {' and '.join(f'mesh.{n}=-1' for n in fill)}; at most one axis may be -1"
+            f"{' and '.join(f'mesh.{n}=-1' for n in fill)}: at most one axis may be -1"
         )
     known = 1
     for name, size in axes:
@@ -504,6 +502,12 @@ def _parse_mesh(raw: Any, num_devices: int) -> MeshConfig:
     return MeshConfig(axes=tuple(axes), num_devices=num_devices)
 
 
+def _stage(path: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
+        raise _error(path, value, "allowed: 0, 1, 2, 3")
+    return value
+
+
 def _parse_zero(raw_stage: Any, raw_zero: Any) -> ZeroConfig:
     zero = dict(_mapping("zero", raw_zero))
     _check_keys("zero", zero, ("stage", "data_parallel_axes", "max_replicated_fraction"))
@@ -516,9 +520,7 @@ def _parse_zero(raw_stage: Any, raw_zero: Any) -> ZeroConfig:
         path = "zero.stage"
     kwargs = {}
     if "stage" in zero:
-        kwargs["stage"] = _choice(path, zero["stage"], (0, 1, 2, 3))
-        if isinstance(zero["stage"], bool):
-            raise _error(path, zero["stage"], "allowed: 0, 1, 2, 3")
+        kwargs["stage"] = _stage(path, zero["stage"])
     if "data_parallel_axes" in zero:
         kwargs["data_parallel_axes"] = _axes_list(
             "zero.data_parallel_axes", zero["data_parallel_axes"]
@@ -532,8 +534,9 @@ def _parse_zero(raw_stage: Any, raw_zero: Any) -> ZeroConfig:
 
 def _parse_spec(path: str, value: Any, mesh_axes: tuple[str, ...]) -> tuple:
     if not isinstance(value, (list, tuple)):
-        raise _error(path, value, "expected a list with one entry per dim: null, an axis, "
-                                  "or a list of axes")
+        raise _error(
+            path, value, "expected a list with one entry per dim: null, an axis, or a list of axes"
+        )
     spec, used = [], set()
     for i, entry in enumerate(value):
         where = f"{path}[{i}]"
@@ -543,8 +546,11 @@ def _parse_spec(path: str, value: Any, mesh_axes: tuple[str, ...]) -> tuple:
         axes = _axes_list(where, entry)
         for axis in axes:
             if axis not in mesh_axes:
-                raise _error(where, entry, f"axis {axis!r} is not in the mesh; mesh axes: "
-                                           f"{', '.join(mesh_axes)}")
+                raise _error(
+                    where,
+                    entry,
+                    f"axis {axis!r} is not in the mesh; mesh axes: {', '.join(mesh_axes)}",
+                )
             if axis in used:
                 raise _error(path, list(value), f"axis {axis!r} is used by two dims")
             used.add(axis)
@@ -567,18 +573,24 @@ def _parse_rules(raw: Any, mesh_axes: tuple[str, ...]) -> tuple[Rule, ...]:
                 raise _error(where, item, f"unknown preset; allowed: {', '.join(PRESETS)}")
             for pattern, spec in PRESETS[item]:
                 rules.append(
-                    Rule(pattern=pattern, spec=spec, origin=f"{where} (preset {item!r})",
-                         preset=item)
+                    Rule(
+                        pattern=pattern, spec=spec, origin=f"{where} (preset {item!r})", preset=item
+                    )
                 )
             continue
         if not isinstance(item, Mapping):
-            raise _error(where, item, "expected {pattern: REGEX, spec: [...]} or a preset name "
-                                      f"({', '.join(PRESETS)})")
+            raise _error(
+                where,
+                item,
+                f"expected {{pattern: REGEX, spec: [...]}} or a preset name ({', '.join(PRESETS)})",
+            )
         _check_keys(where, item, ("pattern", "spec"))
         for key in ("pattern", "spec"):
             if key not in item:
-                raise ConfigError(f"{where}: missing key {key!r}; a rule is "
-                                  "{pattern: REGEX, spec: [per-dim axes]}")
+                raise ConfigError(
+                    f"{where}: missing key {key!r}; a rule is "
+                    "{pattern: REGEX, spec: [per-dim axes]}"
+                )
         pattern = item["pattern"]
         if not isinstance(pattern, str):
             raise _error(f"{where}.pattern", pattern, "expected a regex string")
@@ -599,15 +611,20 @@ def _parse_inputs(raw: Any, mesh_axes: tuple[str, ...]) -> InputsConfig:
         axes = _axes_list("inputs.batch_axes", raw["batch_axes"])
         for axis in axes:
             if axis not in mesh_axes:
-                raise _error("inputs.batch_axes", raw["batch_axes"],
-                             f"axis {axis!r} is not in the mesh; mesh axes: {', '.join(mesh_axes)}")
+                raise _error(
+                    "inputs.batch_axes",
+                    raw["batch_axes"],
+                    f"axis {axis!r} is not in the mesh; mesh axes: {', '.join(mesh_axes)}",
+                )
         kwargs["batch_axes"] = axes
     if raw.get("sequence_axis") is not None:
-        kwargs["sequence_axis"] = _choice("inputs.sequence_axis", raw["sequence_axis"], mesh_axes,
-                                          optional=True)
+        kwargs["sequence_axis"] = _choice(
+            "inputs.sequence_axis", raw["sequence_axis"], mesh_axes, optional=True
+        )
         if kwargs["sequence_axis"] in kwargs.get("batch_axes", ()):
-            raise _error("inputs.sequence_axis", raw["sequence_axis"],
-                         "already used by inputs.batch_axes")
+            raise _error(
+                "inputs.sequence_axis", raw["sequence_axis"], "already used by inputs.batch_axes"
+            )
     for key in ("batch_dim", "sequence_dim"):
         if key in raw:
             kwargs[key] = _int(f"inputs.{key}", raw[key], minimum=0)
@@ -638,8 +655,9 @@ def parse_precision(text: str, path: str = "precision") -> dict[str, str | None]
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
         if not sep:
-            raise _error(path, text, f"{part!r} is not KEY=DTYPE; keys: "
-                                     f"{', '.join(_PRECISION_SHORT)}")
+            raise _error(
+                path, text, f"{part!r} is not KEY=DTYPE; keys: {', '.join(_PRECISION_SHORT)}"
+            )
         name = _PRECISION_SHORT.get(key, key if key in _PRECISION_FIELDS else None)
         if name is None:
             raise _error(path, text, f"unknown key {key!r}; allowed: {', '.join(_PRECISION_SHORT)}")
@@ -685,8 +703,11 @@ def _parse_precision(raw: Any) -> PrecisionConfig:
             kwargs[key] = _choice(f"precision.{key}", raw[key], FLOAT_DTYPES)
     kwargs["loss_scale"] = _parse_loss_scale("precision.loss_scale", raw.get("loss_scale"))
     precision = PrecisionConfig(**kwargs)
-    uses_fp16 = "float16" in (precision.param_dtype, precision.compute_dtype,
-                              precision.grad_reduce_dtype)
+    uses_fp16 = "float16" in (
+        precision.param_dtype,
+        precision.compute_dtype,
+        precision.grad_reduce_dtype,
+    )
     if precision.loss_scale is None and uses_fp16:
         precision = replace(precision, loss_scale=LossScaleConfig())
     if precision.loss_scale is not None and not uses_fp16:
@@ -714,26 +735,35 @@ def _parse_kernels(raw: Any) -> KernelsConfig:
 
 def _parse_checkpoint(raw: Any) -> CheckpointConfig:
     raw = _mapping("checkpoint", raw)
-    _check_keys("checkpoint", raw, ("directory", "save_interval_steps", "max_to_keep",
-                                    "async_save"))
+    _check_keys(
+        "checkpoint", raw, ("directory", "save_interval_steps", "max_to_keep", "async_save")
+    )
     kwargs = {}
     if raw.get("directory") is not None:
         if not isinstance(raw["directory"], str) or not raw["directory"]:
             raise _error("checkpoint.directory", raw["directory"], "expected a path string")
         kwargs["directory"] = raw["directory"]
     if "save_interval_steps" in raw:
-        kwargs["save_interval_steps"] = _int("checkpoint.save_interval_steps",
-                                             raw["save_interval_steps"], minimum=0)
+        kwargs["save_interval_steps"] = _int(
+            "checkpoint.save_interval_steps", raw["save_interval_steps"], minimum=0
+        )
     if "max_to_keep" in raw:
-        kwargs["max_to_keep"] = (None if raw["max_to_keep"] is None else
-                                 _int("checkpoint.max_to_keep", raw["max_to_keep"], minimum=1))
+        kwargs["max_to_keep"] = (
+            None
+            if raw["max_to_keep"] is None
+            else _int("checkpoint.max_to_keep", raw["max_to_keep"], minimum=1)
+        )
     if "async_save" in raw:
         kwargs["async_save"] = _bool("checkpoint.async_save", raw["async_save"])
     return CheckpointConfig(**kwargs)
 
 
-_TRAIN_KEYS = ("gradient_accumulation_steps", "gradient_clipping", "micro_batch_size",
-               "global_batch_size")
+_TRAIN_KEYS = (
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "micro_batch_size",
+    "global_batch_size",
+)
 _DEEPSPEED_TRAIN_KEYS = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "gradient_clipping": "gradient_clipping",
@@ -753,8 +783,9 @@ def _parse_train(raw: Any, data_parallel_size: int, *, deepspeed: bool = False) 
             path["gradient_accumulation_steps"], raw["gradient_accumulation_steps"], minimum=1
         )
     if raw.get("gradient_clipping") is not None:
-        kwargs["gradient_clipping"] = _float(path["gradient_clipping"], raw["gradient_clipping"],
-                                             positive=True)
+        kwargs["gradient_clipping"] = _float(
+            path["gradient_clipping"], raw["gradient_clipping"], positive=True
+        )
     for key in ("micro_batch_size", "global_batch_size"):
         if raw.get(key) is not None:
             kwargs[key] = _int(path[key], raw[key], minimum=1)
@@ -766,8 +797,11 @@ def _resolve_batch_sizes(train: TrainConfig, dp: int, path: dict[str, str]) -> T
     """Check global = micro x accumulation x data-parallel size; derive the one left out."""
     micro, accum = train.micro_batch_size, train.gradient_accumulation_steps
     total = train.global_batch_size
-    g, m, a = path["global_batch_size"], path["micro_batch_size"], \
-        path["gradient_accumulation_steps"]
+    g, m, a = (
+        path["global_batch_size"],
+        path["micro_batch_size"],
+        path["gradient_accumulation_steps"],
+    )
     if micro is not None and total is not None:
         if micro * accum * dp != total:
             raise ConfigError(
@@ -794,8 +828,9 @@ def _parse_devices(raw: Any) -> DevicesConfig:
     if num is not None:
         num = _int("devices.num_cpu_devices", num, minimum=1)
         if platform not in (None, "cpu"):
-            raise _error("devices.num_cpu_devices", num,
-                         f"only applies to platform 'cpu', not {platform!r}")
+            raise _error(
+                "devices.num_cpu_devices", num, f"only applies to platform 'cpu', not {platform!r}"
+            )
         platform = "cpu"
     return DevicesConfig(platform=platform, num_cpu_devices=num)
 
@@ -813,8 +848,11 @@ def _parse_optimizer(raw: Any, path: str = "optimizer") -> OptimizerConfig | Non
         if not isinstance(value, (int, float, bool, str, list, tuple)) or (
             isinstance(value, (list, tuple)) and not all(isinstance(v, (int, float)) for v in value)
         ):
-            raise _error(f"{path}.params.{key}", value, "expected a number, bool, string or a "
-                                                         "list of numbers")
+            raise _error(
+                f"{path}.params.{key}",
+                value,
+                "expected a number, bool, string or a list of numbers",
+            )
     return OptimizerConfig(
         type=kind,
         params=tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()),
@@ -823,8 +861,19 @@ def _parse_optimizer(raw: Any, path: str = "optimizer") -> OptimizerConfig | Non
 
 # ----------------------------------------------------------------------------- loading
 
-_TOP_LEVEL = ("mesh", "zero_stage", "zero", "rules", "inputs", "precision", "kernels",
-              "checkpoint", "train", "devices", "optimizer")
+_TOP_LEVEL = (
+    "mesh",
+    "zero_stage",
+    "zero",
+    "rules",
+    "inputs",
+    "precision",
+    "kernels",
+    "checkpoint",
+    "train",
+    "devices",
+    "optimizer",
+)
 
 
 def _device_count(devices: DevicesConfig, num_devices: int | None) -> int:
@@ -837,8 +886,9 @@ def _device_count(devices: DevicesConfig, num_devices: int | None) -> int:
     try:
         return len(jax.devices(devices.platform)) if devices.platform else jax.device_count()
     except RuntimeError as exc:
-        raise _error("devices.platform", devices.platform, f"JAX has no such backend: {exc}") \
-            from exc
+        raise _error(
+            "devices.platform", devices.platform, f"JAX has no such backend: {exc}"
+        ) from exc
 
 
 def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: str) -> Config:
@@ -854,8 +904,9 @@ def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: st
         precision=_parse_precision(raw.get("precision")),
         kernels=_parse_kernels(raw.get("kernels")),
         checkpoint=_parse_checkpoint(raw.get("checkpoint")),
-        train=_parse_train(raw.get("train"), config.data_parallel_size,
-                           deepspeed=fmt == "deepspeed"),
+        train=_parse_train(
+            raw.get("train"), config.data_parallel_size, deepspeed=fmt == "deepspeed"
+        ),
         optimizer=_parse_optimizer(raw.get("optimizer")),
     )
 
@@ -887,25 +938,51 @@ def load_config(
             f"load_config expects a path, a dict or a Config, got {type(source).__name__}"
         )
     if _is_deepspeed(raw):
-        return _build(deepspeed_to_zerojax(raw), num_devices=num_devices, source=where,
-                      fmt="deepspeed")
+        return _build(
+            deepspeed_to_zerojax(raw), num_devices=num_devices, source=where, fmt="deepspeed"
+        )
     return _build(raw, num_devices=num_devices, source=where, fmt="zerojax")
 
 
-_DEEPSPEED_ONLY_KEYS = ("zero_optimization", "train_batch_size", "train_micro_batch_size_per_gpu",
-                        "fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps",
-                        "steps_per_print", "wall_clock_breakdown", "scheduler", "amp",
-                        "activation_checkpointing", "zero_allow_untested_optimizer")
+_DEEPSPEED_ONLY_KEYS = (
+    "zero_optimization",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "fp16",
+    "bf16",
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "scheduler",
+    "amp",
+    "activation_checkpointing",
+    "zero_allow_untested_optimizer",
+)
 
 
 def _is_deepspeed(raw: Mapping) -> bool:
-    return any(key in raw for key in _DEEPSPEED_ONLY_KEYS)
+    deepspeed = [key for key in _DEEPSPEED_ONLY_KEYS if key in raw]
+    native = [key for key in _TOP_LEVEL if key in raw and key != "optimizer"]
+    if deepspeed and native:
+        raise ConfigError(
+            f"the config mixes DeepSpeed keys ({', '.join(deepspeed)}) with zerojax keys "
+            f"({', '.join(native)}); in a DeepSpeed config put zerojax sections under a "
+            "'zerojax' key, or write the whole config in zerojax form"
+        )
+    return bool(deepspeed)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed
 
-_DS_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-              "fp16": "float16", "float16": "float16"}
+_DS_DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def _ignored(key: str, why: str = "") -> None:
@@ -943,13 +1020,15 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
     zero_opt = _mapping("zero_optimization", ds.get("zero_optimization"))
     for key, value in zero_opt.items():
         if key == "stage":
-            stage = _ds_value("zero_optimization.stage", value)
-            if isinstance(stage, bool):
-                raise _error("zero_optimization.stage", stage, "allowed: 0, 1, 2, 3")
-            raw["zero"] = {"stage": _choice("zero_optimization.stage", stage, (0, 1, 2, 3))}
+            stage = _stage("zero_optimization.stage", _ds_value("zero_optimization.stage", value))
+            raw["zero"] = {"stage": stage}
         else:
-            _ignored(f"zero_optimization.{key}", "XLA schedules and buckets communication itself"
-                     if "bucket" in key or "overlap" in key or "contiguous" in key else "")
+            _ignored(
+                f"zero_optimization.{key}",
+                "XLA schedules and buckets communication itself"
+                if "bucket" in key or "overlap" in key or "contiguous" in key
+                else "",
+            )
 
     bf16 = _mapping("bf16", ds.get("bf16"))
     fp16 = _mapping("fp16", ds.get("fp16"))
@@ -959,8 +1038,9 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
     precision: dict[str, Any] = {}
     if bf16_on:
-        pure = _bool("bf16.bf16_master_weights_and_grads",
-                     bf16.get("bf16_master_weights_and_grads", False))
+        pure = _bool(
+            "bf16.bf16_master_weights_and_grads", bf16.get("bf16_master_weights_and_grads", False)
+        )
         states16 = _bool("bf16.bf16_optimizer_states", bf16.get("bf16_optimizer_states", False))
         precision = {
             "param_dtype": "bfloat16",
@@ -973,10 +1053,12 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
             if key not in ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"):
                 _ignored(f"bf16.{key}")
     elif fp16_on:
-        pure = _bool("fp16.fp16_master_weights_and_grads",
-                     fp16.get("fp16_master_weights_and_grads", False))
-        loss_scale = _float("fp16.loss_scale", _ds_value("fp16.loss_scale",
-                                                          fp16.get("loss_scale", 0)))
+        pure = _bool(
+            "fp16.fp16_master_weights_and_grads", fp16.get("fp16_master_weights_and_grads", False)
+        )
+        loss_scale = _float(
+            "fp16.loss_scale", _ds_value("fp16.loss_scale", fp16.get("loss_scale", 0))
+        )
         if loss_scale < 0:
             raise _error("fp16.loss_scale", loss_scale, "allowed: 0 (dynamic) or a scale > 0")
         power = _int("fp16.initial_scale_power", fp16.get("initial_scale_power", 16), minimum=0)
@@ -988,37 +1070,49 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
             "loss_scale": {
                 "dynamic": loss_scale == 0,
                 "initial_scale": float(2**power) if loss_scale == 0 else loss_scale,
-                "window": _int("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000),
-                               minimum=1),
+                "window": _int(
+                    "fp16.loss_scale_window", fp16.get("loss_scale_window", 1000), minimum=1
+                ),
                 "hysteresis": _int("fp16.hysteresis", fp16.get("hysteresis", 2), minimum=1),
-                "min_scale": _float("fp16.min_loss_scale", fp16.get("min_loss_scale", 1.0),
-                                    positive=True),
+                "min_scale": _float(
+                    "fp16.min_loss_scale", fp16.get("min_loss_scale", 1.0), positive=True
+                ),
             },
         }
         for key in fp16:
-            if key not in ("enabled", "fp16_master_weights_and_grads", "loss_scale",
-                           "initial_scale_power", "loss_scale_window", "hysteresis",
-                           "min_loss_scale"):
+            if key not in (
+                "enabled",
+                "fp16_master_weights_and_grads",
+                "loss_scale",
+                "initial_scale_power",
+                "loss_scale_window",
+                "hysteresis",
+                "min_loss_scale",
+            ):
                 _ignored(f"fp16.{key}")
     for key, value in _mapping("data_types", ds.get("data_types")).items():
         if key == "grad_accum_dtype" and value is not None:
-            precision["grad_reduce_dtype"] = _choice("data_types.grad_accum_dtype",
-                                                     _DS_DTYPES.get(value, value), FLOAT_DTYPES)
+            precision["grad_reduce_dtype"] = _choice(
+                "data_types.grad_accum_dtype", _DS_DTYPES.get(value, value), FLOAT_DTYPES
+            )
         else:
             _ignored(f"data_types.{key}")
     if ds.get("communication_data_type") is not None:
         value = ds["communication_data_type"]
-        precision["grad_reduce_dtype"] = _choice("communication_data_type",
-                                                 _DS_DTYPES.get(value, value), FLOAT_DTYPES)
+        precision["grad_reduce_dtype"] = _choice(
+            "communication_data_type", _DS_DTYPES.get(value, value), FLOAT_DTYPES
+        )
     if precision:
         if precision.get("master_dtype") is None and precision.get("param_dtype") is None:
             precision.pop("master_dtype", None)
         raw["precision"] = precision
 
     train: dict[str, Any] = {}
-    for ds_key, key in (("gradient_accumulation_steps", "gradient_accumulation_steps"),
-                        ("train_micro_batch_size_per_gpu", "micro_batch_size"),
-                        ("train_batch_size", "global_batch_size")):
+    for ds_key, key in (
+        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
+        ("train_micro_batch_size_per_gpu", "micro_batch_size"),
+        ("train_batch_size", "global_batch_size"),
+    ):
         if ds.get(ds_key) is not None:
             train[key] = _ds_value(ds_key, ds[ds_key])
     if ds.get("gradient_clipping") not in (None, 0, 0.0):  # DeepSpeed: 0 disables clipping
@@ -1047,6 +1141,16 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
     return raw
 
 
-_DS_HANDLED = ("zero_optimization", "bf16", "fp16", "data_types", "communication_data_type",
-               "gradient_accumulation_steps", "gradient_clipping",
-               "train_micro_batch_size_per_gpu", "train_batch_size", "optimizer", "zerojax")
+_DS_HANDLED = (
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "data_types",
+    "communication_data_type",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "train_micro_batch_size_per_gpu",
+    "train_batch_size",
+    "optimizer",
+    "zerojax",
+)

@@ -260,7 +260,7 @@ def test_add_sub_mul():
         "add": lambda f, g, i, j, s, b: f + g,
         "add_alpha": lambda f, g, i, j, s, b: torch.add(f, g, alpha=2),
         "sub_alpha": lambda f, g, i, j, s, b: torch.sub(f, g, alpha=0.5),
-        "mul_broadcast": lambda f, g, i, j, s, b: f.unsqueeze(0) * g.unsqueeze(1),
+        "mul_broadcast": lambda f, g, i, j, s, b: f.unsqueeze(1) * g.unsqueeze(1),
         "int_plus_float": lambda f, g, i, j, s, b: i + g,
         "int_times_int": lambda f, g, i, j, s, b: i * j,
         "int_add_alpha": lambda f, g, i, j, s, b: torch.add(i, j, alpha=3),
@@ -439,7 +439,7 @@ def test_comparisons():
         fns[f"{name}_int_vs_float_scalar"] = lambda f, g, i, n, m, op=op: op(i, 0.5)
         fns[f"{name}_float_vs_int_scalar"] = lambda f, g, i, n, m, op=op: op(f, 1)
         fns[f"{name}_nan_inf"] = lambda f, g, i, n, m, op=op: op(n, m)
-    small = lambda *s: torch.randint(-2, 3, s)  # noqa: E731  (ties are likely)
+    small = lambda *s: torch.randint(-2, 3, s)  # ties are likely
     args = small(3, 4).float(), small(4).float(), small(3, 4)
     check_many(fns, *args, torch.tensor([NAN, 1.0, INF]), torch.tensor([NAN, NAN, INF]))
 

@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 import torch
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from zerojax.config import ConfigError, ConfigWarning, load_config
@@ -27,17 +28,25 @@ EMBED, VOCAB, POSITIONS, LAYERS = 64, 256, 32, 2
 
 def gpt2_shapes(vocab=VOCAB):
     """Hugging Face GPT-2 state_dict names and shapes (Conv1D weights are [in, out])."""
-    shapes = {"transformer.wte.weight": (vocab, EMBED),
-              "transformer.wpe.weight": (POSITIONS, EMBED)}
+    shapes = {
+        "transformer.wte.weight": (vocab, EMBED),
+        "transformer.wpe.weight": (POSITIONS, EMBED),
+    }
     for i in range(LAYERS):
         h = f"transformer.h.{i}"
         shapes |= {
-            f"{h}.ln_1.weight": (EMBED,), f"{h}.ln_1.bias": (EMBED,),
-            f"{h}.attn.c_attn.weight": (EMBED, 3 * EMBED), f"{h}.attn.c_attn.bias": (3 * EMBED,),
-            f"{h}.attn.c_proj.weight": (EMBED, EMBED), f"{h}.attn.c_proj.bias": (EMBED,),
-            f"{h}.ln_2.weight": (EMBED,), f"{h}.ln_2.bias": (EMBED,),
-            f"{h}.mlp.c_fc.weight": (EMBED, 4 * EMBED), f"{h}.mlp.c_fc.bias": (4 * EMBED,),
-            f"{h}.mlp.c_proj.weight": (4 * EMBED, EMBED), f"{h}.mlp.c_proj.bias": (EMBED,),
+            f"{h}.ln_1.weight": (EMBED,),
+            f"{h}.ln_1.bias": (EMBED,),
+            f"{h}.attn.c_attn.weight": (EMBED, 3 * EMBED),
+            f"{h}.attn.c_attn.bias": (3 * EMBED,),
+            f"{h}.attn.c_proj.weight": (EMBED, EMBED),
+            f"{h}.attn.c_proj.bias": (EMBED,),
+            f"{h}.ln_2.weight": (EMBED,),
+            f"{h}.ln_2.bias": (EMBED,),
+            f"{h}.mlp.c_fc.weight": (EMBED, 4 * EMBED),
+            f"{h}.mlp.c_fc.bias": (4 * EMBED,),
+            f"{h}.mlp.c_proj.weight": (4 * EMBED, EMBED),
+            f"{h}.mlp.c_proj.bias": (EMBED,),
         }
     return shapes | {"transformer.ln_f.weight": (EMBED,), "transformer.ln_f.bias": (EMBED,)}
 
@@ -54,7 +63,9 @@ def device0_bytes(arrays) -> int:
     """Bytes device 0 holds for these arrays, read off the actual shards."""
     device = jax.devices()[0]
     return sum(
-        shard.data.nbytes for a in arrays.values() for shard in a.addressable_shards
+        shard.data.nbytes
+        for a in arrays.values()
+        for shard in a.addressable_shards
         if shard.device == device
     )
 
@@ -70,9 +81,16 @@ def test_stage_shardings_on_8_devices(stage):
     plan = plan_for({"mesh": {"data": -1}, "zero_stage": stage}, shapes)
     assert plan.replicated == ()
     psi = sum(math.prod(s) for s in shapes.values())
-    split = {c: 8 if on else 1 for c, on in
-             {"params": stage >= 3, "grads": stage >= 2, "opt_state": stage >= 1,
-              "master_weights": stage >= 1, "compute_params": False}.items()}
+    split = {
+        c: 8 if on else 1
+        for c, on in {
+            "params": stage >= 3,
+            "grads": stage >= 2,
+            "opt_state": stage >= 1,
+            "master_weights": stage >= 1,
+            "compute_params": False,
+        }.items()
+    }
     for component, divisor in split.items():
         shardings = getattr(plan, component)
         arrays = place(shapes, shardings)
@@ -82,12 +100,20 @@ def test_stage_shardings_on_8_devices(stage):
         assert device0_bytes(arrays) == 4 * psi // divisor, component
     # The ZeRO paper's per-device bytes, fp32 Adam (K = 8: two moments), measured from arrays.
     adam = optax.adam(1e-3).init({n: jnp.zeros(s) for n, s in shapes.items()})
-    adam = jax.tree.map(lambda x, s: jax.device_put(x, s), adam,
-                        plan.optimizer_state_shardings(adam))
-    measured = (device0_bytes(place(shapes, plan.params)) + device0_bytes(place(shapes, plan.grads))
-                + device0_bytes({str(i): a for i, a in enumerate(jax.tree.leaves(adam))}))
-    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi // 8, 2: 4 * psi + 12 * psi // 8,
-               3: 16 * psi // 8}[stage]
+    adam = jax.tree.map(
+        lambda x, s: jax.device_put(x, s), adam, plan.optimizer_state_shardings(adam)
+    )
+    measured = (
+        device0_bytes(place(shapes, plan.params))
+        + device0_bytes(place(shapes, plan.grads))
+        + device0_bytes({str(i): a for i, a in enumerate(jax.tree.leaves(adam))})
+    )
+    formula = {
+        0: 16 * psi,
+        1: 8 * psi + 8 * psi // 8,
+        2: 4 * psi + 12 * psi // 8,
+        3: 16 * psi // 8,
+    }[stage]
     assert measured == formula + 4  # + the replicated int32 step count
 
 
@@ -116,15 +142,26 @@ def test_data_and_fsdp_axes_combine():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_tensor_parallel_gpt2_preset_composes_with_zero(stage):
     shapes = gpt2_shapes()
-    plan = plan_for({"mesh": {"data": 4, "tensor": 2}, "zero_stage": stage, "rules": ["gpt2"]},
-                    shapes)
+    plan = plan_for(
+        {"mesh": {"data": 4, "tensor": 2}, "zero_stage": stage, "rules": ["gpt2"]}, shapes
+    )
     # Column-wise biases have one dim and the tensor rule takes it: ZeRO cannot split them too,
     # and says so (they are 0.6% of the bytes, well under the guard).
-    assert [(r.name, r.reason) for r in plan.replicated] == [] if stage == 0 else [
-        (f"transformer.h.{i}.{b}", f"ZeRO-{stage}: no dim of ({n},) is divisible by 4 (data=4); "
-                                   "dims [0] are taken by a rule")
-        for i in (0, 1) for b, n in (("mlp.c_fc.bias", 256), ("attn.c_attn.bias", 192))
-    ]
+    assert (
+        [(r.name, r.reason) for r in plan.replicated] == []
+        if stage == 0
+        else [
+            (
+                f"transformer.h.{i}.{b}",
+                (
+                    f"ZeRO-{stage}: no dim of ({n},) is divisible by 4 (data=4); "
+                    "dims [0] are taken by a rule"
+                ),
+            )
+            for i in (0, 1)
+            for b, n in (("mlp.c_fc.bias", 256), ("attn.c_attn.bias", 192))
+        ]
+    )
     compute = place(shapes, plan.compute_params)
     params = place(shapes, plan.params)
     opt = place(shapes, plan.opt_state)
@@ -142,7 +179,8 @@ def test_tensor_parallel_gpt2_preset_composes_with_zero(stage):
     expected = (16, 96) if stage == 3 else (64, 96)
     assert params[qkv].addressable_shards[0].data.shape == expected
     assert params["transformer.wte.weight"].sharding.spec == (
-        P("tensor", "data") if stage == 3 else P("tensor", None))
+        P("tensor", "data") if stage == 3 else P("tensor", None)
+    )
     assert plan.rule_for[qkv] == "rules[0] (preset 'gpt2')"
     assert plan.rule_for["transformer.h.1.ln_1.weight"] is None
 
@@ -150,15 +188,18 @@ def test_tensor_parallel_gpt2_preset_composes_with_zero(stage):
 def test_preset_on_mesh_without_tensor_axis_is_pure_zero():
     plan = plan_for({"mesh": {"fsdp": 8}, "zero_stage": 3, "rules": ["gpt2"]}, gpt2_shapes())
     qkv = plan.params["transformer.h.0.attn.c_attn.weight"]
-    assert qkv.spec == P(None, "fsdp") and plan.compute_params["transformer.wte.weight"].spec == \
-        P(None, None)
+    assert qkv.spec == P(None, "fsdp") and plan.compute_params["transformer.wte.weight"].spec == P(
+        None, None
+    )
 
 
 def test_uneven_dims_are_reported_not_silently_replicated():
     shapes = gpt2_shapes() | {"odd.weight": (7, 3), "odd.scale": (5,)}
     plan = plan_for({"mesh": {"data": 8}, "zero_stage": 1}, shapes)
     assert [(r.name, r.shape, r.bytes) for r in plan.replicated] == [
-        ("odd.weight", (7, 3), 84), ("odd.scale", (5,), 20)]
+        ("odd.weight", (7, 3), 84),
+        ("odd.scale", (5,), 20),
+    ]
     assert plan.replicated[0].reason == "ZeRO-1: no dim of (7, 3) is divisible by 8 (data=8)"
     assert plan.replicated[0].spec == P(None, None)
     opt = place(shapes, plan.opt_state)
@@ -168,12 +209,20 @@ def test_uneven_dims_are_reported_not_silently_replicated():
 
 def test_rule_dim_that_does_not_divide_is_reported():
     shapes = gpt2_shapes(vocab=255)  # a vocabulary tensor=2 cannot split
-    plan = plan_for({"mesh": {"data": 4, "tensor": 2}, "zero_stage": 3, "rules": ["gpt2"],
-                     "zero": {"max_replicated_fraction": 1.0}}, shapes)
+    plan = plan_for(
+        {
+            "mesh": {"data": 4, "tensor": 2},
+            "zero_stage": 3,
+            "rules": ["gpt2"],
+            "zero": {"max_replicated_fraction": 1.0},
+        },
+        shapes,
+    )
     entry = plan.replicated[0]
     assert entry.name == "transformer.wte.weight" and entry.spec == P(None, "data")
-    assert entry.reason == ("rules[0] (preset 'gpt2') splits dim 0 (size 255) over tensor=2, "
-                            "which does not divide it")
+    assert entry.reason == (
+        "rules[0] (preset 'gpt2') splits dim 0 (size 255) over tensor=2, which does not divide it"
+    )
     wte = place(shapes, plan.params)["transformer.wte.weight"]
     assert wte.addressable_shards[0].data.shape == (255, 16)  # still ZeRO-split on dim 1
 
@@ -183,15 +232,24 @@ def test_guard_fails_listing_five_largest():
     with pytest.raises(ConfigError) as info:
         plan_for({"mesh": {"data": 8}, "zero_stage": 3}, shapes)
     message = str(info.value)
-    assert message.startswith("ZeRO stage 3: 98.9% of parameter bytes (20,188 of 20,444) stay "
-                              "replicated, more than zero.max_replicated_fraction=0.1. Largest "
-                              "offenders:\n  odd6.weight shape=(7, 106) spec=P(None, None) "
-                              "(2,968 bytes): ZeRO-3: no dim of (7, 106) is divisible by 8")
-    listed = re.findall(r"^  (odd\d)\.weight", message, re.M)
+    # 7 x (101 + ... + 113) x 4 bytes = 20,972 replicated of 20,972 + 8 x 8 x 4 = 21,228.
+    assert message.startswith(
+        "ZeRO stage 3: 98.8% of parameter bytes (20,972 of 21,228) stay "
+        "replicated, more than zero.max_replicated_fraction=0.1. Largest "
+        "offenders:\n  odd6.weight shape=(7, 113) spec=P(None, None) "
+        "(3,164 bytes): ZeRO-3: no dim of (7, 113) is divisible by 8 "
+        "(data=8)\n"
+    )
+    assert message.endswith(
+        "Fix: make those dims divisible by the mesh axes, change the rules, "
+        "or raise zero.max_replicated_fraction."
+    )
+    listed = re.findall(r"^  (odd\d)\.weight", message, re.MULTILINE)
     assert listed == ["odd6", "odd5", "odd4", "odd3", "odd2"]
     # The fraction is configurable: raising it turns the failure into a report.
-    plan = plan_for({"mesh": {"data": 8}, "zero_stage": 3,
-                     "zero": {"max_replicated_fraction": 1.0}}, shapes)
+    plan = plan_for(
+        {"mesh": {"data": 8}, "zero_stage": 3, "zero": {"max_replicated_fraction": 1.0}}, shapes
+    )
     assert len(plan.replicated) == 7
 
 
@@ -201,29 +259,44 @@ def test_stage0_has_nothing_to_report():
 
 
 def test_unmatched_rules_warn():
-    rules = [{"pattern": r"^nothing\.here$", "spec": [None]}, "llama", "gpt2",
-             {"pattern": r"wte", "spec": [None, None]}]
+    rules = [
+        {"pattern": r"^nothing\.here$", "spec": [None]},
+        "llama",
+        "gpt2",
+        {"pattern": r"wte", "spec": [None, None]},
+    ]
     with pytest.warns(ConfigWarning) as record:
         plan_for({"mesh": {"data": 4, "tensor": 2}, "rules": rules}, gpt2_shapes())
     (warning,) = record
     assert str(warning.message) == (
         "sharding rules that match no parameter (check the pattern or the preset):\n"
         "  rules[0]: pattern '^nothing\\\\.here$'\n"
-        "  rules[1] (preset 'llama'): none of its 7 patterns")
+        "  rules[1] (preset 'llama'): none of its 7 patterns"
+    )
 
 
 def test_rule_with_too_many_dims():
-    with pytest.raises(ConfigError, match=re.escape(
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
             "rules[0]: spec ['tensor', None] has 2 dims but parameter 'transformer.ln_f.bias' "
-            "matched by pattern 'ln_f\\\\.bias' has shape (64,); fix the spec or the pattern")):
-        plan_for({"mesh": {"data": 4, "tensor": 2},
-                  "rules": [{"pattern": r"ln_f\.bias", "spec": ["tensor", None]}]}, gpt2_shapes())
+            "matched by pattern 'ln_f\\\\.bias' has shape (64,); fix the spec or the pattern"
+        ),
+    ):
+        plan_for(
+            {
+                "mesh": {"data": 4, "tensor": 2},
+                "rules": [{"pattern": r"ln_f\.bias", "spec": ["tensor", None]}],
+            },
+            gpt2_shapes(),
+        )
 
 
 def test_expert_preset():
     shapes = {"moe.experts.w1": (4, 64, 128), "moe.experts.0.w1.weight": (128, 64)}
-    plan = plan_for({"mesh": {"data": 2, "expert": 4}, "zero_stage": 3, "rules": ["expert"]},
-                    shapes)
+    plan = plan_for(
+        {"mesh": {"data": 2, "expert": 4}, "zero_stage": 3, "rules": ["expert"]}, shapes
+    )
     w1 = place(shapes, plan.params)["moe.experts.w1"]
     assert w1.sharding.spec == P("expert", None, "data")
     assert w1.addressable_shards[0].data.shape == (1, 64, 64)
@@ -235,8 +308,12 @@ def test_zero_dims_is_pure():
     assert zero_dims((64, 256), ((), ()), ("data",), sizes) == (((), ("data",)), None)
     assert zero_dims((64, 64), ((), ()), ("data",), sizes) == ((("data",), ()), None)
     assert zero_dims((64, 256), ((), ("tensor",)), ("data",), sizes) == (
-        (("data",), ("tensor",)), None)
-    assert zero_dims((6,), ((),), ("data",), sizes)[1] == "no dim of (6,) is divisible by 4 (data=4)"
+        (("data",), ("tensor",)),
+        None,
+    )
+    assert (
+        zero_dims((6,), ((),), ("data",), sizes)[1] == "no dim of (6,) is divisible by 4 (data=4)"
+    )
 
 
 def test_mesh_from_config():
@@ -245,13 +322,13 @@ def test_mesh_from_config():
     assert dict(mesh.shape) == {"data": 4, "tensor": 2}
     assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
     with pytest.raises(ConfigError, match="^mesh axes"):
-        make_sharding_plan({}, config, make_mesh(load_config({"mesh": {"fsdp": 8}},
-                                                             num_devices=8)))
+        make_sharding_plan({}, config, make_mesh(load_config({"mesh": {"fsdp": 8}}, num_devices=8)))
 
 
 def test_input_sharding_with_sequence_axis():
-    plan = plan_for({"mesh": {"data": 4, "sequence": 2}, "inputs": {"sequence_axis": "sequence"}},
-                    {"w": (8, 8)})
+    plan = plan_for(
+        {"mesh": {"data": 4, "sequence": 2}, "inputs": {"sequence_axis": "sequence"}}, {"w": (8, 8)}
+    )
     x = jax.device_put(np.zeros((8, 16), np.int32), plan.input_sharding(2))
     assert x.sharding.spec == P("data", "sequence") and x.addressable_shards[0].data.shape == (2, 8)
     assert plan.input_sharding(1).spec == P("data")
@@ -286,6 +363,21 @@ def test_plan_from_converted_torch_mlp():
     assert params["0.weight"].sharding.spec == P("data", None)  # (64, 16): dim 0 is largest
     assert params["0.weight"].addressable_shards[0].data.shape == (8, 16)
     assert params["2.bias"].addressable_shards[0].data.shape == (1,)
-    out, _ = jax.jit(converted.apply)(params, converted.buffers,
-                                      jax.device_put(x.numpy(), plan.input_sharding(2)))
+    out, _ = jax.jit(converted.apply)(
+        params, converted.buffers, jax.device_put(x.numpy(), plan.input_sharding(2))
+    )
     np.testing.assert_allclose(np.asarray(out), model(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_device_settings_checked_against_running_jax():
+    from zerojax.config import DevicesConfig
+    from zerojax.sharding import configure_devices
+
+    jax.devices()  # backends are up with the 8 devices tests/conftest.py asked for
+    configure_devices(DevicesConfig(platform="cpu", num_cpu_devices=8))  # agrees: a no-op
+    with pytest.raises(
+        ConfigError, match=r"^devices.num_cpu_devices=4: JAX already started with 8"
+    ):
+        configure_devices(DevicesConfig(num_cpu_devices=4))
+    with pytest.raises(ConfigError, match=r"resolved for 4 devices, but 8 are available"):
+        make_mesh(load_config({"mesh": {"data": -1}}, num_devices=4))

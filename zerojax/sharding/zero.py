@@ -50,7 +50,9 @@ class ReplicatedParam:
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.name} shape={self.shape} spec={self.spec} ({self.bytes:,} bytes): {self.reason}"
+        return (
+            f"{self.name} shape={self.shape} spec={self.spec} ({self.bytes:,} bytes): {self.reason}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,10 +123,17 @@ class ShardingPlan:
         """One line per parameter: shape, stored / compute / optimizer-state specs, rule."""
         rows = [("name", "shape", "params", "compute", "grads", "opt_state", "rule")]
         for name in self.params:
-            rows.append((name, str(self.shapes[name]), *(
-                _spec_str(getattr(self, c)[name].spec) for c in
-                ("params", "compute_params", "grads", "opt_state")
-            ), self.rule_for[name] or "-"))
+            rows.append(
+                (
+                    name,
+                    str(self.shapes[name]),
+                    *(
+                        _spec_str(getattr(self, c)[name].spec)
+                        for c in ("params", "compute_params", "grads", "opt_state")
+                    ),
+                    self.rule_for[name] or "-",
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         mesh = " x ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
@@ -225,9 +234,15 @@ def make_sharding_plan(
             dims, reason = zero_dims(shape, base, dp_axes, axis_sizes)
             reasons += [f"ZeRO-{config.zero.stage}: {reason}"] if reason else []
         if reasons:
-            replicated.append(ReplicatedParam(name=name, shape=shape, bytes=size,
-                                              spec=to_partition_spec(dims),
-                                              reason="; ".join(reasons)))
+            replicated.append(
+                ReplicatedParam(
+                    name=name,
+                    shape=shape,
+                    bytes=size,
+                    spec=to_partition_spec(dims),
+                    reason="; ".join(reasons),
+                )
+            )
         zero_spec, base_spec = to_partition_spec(dims), to_partition_spec(base)
         stage = config.zero.stage
         specs["compute_params"][name] = base_spec
@@ -274,8 +289,10 @@ def _rule_dims(name, shape, rule, axis_sizes):
         split = math.prod(axis_sizes[a] for a in axes)
         if shape[d] % split:
             sizes = "x".join(f"{a}={axis_sizes[a]}" for a in axes)
-            reasons.append(f"{rule.origin} splits dim {d} (size {shape[d]}) over {sizes}, "
-                           f"which does not divide it")
+            reasons.append(
+                f"{rule.origin} splits dim {d} (size {shape[d]}) over {sizes}, "
+                f"which does not divide it"
+            )
             axes = ()
         kept.append(axes)
     return tuple(kept), "; ".join(reasons) or None
@@ -286,12 +303,18 @@ def _warn_unmatched(rules, unmatched: list[int]) -> None:
     for index, rule in enumerate(rules):
         if rule.preset is not None:
             presets.setdefault(rule.origin, []).append(index)
-    lines = [f"{rules[i].origin}: pattern {rules[i].pattern!r}"
-             for i in unmatched if rules[i].preset is None]
+    lines = [
+        f"{rules[i].origin}: pattern {rules[i].pattern!r}"
+        for i in unmatched
+        if rules[i].preset is None
+    ]
     # A preset is a menu for a model family: parts of it missing (no biases, tied head) is
     # normal; all of it missing means the wrong preset.
-    lines += [f"{origin}: none of its {len(idx)} patterns"
-              for origin, idx in presets.items() if set(idx) <= set(unmatched)]
+    lines += [
+        f"{origin}: none of its {len(idx)} patterns"
+        for origin, idx in presets.items()
+        if set(idx) <= set(unmatched)
+    ]
     if lines:
         warnings.warn(
             "sharding rules that match no parameter (check the pattern or the preset):\n  "

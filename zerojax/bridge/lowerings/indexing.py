@@ -6,9 +6,7 @@ Ops whose output size depends on tensor values (nonzero, masked_select, x[bool_m
 traced with static shapes and raise `DataDependentShapeError` naming a static alternative.
 """
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from jax import lax
 
@@ -40,7 +38,7 @@ def _is_mask(index) -> bool:
     return index is not None and (is_bool(index.dtype) or index.dtype == jnp.uint8)
 
 
-def _index_tuple(indices, ndim: int) -> tuple:
+def _index_tuple(indices) -> tuple:
     """torch's Tensor?[] indices as a numpy index: None means the whole dim, not a new axis.
 
     numpy and torch agree on advanced indexing: adjacent index tensors put the broadcast index
@@ -77,7 +75,7 @@ def lower_index_tensor(ctx, self, indices):
             "torch.where(mask, x, fill) keeps the shape; x.masked_fill(~mask, 0) or a weighted "
             "sum with mask.float() replace a selection followed by a reduction",
         )
-    return self[_index_tuple(indices, self.ndim)]
+    return self[_index_tuple(indices)]
 
 
 @lowering(aten.gather.default)
@@ -241,7 +239,7 @@ def lower_index_put_default(ctx, self, indices, values, accumulate=False):
     if has_mask and _is_single_leading_mask(indices, values, self):
         return _masked_put(self, indices, values, accumulate)
     indices = _masks_to_positions(indices) if has_mask else indices
-    target = self.at[_index_tuple(indices, self.ndim)]
+    target = self.at[_index_tuple(indices)]
     mode = "drop" if has_mask else None
     if accumulate:
         return target.add(values, mode=mode)
@@ -249,15 +247,11 @@ def lower_index_put_default(ctx, self, indices, values, accumulate=False):
 
 
 def _is_single_leading_mask(indices, values, self) -> bool:
-    """One mask, every other entry None, and values broadcast along the selected elements."""
-    masks = [i for i in indices if i is not None]
-    if len(masks) != 1 or not _is_mask(masks[0]):
+    """indices is [mask] alone and values do not vary along the selected elements."""
+    if not _is_mask(indices[0]) or any(i is not None for i in indices[1:]):
         return False
-    position = next(k for k, i in enumerate(indices) if i is not None)
-    trailing = self.ndim - position - masks[0].ndim
-    if position > 0:
-        return False
-    # The indexed shape is (count, *trailing dims); values must not vary along count.
+    trailing = self.ndim - indices[0].ndim
+    # The indexed shape is (count, *trailing dims); values must broadcast along count.
     return values.ndim <= trailing or values.shape[values.ndim - trailing - 1] == 1
 
 

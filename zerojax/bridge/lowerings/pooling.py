@@ -167,9 +167,10 @@ def _avg_pool(
     config = [(0, 0)] * lead
     for size, k, s, p, o in zip(spatial, kernel, stride, padding, out_sizes):
         config.append((p, (o - 1) * s + k - size - p))
+    # A concrete numpy zero lets JAX see a windowed sum (differentiable reduce_window_sum).
     total = lax.reduce_window(
         xs,
-        jnp.asarray(0, compute),
+        np.zeros((), compute),
         lax.add,
         (1,) * lead + kernel,
         (1,) * lead + stride,

@@ -460,3 +460,36 @@ def lower_mode_default(ctx, self, dim=-1, keepdim=False):
     run_length = position - lax.cummax(run_start, axis=axis) + 1
     best = jnp.argmax(run_length, axis=axis, keepdims=True)
     return _take(self, jnp.take_along_axis(order, best, axis=axis), axis, keepdim)
+
+
+# --- norms ----------------------------------------------------------------------------------------
+
+
+@lowering(aten.linalg_vector_norm.default)
+def lower_linalg_vector_norm(ctx, self, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """(sum |x|^ord)^(1/ord) over `dim`; ord inf/-inf = max/min |x|, ord 0 = count of nonzeros.
+
+    The 2-norm of an all-zero slice has gradient 0 in torch (not NaN): the square root is
+    taken through a `where` so its derivative at 0 is never evaluated.
+    """
+    x = jnp.abs(_as_accumulator(ctx, self))
+    axes = _axes(self.ndim, dim)
+
+    def reduce(fn, value):
+        return _reduce_or_keep(value, fn, axes, keepdim)
+
+    if ord == float("inf"):
+        return reduce(jnp.max, x)
+    if ord == float("-inf"):
+        return reduce(jnp.min, x)
+    if ord == 0:
+        return reduce(jnp.sum, (x != 0).astype(x.dtype))
+    if ord == 1:
+        return reduce(jnp.sum, x)
+    if ord == 2:
+        total = reduce(jnp.sum, x * x)
+        positive = total > 0
+        return jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1.0)), 0.0)
+    total = reduce(jnp.sum, x**ord)
+    positive = total > 0
+    return jnp.where(positive, jnp.where(positive, total, 1.0) ** (1.0 / ord), 0.0)

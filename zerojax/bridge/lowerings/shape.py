@@ -4,6 +4,8 @@ After functionalization a view op is a value-producing op (nothing aliases), so 
 returns the jnp value the view denotes. Shapes, dims and slice bounds are static Python ints.
 """
 
+import itertools
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -68,9 +70,7 @@ def lower_view_dtype(ctx, self, dtype):
 def lower_expand_default(ctx, self, size, *, implicit=False):
     """-1 keeps an existing dim; extra sizes are new leading dims."""
     lead = len(size) - self.ndim
-    shape = tuple(
-        self.shape[i - lead] if s == -1 else s for i, s in enumerate(size)
-    )
+    shape = tuple(self.shape[i - lead] if s == -1 else s for i, s in enumerate(size))
     return jnp.broadcast_to(self, shape)
 
 
@@ -139,13 +139,13 @@ def lower_split_with_sizes_default(ctx, self, split_sizes, dim=0):
         raise ValueError(f"split sizes {split_sizes} do not sum to dim {dim}'s size {self.shape}")
     offsets = np.cumsum([0, *split_sizes])
     return [
-        lax.slice_in_dim(self, int(a), int(b), axis=dim) for a, b in zip(offsets[:-1], offsets[1:])
+        lax.slice_in_dim(self, int(a), int(b), axis=dim) for a, b in itertools.pairwise(offsets)
     ]
 
 
 @lowering(aten.flip.default)
 def lower_flip_default(ctx, self, dims):
-    if not dims:
+    if not dims or self.ndim == 0:
         return self
     return jnp.flip(self, tuple(_dim(d, self.ndim) for d in dims))
 
@@ -177,7 +177,9 @@ def _pad_last_dims(self, padding, mode):
     return jnp.pad(self, widths, mode=mode)
 
 
-@lowering(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
+@lowering(
+    aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default
+)
 def lower_reflection_pad(ctx, self, padding):
     """Mirror padding of the last len(padding)/2 dims, edge excluded."""
     return _pad_last_dims(self, padding, "reflect")
@@ -239,8 +241,10 @@ def lower_as_strided_default(ctx, self, size, stride, storage_offset=None):
     if span == held.size and np.array_equal(held - base, np.arange(span)):
         storage = self.reshape(-1)  # contiguous input: its values are its storage
     else:
-        storage = jnp.zeros(span, self.dtype).at[jnp.asarray(held - base, jnp.int32)].set(
-            self.reshape(-1), unique_indices=True
+        storage = (
+            jnp.zeros(span, self.dtype)
+            .at[jnp.asarray(held - base, jnp.int32)]
+            .set(self.reshape(-1), unique_indices=True)
         )
     index = jnp.full(tuple(size), offset - base, jnp.int32)
     for axis, step in enumerate(stride):
