@@ -1,6 +1,21 @@
 """zerojax: an ordinary PyTorch model and training loop as one sharded JAX/XLA program."""
 
 from zerojax.bridge import CaptureError, Converted, UnsupportedOpError, convert
+from zerojax.config import Config, ConfigError, ConfigWarning, load_config
+from zerojax.sharding import ReplicatedParam, ShardingPlan, make_mesh, make_sharding_plan
 
 __version__ = "0.1.0"
-__all__ = ["CaptureError", "Converted", "UnsupportedOpError", "convert"]
+__all__ = [
+    "CaptureError",
+    "Config",
+    "ConfigError",
+    "ConfigWarning",
+    "Converted",
+    "ReplicatedParam",
+    "ShardingPlan",
+    "UnsupportedOpError",
+    "convert",
+    "load_config",
+    "make_mesh",
+    "make_sharding_plan",
+]

@@ -136,13 +136,17 @@ CASES = {
     "setitem_mask": (_setitem_mask, _x(3, 4), _bools(3, 4)),
     "setitem_mask_rows": (_setitem_mask_rows, _x(5, 3), _bools(5), _x(3)),
     "setitem_mask_inner": (_setitem_mask_inner, _x(3, 4, 2), _bools(4)),
-    "index_fill": (lambda x, i: x.index_fill(1, i, -1.0), _x(3, 5), _idx(-5, 5, (3,))),
-    "index_copy": (
-        lambda x, v: x.index_copy(0, torch.tensor([2, 0]), v),
-        _x(3, 4),
-        _x(2, 4),
+    "index_fill_copy_add": (
+        lambda x, i, v, j: (
+            x.index_fill(1, i, -1.0),
+            x.index_copy(0, torch.tensor([2, 0]), v[:2]),
+            x.index_add(0, j, v),
+        ),
+        _x(3, 5),
+        _idx(-5, 5, (3,)),
+        _x(5, 5),
+        _idx(0, 3, (5,)),
     ),
-    "index_add": (lambda x, i, v: x.index_add(0, i, v), _x(3, 4), _idx(0, 3, (5,)), _x(5, 4)),
     # index_select.default, also from roll
     "index_select": (lambda x, i: x.index_select(1, i), _x(3, 5), _idx(0, 5, (7,))),
     "roll": (lambda x: x.roll((1, -2), (0, 1)), _x(3, 5)),
@@ -168,17 +172,36 @@ CASES = {
         _idx(-9, 9, (3, 6)),
     ),
     # select_scatter / slice_scatter.default (step, negative bounds)
-    "select_scatter": (lambda x, s: x.select_scatter(s, 1, -1), _x(3, 4), _x(3)),
-    "slice_scatter": (lambda x, s: x.slice_scatter(s, 1, 1, 100, 2), _x(3, 6), _x(3, 3)),
-    "slice_scatter_neg": (lambda x, s: x.slice_scatter(s, 0, -3, -1), _x(5, 2), _x(2, 2)),
+    "select_slice_scatter": (
+        lambda x, a, b, c: (
+            x.select_scatter(a, 1, -1),
+            x.slice_scatter(b, 1, 1, 100, 2),
+            x.slice_scatter(c, 0, -2, -1),
+        ),
+        _x(3, 6),
+        _x(3),
+        _x(3, 3),
+        _x(1, 6),
+    ),
     # embedding.default
     "embedding": (lambda w, i: F.embedding(i, w), _x(10, 4), _idx(0, 10, (2, 3))),
     # put.default
-    "put": (lambda x, i, s: x.put(i, s), _x(3, 4), lambda: torch.tensor([0, -1, 5]), _x(3)),
-    "put_acc": (lambda x, i, s: x.put(i, s, accumulate=True), _x(3, 4), _idx(-12, 12, (8,)), _x(8)),
+    "put": (
+        lambda x, i, s, j, t: (x.put(i, s), x.put(j, t, accumulate=True)),
+        _x(3, 4),
+        lambda: torch.tensor([0, -1, 5]),
+        _x(3),
+        _idx(-12, 12, (8,)),
+        _x(8),
+    ),
     # nonzero_static.default
-    "nonzero_static": (lambda x: torch.nonzero_static(x > 0, size=8), _x(3, 4)),
-    "nonzero_static_pad": (lambda x: torch.nonzero_static(x > 0, size=20, fill_value=-7), _x(2, 3)),
+    "nonzero_static": (
+        lambda x: (
+            torch.nonzero_static(x > 0, size=8),
+            torch.nonzero_static(x > 0, size=20, fill_value=-7),
+        ),
+        _x(3, 4),
+    ),
 }
 
 
