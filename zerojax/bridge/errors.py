@@ -15,6 +15,11 @@ class UnsupportedOpError(NotImplementedError):
     """The captured graph contains ATen overloads zerojax has no lowering for."""
 
 
+class DataDependentShapeError(UnsupportedOpError):
+    """An op's output shape depends on tensor values (nonzero, masked_select); JAX needs static
+    shapes."""
+
+
 def node_location(node: torch.fx.Node) -> str:
     """'module path (ModuleType) at file:line' for a graph node, from export's metadata."""
     stack = node.meta.get("nn_module_stack") or {}

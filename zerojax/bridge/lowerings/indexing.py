@@ -11,14 +11,10 @@ import torch
 from jax import lax
 
 from zerojax.bridge.dtypes import is_bool, is_floating
-from zerojax.bridge.errors import UnsupportedOpError
+from zerojax.bridge.errors import DataDependentShapeError
 from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
-
-
-class DataDependentShapeError(UnsupportedOpError):
-    """An op's output shape depends on tensor values; JAX needs static shapes."""
 
 
 def _data_dependent(ctx, what: str, alternative: str):

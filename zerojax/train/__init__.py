@@ -1,0 +1,1 @@
+"""Training: initialize(), the wrapped module, the optimizer shim, the precision policy, the step."""
