@@ -323,10 +323,6 @@ class KeywordInputs(nn.Module):
         return x * scale + shift
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="convert._signature_key keys on kwargs order; jax.jit passes kwargs sorted by name",
-)
 def test_keyword_inputs_under_jit_reuse_the_converted_program(caplog):
     """jax.jit hands kwargs over in sorted-key order; that alone must not re-trace."""
     x = torch.randn(3)

@@ -136,7 +136,8 @@ def _as_torch_example(leaf):
 
 def _signature_key(args, kwargs):
     """Cache key: the pytree structure plus (shape, dtype) of arrays / value of other leaves."""
-    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    # jax.jit passes keyword arguments sorted by name: the key must not depend on their order.
+    leaves, spec = torch_pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
     described = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):

@@ -109,7 +109,9 @@ class ParamGroupSpec:
     """SGD: `momentum != 0`, so a momentum buffer exists."""
     nesterov: bool = False
     """SGD: Nesterov momentum."""
-    options: Mapping[str, Any] = field(default=MappingProxyType({}), compare=False, hash=False)
+    options: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, hash=False
+    )
     """The group's torch options (all keys but `params`) when the spec was built; they are
     defaults for `state_dict_from_jax`, not part of the compiled program (hence not compared)."""
 
@@ -403,7 +405,9 @@ def _adam_param(group: ParamGroupSpec, h, step_size_neg, bc2_sqrt, p, g, m, v, v
     else:
         g = g + h["weight_decay"] * p
     m = _lerp(m, g, h["one_minus_beta1"])
-    v = v * h["beta2"] + (h["one_minus_beta2"] * g) * g
+    # torch's addcmul is fma((1-beta2)*g, g, v*beta2); XLA contracts the *first* product of
+    # `a*b + c*d` into the FMA, so the operand order here is what makes the bits agree.
+    v = ((h["one_minus_beta2"] * g) * g) + v * h["beta2"]
     if group.amsgrad:
         v_max = jnp.maximum(v_max, v)
         denom = jnp.sqrt(v_max) / bc2_sqrt + h["eps"]
@@ -419,7 +423,8 @@ def _sgd_param(group: ParamGroupSpec, h, first_step, p, g, buf):
     g = g + h["weight_decay"] * p
     if group.has_momentum:
         # torch initialises the buffer to the gradient itself on the first step.
-        buf = jnp.where(first_step, g, buf * h["momentum"] + h["one_minus_dampening"] * g)
+        # Operand order as torch's fma(g, 1-dampening, buf*momentum) (see _adam_param).
+        buf = jnp.where(first_step, g, h["one_minus_dampening"] * g + buf * h["momentum"])
         g = g + h["momentum"] * buf if group.nesterov else buf
     return p + (-h["lr"]) * g, buf
 

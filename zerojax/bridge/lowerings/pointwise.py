@@ -755,12 +755,6 @@ def lower_lift_fresh_copy(ctx, self):
     return self
 
 
-@lowering(aten.conj_physical.default)
-def lower_conj_physical(ctx, self):
-    """Identity on real tensors (zerojax has no complex lowering path)."""
-    return self
-
-
 @lowering(aten.copy.default)
 def lower_copy(ctx, self, src):
     """The functional copy_: src broadcast to self's shape and cast to self's dtype."""
