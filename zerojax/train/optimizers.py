@@ -43,7 +43,6 @@ as in torch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -51,6 +50,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import torch
 
@@ -81,8 +81,9 @@ _HYPER_KEYS = {
         "beta2",
         "one_minus_beta1",
         "one_minus_beta2",
-        "log_beta1",
-        "log_beta2",
+        "beta1_lo",
+        "beta2_lo",
+        "lr_lo",
         "eps",
         "weight_decay",
         "decay_factor",
@@ -323,9 +324,9 @@ def _group_hyper(name: str, group: Mapping[str, Any]) -> dict[str, float]:
         }
     beta1, beta2 = (_scalar(b) for b in group["betas"])
 
-    def log(beta: float) -> float:
-        # beta == 0 never reaches a bias correction that matters (1 - 0**step == 1).
-        return math.log(beta) if beta > 0 else -math.inf
+    def lo(x: float) -> float:
+        # The float64 value as a float32 pair hi + lo, for the double-float bias corrections.
+        return x - float(np.float32(x))
 
     return {
         "lr": lr,
@@ -333,8 +334,9 @@ def _group_hyper(name: str, group: Mapping[str, Any]) -> dict[str, float]:
         "beta2": beta2,
         "one_minus_beta1": 1 - beta1,
         "one_minus_beta2": 1 - beta2,
-        "log_beta1": log(beta1),
-        "log_beta2": log(beta2),
+        "beta1_lo": lo(beta1),
+        "beta2_lo": lo(beta2),
+        "lr_lo": lo(lr),
         "eps": _scalar(group["eps"]),
         "weight_decay": wd,
         "decay_factor": 1 - lr * wd,
@@ -391,6 +393,78 @@ def init_state(
     return state
 
 
+# Double-float ("df": an unevaluated float32 sum hi + lo, ~48 bits) scalar arithmetic, so the
+# bias corrections torch computes in Python float64 come out as the same float32 without
+# enabling x64. Only exact products (halves of <= 12 significant bits) feed additions, so XLA's
+# FMA contraction cannot break the error-free transformations.
+
+
+def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    hi = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFF000), jnp.float32
+    )
+    return hi, x - hi
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    s = a + b
+    b_virtual = s - a
+    return s, (a - (s - b_virtual)) + (b - b_virtual)
+
+
+def _fast_two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    s = a + b
+    return s, b - (s - a)
+
+
+def _df_mul(a, b):
+    ah, al = _split(a[0])
+    bh, bl = _split(b[0])
+    s, e1 = _two_sum(ah * bh, ah * bl)
+    s, e2 = _two_sum(s, al * bh)
+    return _fast_two_sum(s, (e1 + e2 + al * bl) + (a[0] * b[1] + a[1] * b[0]))
+
+
+def _df_one_minus(a):
+    s, e = _two_sum(jnp.ones_like(a[0]), -a[0])
+    return _fast_two_sum(s, e - a[1])
+
+
+def _df_pow(base, exponent: jax.Array):
+    """base**exponent for an int32 exponent >= 0, by squaring (unrolled: no device loop)."""
+    one = jnp.ones_like(base[0])
+    result = (one, jnp.zeros_like(one))
+    for bit in range(31):
+        product = _df_mul(result, base)
+        take = ((exponent >> bit) & 1) == 1
+        result = (jnp.where(take, product[0], result[0]), jnp.where(take, product[1], result[1]))
+        base = _df_mul(base, base)
+    return result
+
+
+def _df_div_to_f32(a, b) -> jax.Array:
+    q1 = a[0] / b[0]
+    qb = _df_mul((q1, jnp.zeros_like(q1)), b)
+    r, e = _two_sum(a[0], -qb[0])
+    q2 = (r + (e + a[1] - qb[1])) / b[0]
+    return q1 + q2
+
+
+def _df_sqrt_to_f32(a) -> jax.Array:
+    s = jnp.sqrt(a[0])
+    ss = _df_mul((s, jnp.zeros_like(s)), (s, jnp.zeros_like(s)))
+    r, e = _two_sum(a[0], -ss[0])
+    return s + (r + (e + a[1] - ss[1])) / (2 * s)
+
+
+def _adam_bias_corrections(steps: jax.Array, hyper: Mapping[str, jax.Array]):
+    """Per group -lr/(1-beta1**t) and sqrt(1-beta2**t), rounded from ~float64 as torch's."""
+    bc1 = _df_one_minus(_df_pow((hyper["beta1"], hyper["beta1_lo"]), steps))
+    bc2 = _df_one_minus(_df_pow((hyper["beta2"], hyper["beta2_lo"]), steps))
+    step_size_neg = -_df_div_to_f32((hyper["lr"], hyper["lr_lo"]), bc1)
+    return step_size_neg, _df_sqrt_to_f32(bc2)
+
+
 def _lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
     # torch's lerp kernel: two formulas, picked by |weight| < 0.5, for accuracy near weight=1.
     diff = end - start
@@ -422,9 +496,13 @@ def _sgd_param(group: ParamGroupSpec, h, first_step, p, g, buf):
         g = -g
     g = g + h["weight_decay"] * p
     if group.has_momentum:
-        # torch initialises the buffer to the gradient itself on the first step.
-        # Operand order as torch's fma(g, 1-dampening, buf*momentum) (see _adam_param).
-        buf = jnp.where(first_step, g, h["one_minus_dampening"] * g + buf * h["momentum"])
+        # torch initialises the buffer to the gradient on the first step: select the scalars,
+        # not the arrays (1*g + 0*0 == g exactly; buf starts at zero), which keeps the
+        # expression a plain `a*g + b*m` that XLA contracts into torch's
+        # fma(g, 1-dampening, buf*momentum) (operand order matters, see _adam_param).
+        alpha = jnp.where(first_step, 1.0, h["one_minus_dampening"])
+        momentum = jnp.where(first_step, 0.0, h["momentum"])
+        buf = alpha * g + buf * momentum
         g = g + h["momentum"] * buf if group.nesterov else buf
     return p + (-h["lr"]) * g, buf
 
@@ -448,19 +526,14 @@ def apply_update(
     hyper_arrays = {k: jnp.asarray(v, f32) for k, v in hyper.items()}
     new_params = dict(params)
     new_state = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in state.items()}
-    new_steps = []
+    new_steps = tuple(s + 1 for s in state["step"])
+    if spec.family == "adam":
+        step_sizes_neg, bc2_sqrts = _adam_bias_corrections(jnp.stack(new_steps), hyper_arrays)
     for index, group in enumerate(spec.groups):
         h = {k: v[index] for k, v in hyper_arrays.items()}
         step = state["step"][index]
-        new_steps.append(step + 1)
         if spec.family == "adam":
-            step_f = (step + 1).astype(f32)
-            # torch: 1 - beta**step in float64; expm1 keeps float32 accurate to a few ulp
-            # where 1 - beta**step would cancel (beta2 = 0.999, step 1 loses 4 digits).
-            bc1 = -jnp.expm1(step_f * h["log_beta1"])
-            bc2 = -jnp.expm1(step_f * h["log_beta2"])
-            step_size_neg = -(h["lr"] / bc1)
-            bc2_sqrt = jnp.sqrt(bc2)
+            step_size_neg, bc2_sqrt = step_sizes_neg[index], bc2_sqrts[index]
         for n in group.trainable_names:
             p, g = params[n].astype(f32), grads[n].astype(f32)
             if spec.family == "adam":
@@ -477,7 +550,7 @@ def apply_update(
             for key, value in updated.items():
                 if value is not None:
                     new_state[key][n] = value.astype(state[key][n].dtype)
-    new_state["step"] = tuple(new_steps)
+    new_state["step"] = new_steps
     return new_params, new_state
 
 

@@ -501,7 +501,7 @@ def _integer_pow(base, exponent):
 def lower_pow_tensor_scalar(ctx, self, exponent):
     """self ** exponent for a Python scalar exponent; torch special-cases small ones."""
     base = _promoted(self, exponent)[0]
-    if is_integer(base.dtype) or is_bool(base.dtype):
+    if is_integer(base.dtype):
         if exponent < 0:
             return _integer_pow(base, jnp.asarray(exponent, base.dtype))
         return lax.integer_pow(base, int(exponent))
