@@ -64,3 +64,49 @@ def check(fn_or_module, *args, rtol=1.3e-6, atol=1e-5, jit=True, **kwargs):
     expected, got = run_both(fn_or_module, *args, jit=jit, **kwargs)
     assert_close(expected, got, rtol=rtol, atol=atol, what=getattr(fn_or_module, "__name__", ""))
     return got
+
+
+def check_grad(fn_or_module, *args, wrt=None, rtol=1e-5, atol=1e-5):
+    """jax.grad through the converted module equals torch autograd, for inputs and parameters.
+
+    The loss is a random weighting of every float output (a plain sum would make the gradient
+    of softmax or a normalisation vanish). `wrt`: indices of the inputs to differentiate
+    (default: every floating-point input); every floating-point parameter is always included.
+    """
+    module = fn_or_module if isinstance(fn_or_module, torch.nn.Module) else Lambda(fn_or_module)
+    if wrt is None:
+        wrt = tuple(i for i, a in enumerate(args) if a.is_floating_point())
+    leaves = [a.detach().clone().requires_grad_(i in wrt) for i, a in enumerate(args)]
+    outputs = [o for o in torch_pytree.tree_leaves(module(*leaves)) if o.is_floating_point()]
+    cotangents = [torch.randn_like(o) for o in outputs]
+    params = {n: p for n, p in module.named_parameters() if p.is_floating_point()}
+    total = sum((o * c).sum() for o, c in zip(outputs, cotangents, strict=True))
+    expected = torch.autograd.grad(
+        total, [leaves[i] for i in wrt] + list(params.values()), allow_unused=True
+    )
+    expected = [
+        torch.zeros_like(t) if g is None else g
+        for g, t in zip(expected, [leaves[i] for i in wrt] + list(params.values()))
+    ]
+
+    converted = zerojax.convert(module, tuple(a.detach() for a in args))
+    jax_args = [from_torch(a.detach()) for a in args]
+
+    def loss(params, wrt_values):
+        inputs = list(jax_args)
+        for i, value in zip(wrt, wrt_values, strict=True):
+            inputs[i] = value
+        out, _ = converted.apply(params, converted.buffers, *inputs)
+        floats = [o for o in jax.tree.leaves(out) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)]
+        return sum((o * from_torch(c)).sum() for o, c in zip(floats, cotangents, strict=True))
+
+    grad_params, grad_inputs = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        converted.params, [jax_args[i] for i in wrt]
+    )
+    got = [to_torch(g) for g in grad_inputs]
+    got += [to_torch(grad_params[converted.alias[name]]) for name in params]
+    names = [f"input {i}" for i in wrt] + list(params)
+    for name, g, e in zip(names, got, expected, strict=True):
+        torch.testing.assert_close(
+            g, e, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad {n}: {m}"
+        )

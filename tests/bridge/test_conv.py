@@ -8,43 +8,15 @@ fp32 accumulation, aten.convolution_backward called directly, and jax.grad of co
 against torch autograd.
 """
 
-import jax
-import jax.numpy as jnp
 import pytest
 import torch
 from torch import nn
 
-import zerojax
-from tests.bridge.parity import check
-from zerojax.bridge.dtypes import from_torch, to_torch
+from tests.bridge.parity import check, check_grad
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 aten = torch.ops.aten
-
-
-def assert_grad_parity(module, *inputs, rtol=1e-5, atol=1e-5):
-    """jax.grad of sum(out * r) w.r.t. inputs and parameters matches torch autograd."""
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    out = module(*leaves)
-    cotangent = torch.randn_like(out)
-    (out * cotangent).sum().backward()
-
-    converted = zerojax.convert(module, tuple(x.detach() for x in inputs))
-
-    def loss(params, xs):
-        out, _ = converted.apply(params, converted.buffers, *xs)
-        return jnp.sum(out * from_torch(cotangent))
-
-    grad_params, grad_inputs = jax.jit(jax.grad(loss, argnums=(0, 1)))(
-        converted.params, [from_torch(x.detach()) for x in inputs]
-    )
-    for i, (leaf, grad) in enumerate(zip(leaves, grad_inputs, strict=True)):
-        torch.testing.assert_close(
-            to_torch(grad), leaf.grad, rtol=rtol, atol=atol, msg=f"input {i}"
-        )
-    for name, param in module.named_parameters():
-        torch.testing.assert_close(to_torch(grad_params[name]), param.grad, rtol=rtol, atol=atol)
 
 
 class Each(nn.Module):
@@ -141,4 +113,4 @@ def test_convolution_backward():
     ],
 )
 def test_convolution_grad(make, shape):
-    assert_grad_parity(make(), torch.randn(*shape), rtol=1e-4, atol=1e-4)
+    check_grad(make(), torch.randn(*shape), rtol=1e-4, atol=1e-4)

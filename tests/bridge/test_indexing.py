@@ -6,15 +6,12 @@ compared with torch autograd. Index tensors include negative entries where torch
 and duplicates where the op's result is still deterministic (accumulation).
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-import zerojax
-from tests.bridge.parity import Lambda, assert_close, check
+from tests.bridge.parity import assert_close, check, check_grad
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.bridge.errors import UnsupportedOpError
 
@@ -35,27 +32,6 @@ def _perm_index(n, shape_rest):
     """A scatter index along dim 0 without duplicates per column (torch's scatter with
     duplicates picks an arbitrary writer)."""
     return lambda: torch.stack([torch.randperm(n) for _ in range(int(np.prod(shape_rest)))], -1)
-
-
-def check_grad(fn, *args, wrt=(0,)):
-    """jax.grad of sum(outputs) w.r.t. args[i] for i in wrt equals torch autograd's."""
-    module = Lambda(fn)
-    converted = zerojax.convert(module, args)
-    leaves = [from_torch(a) for a in args]
-
-    def loss(*wrt_values):
-        inputs = list(leaves)
-        for i, value in zip(wrt, wrt_values):
-            inputs[i] = value
-        outputs, _ = converted.apply(converted.params, converted.buffers, *inputs)
-        return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree_util.tree_leaves(outputs))
-
-    got = jax.jit(jax.grad(loss, argnums=tuple(range(len(wrt)))))(*(leaves[i] for i in wrt))
-    torch_args = [a.clone().requires_grad_(i in wrt) for i, a in enumerate(args)]
-    outputs = fn(*torch_args)
-    total = sum(o.float().sum() for o in torch.utils._pytree.tree_leaves(outputs))
-    expected = torch.autograd.grad(total, [torch_args[i] for i in wrt])
-    assert_close(list(expected), [to_torch(g) for g in got], what="grad")
 
 
 def _index_put(x, i, v, accumulate=False):

@@ -13,15 +13,12 @@ fails, re-checks op by op to name the culprit.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as torch_pytree
 
-import zerojax
-from tests.bridge.parity import Lambda, assert_close, check
+from tests.bridge.parity import assert_close, check, check_grad
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.bridge.registry import get_lowering
 
@@ -69,24 +66,8 @@ def check_many(fns: dict, *args, rtol=1.3e-6, atol=1e-5):
 
 
 def grad_parity(fns: dict, *args, rtol=1e-5, atol=1e-5):
-    """jax.grad of the summed outputs of all `fns` w.r.t. every input vs torch autograd."""
-
-    def total(*xs):
-        outputs = torch_pytree.tree_leaves([fn(*xs) for fn in fns.values()])
-        return sum(out.float().sum() for out in outputs)
-
-    converted = zerojax.convert(Lambda(total), args)
-
-    def loss(*xs):
-        out, _ = converted.apply(converted.params, converted.buffers, *xs)
-        return out.astype(jnp.float32)
-
-    got = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*map(from_torch, args))
-    leaves = [a.detach().clone().requires_grad_(True) for a in args]
-    total(*leaves).backward()
-    assert_close(
-        [a.grad for a in leaves], [to_torch(g) for g in got], rtol=rtol, atol=atol, what="grad"
-    )
+    """jax.grad through all `fns` at once (one export) w.r.t. every input vs torch autograd."""
+    check_grad(lambda *xs: [fn(*xs) for fn in fns.values()], *args, rtol=rtol, atol=atol)
 
 
 # --- unary ----------------------------------------------------------------------------------

@@ -9,13 +9,11 @@ the inputs. Several ops share one callable where that keeps the export/compile c
 """
 
 import jax
-import jax.numpy as jnp
 import pytest
 import torch
-import torch.utils._pytree as torch_pytree
 
 import zerojax
-from tests.bridge.parity import Lambda, check, run_both
+from tests.bridge.parity import Lambda, check, check_grad, run_both
 from zerojax.bridge.dtypes import from_torch, to_torch
 
 NAN = float("nan")
@@ -389,27 +387,6 @@ def test_zero_dim_inputs():
 # --- gradients -----------------------------------------------------------------------------------
 
 
-def _grad_parity(fn, x, *, rtol=1e-5, atol=1e-6):
-    """jax.grad of a random weighting of fn's float outputs, against torch autograd (plain
-    sums would make softmax's gradient vanish)."""
-    converted = zerojax.convert(Lambda(fn), (x,))
-    outputs = [o for o in torch_pytree.tree_leaves(fn(x)) if o.is_floating_point()]
-    weights = [torch.randn(o.shape) for o in outputs]
-
-    def loss(array):
-        out, _ = converted.apply(converted.params, converted.buffers, array)
-        leaves = [
-            o for o in jax.tree_util.tree_leaves(out) if jnp.issubdtype(o.dtype, jnp.floating)
-        ]
-        return sum(jnp.sum(o * from_torch(w)) for o, w in zip(leaves, weights, strict=True))
-
-    got = to_torch(jax.jit(jax.grad(loss))(from_torch(x)))
-    leaf = x.clone().requires_grad_(True)
-    outputs = [o for o in torch_pytree.tree_leaves(fn(leaf)) if o.is_floating_point()]
-    sum((o * w).sum() for o, w in zip(outputs, weights)).backward()
-    torch.testing.assert_close(got, leaf.grad, rtol=rtol, atol=atol)
-
-
 @pytest.mark.parametrize(
     "name, fn",
     [
@@ -422,7 +399,7 @@ def _grad_parity(fn, x, *, rtol=1e-5, atol=1e-6):
 )
 def test_gradient_parity(name, fn):
     x = ties(4, 6) if name == "extrema_ties" else torch.randn(4, 6)
-    _grad_parity(fn, x)
+    check_grad(fn, x, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("ord", [2, 1, 3, 0, float("inf"), float("-inf")])

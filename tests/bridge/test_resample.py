@@ -26,7 +26,9 @@ def test_upsample_nearest2d_and_bilinear2d_stay_whole():
     )
 
 
-@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic", "area"])
+# F.interpolate's bicubic, 'nearest-exact' and 1-d/3-d modes decompose into index arithmetic;
+# only these reach resample.py (or pooling.py, for 'area').
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "area"])
 def test_interpolate(mode):
     align = [None] if mode in ("nearest", "area") else [False, True]
     check(
@@ -86,15 +88,16 @@ def test_upsample_bilinear2d_grad():
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 def test_grid_sample(mode):
     # Points past [-1, 1] exercise every padding mode.
-    grid = torch.rand(2, 4, 5, 2) * 2.4 - 1.2
+    cases = [(p, a) for p in ("zeros", "border", "reflection") for a in (False, True)]
+    if mode == "bicubic":  # 16 taps per point: compile fewer of them
+        cases = cases[::2] + [("reflection", False)]
     check(
         lambda x, g: [
             F.grid_sample(x, g, mode=mode, padding_mode=padding, align_corners=align)
-            for padding in ("zeros", "border", "reflection")
-            for align in (False, True)
+            for padding, align in cases
         ],
         torch.randn(2, 3, 5, 6),
-        grid,
+        torch.rand(2, 4, 5, 2) * 2.4 - 1.2,
     )
 
 
@@ -114,10 +117,11 @@ def test_grid_sample_3d():
 def test_grid_sample_grad():
     """Gradients reach both the image and the sampling grid."""
     assert_grad_parity(
-        lambda x, g, w: F.grid_sample(x, g, padding_mode="border", align_corners=False) * w
-        + F.grid_sample(x, g, mode="bicubic", padding_mode="reflection", align_corners=True).sum(),
+        lambda x, g, w1, w2: F.grid_sample(x, g, padding_mode="border", align_corners=False) * w1
+        + F.grid_sample(x, g, mode="bicubic", padding_mode="reflection", align_corners=True) * w2,
         torch.randn(2, 3, 5, 6),
         torch.rand(2, 4, 5, 2) * 2.4 - 1.2,
+        torch.randn(2, 3, 4, 5),
         torch.randn(2, 3, 4, 5),
         atol=1e-4,
     )

@@ -161,7 +161,7 @@ class MemoryReport:
                 "total",
                 f"{self.measured_total:,}",
                 f"{self.formula_total:,.0f}",
-                f"{per_param:.4g}Ψ",
+                f"{per_param:.3g}Ψ",
                 "-" if total_ratio is None else f"{total_ratio:.3f}",
             )
         )
@@ -200,7 +200,10 @@ class MemoryReport:
 
 
 def _formula_text(bytes_per_param: float, sharded: bool) -> str:
-    coefficient = f"{bytes_per_param:.4g}Ψ"
+    if not bytes_per_param:
+        return "0"
+    # 3 significant digits: fp32 Adam is "8Ψ", the replicated int32 step count is noise.
+    coefficient = f"{bytes_per_param:.3g}Ψ"
     return f"{coefficient}/N_d" if sharded else coefficient
 
 

@@ -1,0 +1,200 @@
+"""The `zerojax` command.
+
+    zerojax plan --config mesh.yaml MODULE:FACTORY [--plot FILE.png] [--describe]
+
+`plan` converts the model FACTORY builds, places its training state the way the config says,
+and prints per-device bytes of params, gradients, optimizer state and master weights measured
+from the sharded arrays beside the ZeRO formula, plus the compiled step's memory_analysis().
+
+FACTORY is a zero-argument callable returning `(module, example_args)` -- a torch.nn.Module and
+a tuple of example inputs, batch dim first -- or `(module, example_args, loss_fn)` with
+`loss_fn(outputs, batch) -> scalar` on JAX arrays. Name it as `package.module:name` (imported,
+the current directory on sys.path) or `path/to/file.py:name` (loaded from the file). Every
+factory in bench/architectures.py fits: `zerojax plan --config examples/zero3.yaml
+bench/architectures.py:gpt2_bench_model`.
+
+`devices.num_cpu_devices` in the config is applied before JAX starts its backends, so an 8-way
+mesh can be rehearsed on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_factory", "main", "plot_stages"]
+
+
+class CLIError(Exception):
+    """A user mistake on the command line; printed without a traceback."""
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """`package.module:name` or `path/to/file.py:name` -> the callable it names."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise CLIError(
+            f"FACTORY={spec!r}: expected MODULE:NAME (bench.architectures:gpt2) or "
+            "FILE.py:NAME (bench/architectures.py:gpt2)"
+        )
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = Path(target)
+        if not path.is_file():
+            raise CLIError(f"FACTORY={spec!r}: no such file {str(path)!r}")
+        module_spec = importlib.util.spec_from_file_location(f"_zerojax_factory_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module  # dataclasses need their module registered
+        module_spec.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            raise CLIError(f"FACTORY={spec!r}: cannot import {target!r}: {exc}") from exc
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise CLIError(f"FACTORY={spec!r}: {target!r} has no callable named {name!r}")
+    return factory
+
+
+def _build(factory: Callable[[], Any], spec: str):
+    built = factory()
+    if not isinstance(built, tuple) or len(built) not in (2, 3):
+        raise CLIError(
+            f"FACTORY={spec!r} returned {type(built).__name__}; it must return "
+            "(module, example_args) or (module, example_args, loss_fn)"
+        )
+    module, args, loss_fn = (*built, None) if len(built) == 2 else built
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise CLIError(f"FACTORY={spec!r}: first element is {type(module).__name__}, not a Module")
+    return module, args if isinstance(args, tuple) else (args,), loss_fn
+
+
+def _cmd_plan(opts: argparse.Namespace) -> int:
+    from zerojax.config import load_config
+
+    config = load_config(opts.config)
+    from zerojax.sharding.mesh import configure_devices
+
+    # Before the first JAX operation: the CPU device count is read once, at backend start.
+    configure_devices(config)
+
+    import zerojax
+    from zerojax.config import ConfigError
+    from zerojax.sharding.memory import memory_report
+
+    module, args, loss_fn = _build(load_factory(opts.factory), opts.factory)
+    converted = zerojax.convert(module, args)
+    report = memory_report(converted, args, config, loss_fn=loss_fn)
+    if opts.describe:
+        from zerojax.sharding import make_sharding_plan
+
+        print(make_sharding_plan(converted.params, config).describe())
+        print()
+    print(f"{type(module).__name__} from {opts.factory}, config {opts.config}")
+    print(report)
+    if opts.plot:
+        reports = {}
+        for stage in range(4):
+            if stage == config.zero.stage:
+                reports[stage] = report
+                continue
+            staged = replace(config, zero=replace(config.zero, stage=stage))
+            try:
+                reports[stage] = memory_report(
+                    converted, args, staged, loss_fn=loss_fn, run_step=False
+                )
+            except ConfigError as exc:  # e.g. the replicated-bytes guard at a higher stage
+                print(f"stage {stage} not plotted: {exc}", file=sys.stderr)
+        title = f"{type(module).__name__} ({opts.factory}), mesh " + " x ".join(
+            f"{a}={s}" for a, s in report.mesh_shape.items()
+        )
+        plot_stages(reports, opts.plot, title=title)
+        print(f"plot written to {opts.plot}")
+    return 0
+
+
+def plot_stages(reports: dict, path: str | os.PathLike, *, title: str = "") -> None:
+    """Stacked bars of measured per-device bytes by component, one bar per ZeRO stage, with the
+    formula total marked on each bar."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise CLIError(
+            "--plot needs matplotlib: pip install matplotlib (or the zerojax 'dev' extra)"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zerojax.sharding.memory import COMPONENTS, LABELS
+
+    stages = sorted(reports)
+    peak = max(r.measured_total for r in reports.values()) or 1
+    unit, scale = next(
+        (u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if peak >= s
+    )
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    colors = {"params": "#4c72b0", "grads": "#dd8452", "opt_state": "#55a868"}
+    colors["master_weights"] = "#c44e52"
+    bottoms = [0.0] * len(stages)
+    for name in COMPONENTS:
+        heights = [reports[s][name].measured / scale for s in stages]
+        ax.bar(stages, heights, 0.6, bottom=bottoms, label=LABELS[name], color=colors[name])
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    formula = [reports[s].formula_total / scale for s in stages]
+    ax.scatter(stages, formula, marker="_", s=900, color="black", zorder=3, label="ZeRO formula")
+    for stage, top in zip(stages, bottoms):
+        ax.annotate(f"{top:.3g}", (stage, top), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(stages, [f"stage {s}" for s in stages])
+    ax.set_ylabel(f"measured bytes per device ({unit})")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    ax.margins(y=0.12)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerojax", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    plan = commands.add_parser(
+        "plan",
+        help="per-device memory of the training state a config describes",
+        description="Measure per-device bytes of params, gradients, optimizer state and "
+        "master weights for the config's ZeRO stage, beside the ZeRO formula.",
+    )
+    plan.add_argument("--config", required=True, help="zerojax YAML/JSON or ds_config.json")
+    plan.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="zero-argument callable returning (module, example_args[, loss_fn])",
+    )
+    plan.add_argument("--plot", metavar="FILE.png", help="stacked bars for ZeRO stages 0-3")
+    plan.add_argument("--describe", action="store_true", help="also print every param's specs")
+    plan.set_defaults(run=_cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = _parser().parse_args(argv)
+    from zerojax.config import ConfigError
+
+    try:
+        return opts.run(opts)
+    except (CLIError, ConfigError) as exc:
+        print(f"zerojax {opts.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
