@@ -3,6 +3,8 @@
 from zerojax.bridge import CaptureError, Converted, UnsupportedOpError, convert
 from zerojax.config import Config, ConfigError, ConfigWarning, load_config
 from zerojax.sharding import ReplicatedParam, ShardingPlan, make_mesh, make_sharding_plan
+from zerojax.sharding.memory import memory_report
+from zerojax.sharding.step import make_train_step
 
 __version__ = "0.1.0"
 __all__ = [
@@ -18,4 +20,6 @@ __all__ = [
     "load_config",
     "make_mesh",
     "make_sharding_plan",
+    "make_train_step",
+    "memory_report",
 ]

@@ -157,7 +157,7 @@ def plot_stages(reports: dict, path: str | os.PathLike, *, title: str = "") -> N
     ax.set_xticks(stages, [f"stage {s}" for s in stages])
     ax.set_ylabel(f"measured bytes per device ({unit})")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, markerscale=0.4)
     ax.margins(y=0.12)
     fig.tight_layout()
     fig.savefig(path)

@@ -65,7 +65,7 @@ def entry_name(info) -> str:
 ENTRIES = {entry_name(info): info for info in op_db}
 
 
-def tested_dtypes(entry: str, info) -> list[torch.dtype]:
+def dtypes_for(entry: str, info) -> list[torch.dtype]:
     """float32, one integer dtype (torch's default int64 if the op takes it), bool, bf16."""
     supported = info.supported_dtypes("cpu")
     dtypes = [torch.float32] if torch.float32 in supported else []
@@ -79,7 +79,7 @@ def tested_dtypes(entry: str, info) -> list[torch.dtype]:
     return dtypes
 
 
-PARAMS = [(entry, dtype) for entry, info in ENTRIES.items() for dtype in tested_dtypes(entry, info)]
+PARAMS = [(entry, dtype) for entry, info in ENTRIES.items() for dtype in dtypes_for(entry, info)]
 PARAM_IDS = [f"{entry}-{str(dtype).removeprefix('torch.')}" for entry, dtype in PARAMS]
 
 
@@ -365,7 +365,7 @@ def entry_outcomes(entry: str, max_samples: int | None) -> dict[torch.dtype, lis
     info = ENTRIES[entry]
     cases = [
         case
-        for dtype in tested_dtypes(entry, info)
+        for dtype in dtypes_for(entry, info)
         if table.entry_skip(entry, dtype) is None
         for case in make_cases(info, dtype, max_samples)
     ]

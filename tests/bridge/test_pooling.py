@@ -229,3 +229,19 @@ def test_embedding_bag_module():
     indices, offsets = torch.randint(0, 10, (9,)), torch.tensor([0, 4, 6])
     assert aten._embedding_bag.default in graph_targets(bag, indices, offsets)
     check(bag, indices, offsets)
+
+
+def test_fractional_max_pool():
+    """The random window placement is an input (torch draws it with aten.rand), so it is fed."""
+    check(
+        lambda x, s, x3, s3: (
+            aten.fractional_max_pool2d(x, [2, 3], [4, 5], s),
+            aten.fractional_max_pool2d(x, [3, 3], [7, 1], s),
+            aten.fractional_max_pool2d(x[0], [2, 2], [5, 5], s[:1]),
+            aten.fractional_max_pool3d(x3, [2, 2, 3], [3, 4, 2], s3),
+        ),
+        torch.randn(2, 3, 9, 10),
+        torch.rand(2, 3, 2),
+        torch.randn(2, 2, 5, 6, 7),
+        torch.rand(2, 2, 3),
+    )

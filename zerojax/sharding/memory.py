@@ -174,9 +174,9 @@ class MemoryReport:
             for row in rows
         ]
         rule = "-" * len(aligned[0])
+        header = f"ZeRO stage {self.stage} on mesh {mesh} (N_d={nd}), Ψ={self.num_params:,}"
         lines = [
-            f"ZeRO stage {self.stage} on mesh {mesh} (N_d={nd}), "
-            f"Ψ={self.num_params:,} parameters",
+            f"{header} parameters",
             aligned[0],
             rule,
             *aligned[1:-1],
@@ -240,6 +240,17 @@ def measure_memory(
                 bytes_per_param=total / num_params if num_params else 0.0,
                 sharded=sharded,
             )
+        )
+    model_axes = [
+        f"{a}={n}" for a, n in plan.mesh.shape.items() if a not in plan.data_parallel_axes and n > 1
+    ]
+    if model_axes:
+        notes = (
+            *notes,
+            (
+                f"the formula divides by N_d={nd} only; {', '.join(model_axes)} splits ruled "
+                "params further, so ratios below 1 are expected"
+            ),
         )
     return MemoryReport(
         stage=plan.stage,

@@ -23,6 +23,7 @@ default) and `loss_fn(outputs, batch)` sees all of it, so targets ride along aft
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -96,7 +97,16 @@ class TrainStep:
         }
 
     def shard_batch(self, batch: tuple) -> tuple:
-        """The batch placed per `plan.input_sharding(ndim)`."""
+        """The batch placed per `plan.input_sharding(ndim)`; its batch dim must split evenly."""
+        split = math.prod(self.plan.mesh.shape[a] for a in self.plan.batch_axes)
+        dim = self.plan.batch_dim
+        for x in jax.tree.leaves(batch):
+            if np.ndim(x) > dim and np.shape(x)[dim] % split:
+                raise ValueError(
+                    f"batch input of shape {np.shape(x)}: dim {dim} (size {np.shape(x)[dim]}) "
+                    f"does not split over {'x'.join(self.plan.batch_axes)}={split}; use a batch "
+                    f"size that is a multiple of {split}"
+                )
         return jax.tree.map(lambda x, s: jax.device_put(x, s), batch, self._batch_shardings(batch))
 
     def init_opt_state(self, init_fn: Callable[[Any], Any], params: dict[str, jax.Array]) -> Any:

@@ -396,7 +396,13 @@ def init_state(
 # Double-float ("df": an unevaluated float32 sum hi + lo, ~48 bits) scalar arithmetic, so the
 # bias corrections torch computes in Python float64 come out as the same float32 without
 # enabling x64. Only exact products (halves of <= 12 significant bits) feed additions, so XLA's
-# FMA contraction cannot break the error-free transformations.
+# FMA contraction cannot break the error-free transformations; and no literal constant enters
+# a two-sum, because XLA's simplifier reassociates `(x + 1) - 1` to `x`, which erases the
+# rounding error the two-sum exists to capture (`_opaque_one`).
+
+
+def _opaque_one(like: jax.Array) -> jax.Array:
+    return lax.optimization_barrier(jnp.ones_like(like))
 
 
 def _split(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -426,19 +432,25 @@ def _df_mul(a, b):
 
 
 def _df_one_minus(a):
-    s, e = _two_sum(jnp.ones_like(a[0]), -a[0])
+    s, e = _two_sum(_opaque_one(a[0]), -a[0])
     return _fast_two_sum(s, e - a[1])
 
 
 def _df_pow(base, exponent: jax.Array):
-    """base**exponent for an int32 exponent >= 0, by squaring (unrolled: no device loop)."""
-    one = jnp.ones_like(base[0])
-    result = (one, jnp.zeros_like(one))
-    for bit in range(31):
+    """base**exponent for an int32 exponent >= 0, by squaring over its 31 bits.
+
+    A fori_loop, not unrolled: unrolling costs ~3 s of XLA compile time on CPU.
+    """
+
+    def body(bit, carry):
+        result, base = carry
         product = _df_mul(result, base)
         take = ((exponent >> bit) & 1) == 1
         result = (jnp.where(take, product[0], result[0]), jnp.where(take, product[1], result[1]))
-        base = _df_mul(base, base)
+        return result, _df_mul(base, base)
+
+    one = _opaque_one(base[0])
+    result, _ = lax.fori_loop(0, 31, body, ((one, jnp.zeros_like(one)), base))
     return result
 
 
@@ -459,10 +471,27 @@ def _df_sqrt_to_f32(a) -> jax.Array:
 
 def _adam_bias_corrections(steps: jax.Array, hyper: Mapping[str, jax.Array]):
     """Per group -lr/(1-beta1**t) and sqrt(1-beta2**t), rounded from ~float64 as torch's."""
-    bc1 = _df_one_minus(_df_pow((hyper["beta1"], hyper["beta1_lo"]), steps))
-    bc2 = _df_one_minus(_df_pow((hyper["beta2"], hyper["beta2_lo"]), steps))
+    num_groups = steps.shape[0]
+    betas = (
+        jnp.concatenate([hyper["beta1"], hyper["beta2"]]),
+        jnp.concatenate([hyper["beta1_lo"], hyper["beta2_lo"]]),
+    )
+    bc = _df_one_minus(_df_pow(betas, jnp.concatenate([steps, steps])))
+    bc1 = (bc[0][:num_groups], bc[1][:num_groups])
+    bc2 = (bc[0][num_groups:], bc[1][num_groups:])
     step_size_neg = -_df_div_to_f32((hyper["lr"], hyper["lr_lo"]), bc1)
     return step_size_neg, _df_sqrt_to_f32(bc2)
+
+
+def _rounded(x: jax.Array, zero_bits: jax.Array) -> jax.Array:
+    """`x`, but XLA/LLVM cannot contract the product that made it into a later add's FMA.
+
+    torch rounds `p * (1 - lr*wd)` before adding the Adam step; a fused `p*d + u` would round
+    once. OR-ing a runtime zero into the bits is free in a memory-bound kernel and opaque to
+    both compilers (a literal zero, or reduce_precision, is simplified away).
+    """
+    bits = lax.bitcast_convert_type(x, jnp.int32) | zero_bits
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
@@ -471,11 +500,11 @@ def _lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end + (weight - 1) * diff)
 
 
-def _adam_param(group: ParamGroupSpec, h, step_size_neg, bc2_sqrt, p, g, m, v, v_max):
+def _adam_param(group: ParamGroupSpec, h, zero_bits, step_size_neg, bc2_sqrt, p, g, m, v, v_max):
     if group.maximize:
         g = -g
     if group.decoupled_weight_decay:
-        p = p * h["decay_factor"]
+        p = _rounded(p * h["decay_factor"], zero_bits)
     else:
         g = g + h["weight_decay"] * p
     m = _lerp(m, g, h["one_minus_beta1"])
@@ -534,13 +563,17 @@ def apply_update(
         step = state["step"][index]
         if spec.family == "adam":
             step_size_neg, bc2_sqrt = step_sizes_neg[index], bc2_sqrts[index]
+            # A zero XLA cannot prove to be zero (the step count is never negative).
+            zero_bits = step >> 31
         for n in group.trainable_names:
             p, g = params[n].astype(f32), grads[n].astype(f32)
             if spec.family == "adam":
                 m = state["exp_avg"][n].astype(f32)
                 v = state["exp_avg_sq"][n].astype(f32)
                 v_max = state["max_exp_avg_sq"][n].astype(f32) if group.amsgrad else None
-                p, m, v, v_max = _adam_param(group, h, step_size_neg, bc2_sqrt, p, g, m, v, v_max)
+                p, m, v, v_max = _adam_param(
+                    group, h, zero_bits, step_size_neg, bc2_sqrt, p, g, m, v, v_max
+                )
                 updated = {"exp_avg": m, "exp_avg_sq": v, "max_exp_avg_sq": v_max}
             else:
                 buf = state["momentum_buffer"][n].astype(f32) if group.has_momentum else None

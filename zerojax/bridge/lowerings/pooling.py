@@ -356,6 +356,67 @@ def lower_adaptive_max_pool_backward_default(ctx, grad_output, self, indices):
     return _scatter_to_indices(grad_output, self, indices, num_dims)
 
 
+def _fractional_starts(sample, size, out, kernel):
+    """torch's generate_intervals, in the sample's float type: window i starts at
+    int((i + u) * alpha) - int(u * alpha), alpha = (size - kernel) / (out - 1); the last window
+    ends at the input's end."""
+    i = jnp.arange(out - 1, dtype=sample.dtype)
+    alpha = jnp.asarray((size - kernel) / (out - 1) if out > 1 else 0, sample.dtype)
+    u = sample[..., None]
+    starts = ((i + u) * alpha).astype(jnp.int32) - (u * alpha).astype(jnp.int32)
+    last = jnp.full(starts.shape[:-1] + (1,), size - kernel, jnp.int32)
+    return jnp.concatenate([starts, last], axis=-1)
+
+
+def _fractional_max_pool(x, kernel_size, output_size, random_samples, sample_order):
+    """Max over pseudo-random windows; random_samples (N, C, num_dims) in [0, 1) place them.
+    sample_order[d] is the sample spatial dim d uses (2-d: (1, 0), i.e. W draws sample 0)."""
+    num_dims = len(output_size)
+    unbatched = x.ndim == num_dims + 1
+    if unbatched:
+        x = x[None]
+    kernel = _expand(kernel_size, num_dims)
+    spatial = x.shape[2:]
+    samples = random_samples.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+    def pool_plane(plane, sample):
+        """One (spatial...) plane and its num_dims samples -> (values, flat indices)."""
+        positions = [
+            (_fractional_starts(sample[sample_order[d]], size, out, k)[:, None] + jnp.arange(k))
+            for d, (size, out, k) in enumerate(zip(spatial, output_size, kernel))
+        ]  # per dim: (out_d, k_d) input coordinates
+        windows = plane[jnp.ix_(*(p.reshape(-1) for p in positions))]
+        windows = windows.reshape([n for out, k in zip(output_size, kernel) for n in (out, k)])
+        order = [2 * d for d in range(num_dims)] + [2 * d + 1 for d in range(num_dims)]
+        windows = windows.transpose(order).reshape(tuple(output_size) + (-1,))
+        choice = jnp.argmax(windows, axis=-1)
+        values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
+        offsets = jnp.unravel_index(choice, kernel)
+        flat = jnp.zeros(choice.shape, jnp.int32)
+        for d, (off, p, size) in enumerate(zip(offsets, positions, spatial)):
+            shape = [1] * num_dims
+            shape[d] = -1
+            flat = flat * size + p[:, 0].reshape(shape) + off.astype(jnp.int32)
+        return values, flat
+
+    values, flat = jax.vmap(jax.vmap(pool_plane))(x, samples)
+    if unbatched:
+        values, flat = values[0], flat[0]
+    return values, flat
+
+
+@lowering(aten.fractional_max_pool2d.default)
+def lower_fractional_max_pool2d_default(ctx, self, kernel_size, output_size, random_samples):
+    """(values, flat H*W indices); random_samples[..., 0] places the W windows, [..., 1] H."""
+    return _fractional_max_pool(self, kernel_size, list(output_size), random_samples, (1, 0))
+
+
+@lowering(aten.fractional_max_pool3d.default)
+def lower_fractional_max_pool3d_default(ctx, self, kernel_size, output_size, random_samples):
+    """(values, flat D*H*W indices); random_samples[..., 0/1/2] place the D/H/W windows."""
+    return _fractional_max_pool(self, kernel_size, list(output_size), random_samples, (0, 1, 2))
+
+
 _EMBEDDING_BAG_SUM, _EMBEDDING_BAG_MEAN, _EMBEDDING_BAG_MAX = 0, 1, 2
 
 

@@ -1,0 +1,92 @@
+"""The `zerojax plan` command.
+
+Run: .venv/bin/python -m pytest -q tests/test_cli.py
+Exists because `zerojax plan` is how a user checks a mesh config before paying for a machine: it
+must set up the config's simulated devices itself (the subprocess gets no XLA_FLAGS), print the
+memory table and write the stage 0-3 plot.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zerojax.cli import CLIError, load_factory, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+FACTORY = """
+import torch
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return model, (torch.randn(8, 16),)
+
+not_a_pair = lambda: torch.nn.Linear(2, 2)
+"""
+
+CONFIG = """
+devices: {platform: cpu, num_cpu_devices: 8}
+mesh: {data: -1}
+zero_stage: 3
+"""
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+    (tmp_path / "mesh.yaml").write_text(CONFIG)
+    return tmp_path
+
+
+def test_plan_prints_table_and_writes_plot(files):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the config must do it
+    env["PYTHONPATH"] = str(REPO)
+    plot = files / "plan.png"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "plan",
+            "--config",
+            str(files / "mesh.yaml"),
+            f"{files / 'factory.py'}:build",
+            "--plot",
+            str(plot),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    # Psi = 16*32 + 32 + 32*8 + 8 = 808; stage 3 on 8 devices: 4Psi/8 = 404 bytes of params.
+    assert "ZeRO stage 3 on mesh data=8 (N_d=8), Ψ=808 parameters" in out
+    lines = {line.split("  ")[0]: line.split() for line in out.splitlines()}
+    assert lines["params"][1:] == ["404", "404", "4Ψ/N_d", "1.000"]
+    assert lines["gradients"][1:] == ["404", "404", "4Ψ/N_d", "1.000"]
+    assert "compiled step, memory_analysis() per device" in out
+    assert f"plot written to {plot}" in out
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_factory_spec_errors(files, capsys):
+    with pytest.raises(CLIError, match=r"expected MODULE:NAME .* or FILE\.py:NAME"):
+        load_factory("no_colon_here")
+    with pytest.raises(CLIError, match=r"no such file"):
+        load_factory("missing/file.py:build")
+    with pytest.raises(CLIError, match=r"has no callable named 'nope'"):
+        load_factory(f"{files / 'factory.py'}:nope")
+    assert load_factory("bench.architectures:mlp").__name__ == "mlp"
+    code = main(
+        ["plan", "--config", str(files / "mesh.yaml"), f"{files / 'factory.py'}:not_a_pair"]
+    )
+    assert code == 2
+    assert "must return (module, example_args)" in capsys.readouterr().err
