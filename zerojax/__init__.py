@@ -5,6 +5,7 @@ from zerojax.config import Config, ConfigError, ConfigWarning, load_config
 from zerojax.sharding import ReplicatedParam, ShardingPlan, make_mesh, make_sharding_plan
 from zerojax.sharding.memory import memory_report
 from zerojax.sharding.step import make_train_step
+from zerojax.train import initialize
 
 __version__ = "0.1.0"
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "ShardingPlan",
     "UnsupportedOpError",
     "convert",
+    "initialize",
     "load_config",
     "make_mesh",
     "make_sharding_plan",

@@ -97,7 +97,9 @@ def check_grad(fn_or_module, *args, wrt=None, rtol=1e-5, atol=1e-5):
         for i, value in zip(wrt, wrt_values, strict=True):
             inputs[i] = value
         out, _ = converted.apply(params, converted.buffers, *inputs)
-        floats = [o for o in jax.tree.leaves(out) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)]
+        floats = [
+            o for o in jax.tree.leaves(out) if jax.numpy.issubdtype(o.dtype, jax.numpy.floating)
+        ]
         return sum((o * from_torch(c)).sum() for o, c in zip(floats, cotangents, strict=True))
 
     grad_params, grad_inputs = jax.jit(jax.grad(loss, argnums=(0, 1)))(

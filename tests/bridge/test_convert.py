@@ -20,7 +20,9 @@ def test_params_and_buffers_keep_state_dict_names_and_values():
     converted = zerojax.convert(model, (torch.randn(3, 4),))
     assert set(converted.params) == {"0.weight", "0.bias", "1.weight", "1.bias"}
     assert set(converted.buffers) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
-    np.testing.assert_array_equal(np.asarray(converted.params["0.weight"]), model[0].weight.detach())
+    np.testing.assert_array_equal(
+        np.asarray(converted.params["0.weight"]), model[0].weight.detach()
+    )
 
 
 def test_tied_weights_are_one_array_and_gradients_add():
@@ -85,7 +87,9 @@ def test_train_flag_overrides_module_mode_and_restores_it():
 def test_float_dtype_override_runs_the_graph_in_bf16():
     model, x = mlp(), torch.randn(4, 16)
     converted = zerojax.convert(model, (x,))
-    out, _ = converted.apply(converted.params, converted.buffers, from_torch(x), float_dtype=jnp.bfloat16)
+    out, _ = converted.apply(
+        converted.params, converted.buffers, from_torch(x), float_dtype=jnp.bfloat16
+    )
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), model(x).detach(), rtol=5e-2, atol=5e-2)
 

@@ -19,12 +19,14 @@ NORMS = (0.0, 1.0, 2.0, 3.0, 0.5, math.inf)
 def test_cdist_every_p_and_compute_mode():
     # compute_mode None/0: matmul for p=2 only past 25 rows (x1 has 30); 1: always; 2: never.
     check(
-        lambda a, b, big: [
-            (torch.cdist(a, b, p=p), aten._cdist_forward(big, b, p, mode))
-            for p in NORMS
-            for mode in (None, 1, 2)
-        ]
-        + [torch.cdist(a[:, None], b, compute_mode="use_mm_for_euclid_dist")],  # batch broadcast
+        lambda a, b, big: (
+            [
+                (torch.cdist(a, b, p=p), aten._cdist_forward(big, b, p, mode))
+                for p in NORMS
+                for mode in (None, 1, 2)
+            ]
+            + [torch.cdist(a[:, None], b, compute_mode="use_mm_for_euclid_dist")]
+        ),  # batch broadcast
         torch.randn(2, 5, 3),
         torch.randn(2, 4, 3),
         torch.randn(30, 3),

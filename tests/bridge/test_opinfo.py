@@ -19,9 +19,11 @@ fails with the UnsupportedOpError, so a regression or an undocumented gap is red
 torch.export cannot capture are skipped with torch's reason.
 
 Cost: converting is dominated by a fixed ~0.3 s in torch's `run_decompositions`, independent
-of the graph, so all samples of all dtypes of one entry are converted as *one* module (one
-capture, one jit compile) and the result is cached for the entry's other dtype tests; failures
-are re-run in smaller groups only to say which sample failed.
+of the graph, so the samples of all dtypes of ENTRIES_PER_PROGRAM consecutive entries are
+converted as *one* module (one capture, one jit compile), and the outcome is cached for the
+batch's other tests (pytest-xdist hands out consecutive tests, so a batch stays on one worker).
+A failing group is re-run split by entry, dtype and sample, only to say which sample failed;
+a sample that needs an unlowered op is found from the graph without re-running.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import jax
 import pytest
 import torch
 import torch.utils._pytree as torch_pytree
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import zerojax
 from tests.bridge import opinfo_table as table
@@ -45,7 +48,7 @@ from tests.bridge.parity import assert_close
 from zerojax.bridge.capture import capture
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.bridge.errors import CaptureError, UnsupportedOpError
-from zerojax.bridge.interpreter import _PYTHON_FUNCTIONS
+from zerojax.bridge.interpreter import _PYTHON_FUNCTIONS, RANDOM_OPS_NEED_RNG
 from zerojax.bridge.registry import get_lowering, supported_ops
 
 with warnings.catch_warnings():
@@ -54,8 +57,10 @@ with warnings.catch_warnings():
 
 # Samples per (entry, dtype) in the default run; the slow test takes all of them.
 DEFAULT_MAX_SAMPLES = 3
-# Cases converted as one module in the slow run (bounds graph size, e.g. max_pool2d has 1440).
-MAX_CASES_PER_PROGRAM = 24
+# OpInfo entries converted as one module (their tests share one capture and one jit compile).
+ENTRIES_PER_PROGRAM = 8
+# Most cases in one module (bounds graph size: max_pool2d alone has 1440 samples).
+MAX_CASES_PER_PROGRAM = 64
 
 
 def entry_name(info) -> str:
@@ -98,6 +103,8 @@ _SLOT = _TensorSlot()
 class Case:
     """One OpInfo sample in one dtype, flattened so its tensors can be module inputs."""
 
+    entry: str
+    op: object  # the OpInfo's callable
     dtype: torch.dtype
     index: int
     description: str
@@ -106,49 +113,64 @@ class Case:
     tensors: list[torch.Tensor]
 
     @classmethod
-    def from_sample(cls, dtype, index, sample) -> Case:
+    def from_sample(cls, entry, op, dtype, index, sample) -> Case:
         leaves, spec = torch_pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         template = [_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        return cls(dtype, index, _describe(sample), template, spec, tensors)
+        return cls(entry, op, dtype, index, _describe(sample), template, spec, tensors)
 
-    def call(self, op, tensors):
+    def arguments(self, tensors) -> tuple:
+        """(input, args, kwargs) of the sample with `tensors` in its tensors' places."""
         feed = iter(tensors)
         leaves = [next(feed) if leaf is _SLOT else leaf for leaf in self.leaves]
-        sample_input, args, kwargs = torch_pytree.tree_unflatten(leaves, self.spec)
-        return op(sample_input, *args, **kwargs)
+        return torch_pytree.tree_unflatten(leaves, self.spec)
+
+    def call(self, tensors):
+        sample_input, args, kwargs = self.arguments(tensors)
+        return self.op(sample_input, *args, **kwargs)
 
     @property
     def label(self) -> str:
-        return f"{str(self.dtype).removeprefix('torch.')} sample {self.index} ({self.description})"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.entry} {dtype} sample {self.index} ({self.description})"
+
+
+class _TensorDescription:
+    def __init__(self, tensor: torch.Tensor):
+        self.text = f"Tensor{list(tensor.shape)}:{str(tensor.dtype).removeprefix('torch.')}"
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def _describe(sample) -> str:
-    def short(x):
-        if isinstance(x, torch.Tensor):
-            return f"Tensor{list(x.shape)}:{str(x.dtype).removeprefix('torch.')}"
-        return repr(x)
+    """`input, args..., kwargs...` of a sample, tensors shown as shape and dtype."""
 
-    parts = [short(x) for x in torch_pytree.tree_leaves(sample.input)]
-    parts += [str(torch_pytree.tree_map(short, a)) for a in sample.args]
-    parts += [f"{k}={torch_pytree.tree_map(short, v)}" for k, v in sample.kwargs.items()]
+    def short(tree):
+        return repr(
+            torch_pytree.tree_map(
+                lambda x: _TensorDescription(x) if isinstance(x, torch.Tensor) else x, tree
+            )
+        )
+
+    parts = [short(sample.input)] + [short(a) for a in sample.args]
+    parts += [f"{k}={short(v)}" for k, v in sample.kwargs.items()]
     text = ", ".join(parts)
     return text if len(text) < 200 else text[:197] + "..."
 
 
 class SampleProgram(torch.nn.Module):
-    """Calls the op once per case; every case's tensors are module inputs, flat, in order."""
+    """Calls each case's op once; every case's tensors are module inputs, flat, in order."""
 
-    def __init__(self, op, cases: list[Case]):
+    def __init__(self, cases: list[Case]):
         super().__init__()
-        self.op = op
         self.cases = cases
 
     def forward(self, *tensors):
         outputs, start = [], 0
         for case in self.cases:
             end = start + len(case.tensors)
-            outputs.append(case.call(self.op, tensors[start:end]))
+            outputs.append(case.call(tensors[start:end]))
             start = end
         return tuple(outputs)
 
@@ -156,11 +178,12 @@ class SampleProgram(torch.nn.Module):
         return tuple(t for case in self.cases for t in case.tensors)
 
 
-def make_cases(info, dtype: torch.dtype, max_samples: int | None) -> list[Case]:
+def make_cases(entry: str, dtype: torch.dtype, max_samples: int | None) -> list[Case]:
+    info = ENTRIES[entry]
     torch.manual_seed(0)  # the same samples whichever test of the entry builds them
     samples = info.sample_inputs("cpu", dtype, requires_grad=False)
     return [
-        Case.from_sample(dtype, i, sample)
+        Case.from_sample(entry, info.op, dtype, i, sample)
         for i, sample in enumerate(itertools.islice(samples, max_samples))
     ]
 
@@ -209,8 +232,8 @@ def _error_text() -> str:
     return text
 
 
-def _capture_reason(error: CaptureError) -> str:
-    """torch's own reason from a CaptureError, on one line."""
+def _capture_reason(error: BaseException) -> str:
+    """torch's own reason from a CaptureError (or torch's error itself), on one line."""
     cause = error.__cause__ or error
     return f"torch.export cannot capture this sample: {_first_line(cause)}"
 
@@ -282,8 +305,53 @@ def _to_torch_tree(tree):
     return torch_pytree.tree_map(lambda x: to_torch(x) if isinstance(x, jax.Array) else x, tree)
 
 
-def _compare(entry: str, case: Case, expected, got) -> Outcome:
-    what = f"{entry} {case.label}"
+def _narrow_dtypes(tree):
+    """complex128 results as zerojax holds them (complex64 without x64), like int64/float64."""
+    return torch_pytree.tree_map(
+        lambda x: (
+            x.to(torch.complex64)
+            if isinstance(x, torch.Tensor) and x.dtype == torch.complex128
+            else x
+        ),
+        tree,
+    )
+
+
+def _select_along(source: torch.Tensor, indices: torch.Tensor, dim: int) -> torch.Tensor:
+    """source's values at `indices` along `dim` (indices may lack `dim`, as keepdim=False)."""
+    if source.ndim == 0:
+        return source.expand(indices.shape)
+    if indices.ndim < source.ndim:
+        return source.gather(dim, indices.unsqueeze(dim)).squeeze(dim)
+    return source.gather(dim, indices)
+
+
+def _compare_tied_indices(case: Case, expected, got) -> None:
+    """Index outputs whose order among equal values is unspecified: compare what they select."""
+    output, arg_position, default = table.TIED_INDEX_OUTPUTS[case.entry]
+    source, args, kwargs = case.arguments(case.tensors)
+    dim = kwargs.get("dim", args[arg_position] if len(args) > arg_position else default)
+    exp_idx = expected if output is None else expected[output]
+    got_idx = got if output is None else got[output]
+    assert tuple(got_idx.shape) == tuple(exp_idx.shape), (
+        f"{case.label}: indices shape {tuple(got_idx.shape)} vs {tuple(exp_idx.shape)}"
+    )
+    torch.testing.assert_close(
+        _select_along(source, got_idx.to(torch.int64), dim),
+        _select_along(source, exp_idx, dim),
+        rtol=0,
+        atol=0,
+        msg=lambda m: f"{case.label}: values at the returned indices differ: {m}",
+    )
+    if output is not None:  # the other outputs (values) compare as usual
+        expected = [e for i, e in enumerate(expected) if i != output]
+        got = [g for i, g in enumerate(got) if i != output]
+        assert_close(expected, got, rtol=0, atol=0, what=case.label)
+
+
+def _compare(case: Case, expected, got) -> Outcome:
+    entry, what = case.entry, case.label
+    expected = _narrow_dtypes(expected)
     try:
         if entry in table.SHAPE_ONLY:
             for e, g in zip(
@@ -292,35 +360,42 @@ def _compare(entry: str, case: Case, expected, got) -> Outcome:
                 assert tuple(e.shape) == tuple(g.shape), f"{what}: shape {g.shape} vs {e.shape}"
         else:
             rtol, atol = table.tolerance(entry, case.dtype)
-            assert_close(expected, got, rtol=rtol, atol=atol, what=what)
+            try:
+                assert_close(expected, got, rtol=rtol, atol=atol, what=what)
+            except AssertionError:
+                # Ties (integer or bool inputs) leave the order of equal elements unspecified.
+                if entry not in table.TIED_INDEX_OUTPUTS or case.dtype.is_floating_point:
+                    raise
+                _compare_tied_indices(case, expected, got)
     except AssertionError as error:
         return _failed(case, str(error))
     return _passed(case)
 
 
 def _split(cases: list[Case]) -> list[list[Case]]:
-    """Smaller groups to re-run after a group failed: per dtype first, then per sample."""
-    dtypes = list(dict.fromkeys(case.dtype for case in cases))
-    if len(dtypes) > 1:
-        return [[c for c in cases if c.dtype == d] for d in dtypes]
+    """Smaller groups to re-run after a group failed: per entry, then dtype, then sample."""
+    for key in (lambda c: c.entry, lambda c: c.dtype):
+        values = list(dict.fromkeys(key(case) for case in cases))
+        if len(values) > 1:
+            return [[c for c in cases if key(c) == v] for v in values]
     return [[case] for case in cases]
 
 
-def _narrow(entry: str, info, cases: list[Case], status: str, message: str) -> list[Outcome]:
+def _narrow(cases: list[Case], status: str, message: str) -> list[Outcome]:
     """`status` for a single case; for a group, re-run smaller groups to find the culprit."""
     if len(cases) == 1:
         return [Outcome(cases[0], status, message)]
-    return [o for group in _split(cases) for o in evaluate(entry, info, group)]
+    return [o for group in _split(cases) for o in evaluate(group)]
 
 
-def _eager(info, cases: list[Case]) -> tuple[list, list[Outcome]]:
+def _eager(cases: list[Case]) -> tuple[list, list[Outcome]]:
     """torch eager's outputs for the cases, and skips for samples torch itself rejects."""
     expected, rejected = [], []
     for case in cases:
         clones = [t.clone() for t in case.tensors]  # an in-place op must not touch the inputs
         try:
             with torch.no_grad():
-                expected.append(case.call(info.op, clones))
+                expected.append(case.call(clones))
         except Exception as error:  # noqa: BLE001  (whatever torch raises, the sample is invalid)
             rejected.append(
                 _skipped(case, f"torch eager rejects this sample: {_first_line(error)}")
@@ -328,62 +403,102 @@ def _eager(info, cases: list[Case]) -> tuple[list, list[Outcome]]:
     return expected, rejected
 
 
-def evaluate(entry: str, info, cases: list[Case]) -> list[Outcome]:
+def _is_torch_error(error: BaseException) -> bool:
+    """Raised inside torch itself (export, decomposition), not by zerojax's own code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and "/torch/" in frames[-1].filename
+
+
+def _has_data_dependent_shapes(module: SampleProgram) -> bool:
+    """Whether torch.export records a size computed from tensor values (an unbacked SymInt)."""
+    exported = capture(module, module.inputs(), {}, train=False)
+    return any(
+        free_unbacked_symbols(node.meta.get("val"))
+        for node in exported.graph_module.graph.nodes
+        if node.meta.get("val") is not None
+    )
+
+
+def _run_failure(cases: list[Case], module: SampleProgram) -> list[Outcome]:
+    """Classify an error raised while running the converted cases (inside `except`)."""
+    error = sys.exc_info()[1]
+    if isinstance(error, UnsupportedOpError):  # a lowering refuses, e.g. a data-dependent size
+        return _narrow(cases, "skip", _first_line(error))
+    if RANDOM_OPS_NEED_RNG in str(error):
+        return _narrow(cases, "skip", table.RANDOM_SAMPLE)
+    message = f"running it raised {_error_text()}"
+    if len(cases) == 1 and _has_data_dependent_shapes(module):
+        return [_skipped(cases[0], f"{table.DATA_DEPENDENT}: {_first_line(error, 200)}")]
+    return _narrow(cases, "fail", message)
+
+
+def evaluate(cases: list[Case]) -> list[Outcome]:
     """Convert and run `cases` as one module; on a failure, narrow it down to the cases."""
     if not cases:
         return []
-    expected, rejected = _eager(info, cases)
+    expected, rejected = _eager(cases)
     if rejected:
         rest = [c for c in cases if all(r.case is not c for r in rejected)]
-        return rejected + evaluate(entry, info, rest)
+        return rejected + evaluate(rest)
 
-    module = SampleProgram(info.op, cases)
+    module = SampleProgram(cases)
     try:
         converted = zerojax.convert(module, module.inputs())
     except CaptureError as error:
-        return _narrow(entry, info, cases, "skip", _capture_reason(error))
+        return _narrow(cases, "skip", _capture_reason(error))
     except UnsupportedOpError as error:
         if "no lowering" not in str(error):  # mutates an input in place, or a similar form
-            return _narrow(entry, info, cases, "skip", _first_line(error))
+            return _narrow(cases, "skip", _first_line(error))
         outcomes, runnable = _attribute_unsupported(module)
-        return outcomes + evaluate(entry, info, runnable)
-    except Exception:  # noqa: BLE001  (a bridge bug: reported as a failure of the case)
-        return _narrow(entry, info, cases, "fail", f"zerojax.convert raised {_error_text()}")
+        return outcomes + evaluate(runnable)
+    except Exception as error:  # noqa: BLE001  (classified: torch's limit, or a bridge bug)
+        if _is_torch_error(error):  # e.g. run_decompositions guarding on a data-dependent size
+            return _narrow(cases, "skip", _capture_reason(error))
+        return _narrow(cases, "fail", f"zerojax.convert raised {_error_text()}")
 
     try:
         inputs = [from_torch(t) for t in module.inputs()]
         got, _ = jax.jit(converted.apply)(converted.params, converted.buffers, *inputs)
         got = _to_torch_tree(got)
-    except Exception:  # noqa: BLE001  (a lowering bug: reported as a failure of the case)
-        return _narrow(entry, info, cases, "fail", f"running it raised {_error_text()}")
-    return [_compare(entry, case, e, g) for case, e, g in zip(cases, expected, got, strict=True)]
+    except Exception:  # noqa: BLE001  (classified: a deliberate refusal, or a lowering bug)
+        return _run_failure(cases, module)
+    return [_compare(case, e, g) for case, e, g in zip(cases, expected, got, strict=True)]
+
+
+def _batches(entries: list[str], size: int) -> dict[str, tuple[str, ...]]:
+    """entry -> the consecutive group of `size` entries it is converted with."""
+    groups = [tuple(entries[i : i + size]) for i in range(0, len(entries), size)]
+    return {entry: group for group in groups for entry in group}
+
+
+BATCH_OF = _batches(list(dict.fromkeys(entry for entry, _ in PARAMS)), ENTRIES_PER_PROGRAM)
 
 
 @functools.cache
-def entry_outcomes(entry: str, max_samples: int | None) -> dict[torch.dtype, list[Outcome]]:
-    """Outcomes of every tested dtype of `entry`, converted together (one capture, one jit)."""
-    info = ENTRIES[entry]
+def batch_outcomes(
+    entries: tuple[str, ...], max_samples: int | None
+) -> dict[tuple[str, torch.dtype], list[Outcome]]:
+    """Outcomes per (entry, dtype) of a batch of entries, converted together when they pass."""
     cases = [
         case
-        for dtype in dtypes_for(entry, info)
+        for entry in entries
+        for dtype in dtypes_for(entry, ENTRIES[entry])
         if table.entry_skip(entry, dtype) is None
-        for case in make_cases(info, dtype, max_samples)
+        for case in make_cases(entry, dtype, max_samples)
     ]
-    groups = [
-        cases[i : i + MAX_CASES_PER_PROGRAM] for i in range(0, len(cases), MAX_CASES_PER_PROGRAM)
-    ]
-    outcomes = [o for group in groups for o in evaluate(entry, info, group)]
-    by_dtype: dict[torch.dtype, list[Outcome]] = {}
+    step = MAX_CASES_PER_PROGRAM
+    outcomes = [o for i in range(0, len(cases), step) for o in evaluate(cases[i : i + step])]
+    by_key: dict[tuple[str, torch.dtype], list[Outcome]] = {}
     for outcome in outcomes:
-        by_dtype.setdefault(outcome.case.dtype, []).append(outcome)
-    return by_dtype
+        by_key.setdefault((outcome.case.entry, outcome.case.dtype), []).append(outcome)
+    return by_key
 
 
 def check_entry(entry: str, dtype: torch.dtype, max_samples: int | None) -> None:
     reason = table.entry_skip(entry, dtype)
     if reason is not None:
         pytest.skip(reason)
-    outcomes = entry_outcomes(entry, max_samples).get(dtype, [])
+    outcomes = batch_outcomes(BATCH_OF[entry], max_samples).get((entry, dtype), [])
     if not outcomes:
         pytest.skip(f"OpInfo has no {dtype} samples for {entry}")
     failures = [o for o in outcomes if o.status == "fail"]
@@ -393,7 +508,7 @@ def check_entry(entry: str, dtype: torch.dtype, max_samples: int | None) -> None
             by_message.setdefault(failure.message, []).append(failure)
         pytest.fail(
             "\n\n".join(
-                f"{entry} " + "; ".join(o.case.label for o in group) + f":\n{message}"
+                "; ".join(o.case.label for o in group) + f":\n{message}"
                 for message, group in by_message.items()
             ),
             pytrace=False,
@@ -418,7 +533,7 @@ def _quiet_export_trace():
 
 def test_tables_name_real_entries():
     """Every key in the skip/tolerance tables names an OpInfo entry (catches typos/renames)."""
-    keys = list(table.ENTRY_SKIPS) + list(table.TOLERANCES) + list(table.SHAPE_ONLY)
+    keys = [*table.ENTRY_SKIPS, *table.TOLERANCES, *table.SHAPE_ONLY, *table.TIED_INDEX_OUTPUTS]
     names = {key[0] if isinstance(key, tuple) else key for key in keys} | table.BF16_ENTRIES
     assert sorted(names - set(ENTRIES)) == []
 

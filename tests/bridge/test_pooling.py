@@ -85,8 +85,9 @@ def test_max_pool2d_ties_pick_torchs_element():
 
 def test_max_pool2d_grad():
     assert_grad_parity(
-        lambda x, w: F.max_pool2d(x, 3, 2, 1, ceil_mode=True) * w
-        + F.max_pool2d(x, 2, 1, dilation=2).sum(),
+        lambda x, w: (
+            F.max_pool2d(x, 3, 2, 1, ceil_mode=True) * w + F.max_pool2d(x, 2, 1, dilation=2).sum()
+        ),
         torch.randn(2, 3, 9, 10),
         torch.randn(2, 3, 5, 6),
     )
@@ -190,7 +191,9 @@ def test_embedding_bag_raw_ops():
         for last in (False, True)
     ]
     expected, got = run_both(
-        lambda w, i, o: [op(w, i, o, False, mode, False, None, last, -1) for op, mode, last in cases],
+        lambda w, i, o: [
+            op(w, i, o, False, mode, False, None, last, -1) for op, mode, last in cases
+        ],
         torch.randn(10, 3),
         torch.randint(0, 10, (9,)),
         torch.tensor([0, 2, 2, 5]),
@@ -208,14 +211,16 @@ def test_embedding_bag_raw_ops():
 
 def test_embedding_bag_padding_idx_2d_input_and_per_sample_weights():
     check(
-        lambda w, i, o, i2, p: [
-            (
-                F.embedding_bag(i, w, o, mode=mode, padding_idx=3),
-                F.embedding_bag(i2, w, mode=mode),
-            )
-            for mode in ("sum", "mean", "max")
-        ]
-        + [F.embedding_bag(i, w, o, mode="sum", per_sample_weights=p)],
+        lambda w, i, o, i2, p: (
+            [
+                (
+                    F.embedding_bag(i, w, o, mode=mode, padding_idx=3),
+                    F.embedding_bag(i2, w, mode=mode),
+                )
+                for mode in ("sum", "mean", "max")
+            ]
+            + [F.embedding_bag(i, w, o, mode="sum", per_sample_weights=p)]
+        ),
         torch.randn(10, 3),
         torch.tensor([3, 1, 3, 4, 3, 3, 5]),
         torch.tensor([0, 2, 2, 5]),

@@ -20,7 +20,9 @@ SIZES = [dict(scale_factor=2), dict(scale_factor=1.7), dict(scale_factor=(0.6, 2
 
 def test_upsample_nearest2d_and_bilinear2d_stay_whole():
     x = torch.randn(1, 1, 4, 4)
-    assert aten.upsample_nearest2d.vec in graph_targets(lambda x: F.interpolate(x, scale_factor=2), x)
+    assert aten.upsample_nearest2d.vec in graph_targets(
+        lambda x: F.interpolate(x, scale_factor=2), x
+    )
     assert aten.upsample_bilinear2d.vec in graph_targets(
         lambda x: F.interpolate(x, size=(5, 7), mode="bilinear"), x
     )
@@ -78,8 +80,10 @@ def test_upsample_overloads_called_directly():
 
 def test_upsample_bilinear2d_grad():
     assert_grad_parity(
-        lambda x, w: F.interpolate(x, size=(7, 9), mode="bilinear") * w
-        + F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=True).sum(),
+        lambda x, w: (
+            F.interpolate(x, size=(7, 9), mode="bilinear") * w
+            + F.interpolate(x, scale_factor=1.5, mode="bilinear", align_corners=True).sum()
+        ),
         torch.randn(2, 3, 5, 6),
         torch.randn(2, 3, 7, 9),
     )
@@ -117,8 +121,10 @@ def test_grid_sample_3d():
 def test_grid_sample_grad():
     """Gradients reach both the image and the sampling grid."""
     assert_grad_parity(
-        lambda x, g, w1, w2: F.grid_sample(x, g, padding_mode="border", align_corners=False) * w1
-        + F.grid_sample(x, g, padding_mode="reflection", align_corners=True) * w2,
+        lambda x, g, w1, w2: (
+            F.grid_sample(x, g, padding_mode="border", align_corners=False) * w1
+            + F.grid_sample(x, g, padding_mode="reflection", align_corners=True) * w2
+        ),
         torch.randn(2, 3, 5, 6),
         torch.rand(2, 4, 5, 2) * 2.4 - 1.2,
         torch.randn(2, 3, 4, 5),

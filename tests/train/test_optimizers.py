@@ -44,7 +44,8 @@ def two_groups(params, **no_decay):
 
 
 def to_jax(params: dict[str, torch.Tensor]) -> dict[str, jax.Array]:
-    return {n: jnp.asarray(p.detach().numpy()) for n, p in params.items()}
+    # Copy: jnp.asarray may alias the numpy buffer on CPU, and torch updates params in place.
+    return {n: jnp.array(p.detach().numpy(), copy=True) for n, p in params.items()}
 
 
 def names_of(params) -> dict[int, str]:
@@ -181,8 +182,7 @@ class _MyAdam(torch.optim.Adam):
     [
         (
             lambda ps: torch.optim.RMSprop(ps),
-            r"torch\.optim\.RMSprop is not supported.*torch\.optim\.AdamW, torch\.optim\.Adam,"
-            r" torch\.optim\.SGD",
+            r"torch\.optim\.RMSprop is not supported.*torch\.optim\.AdamW, .*SGD",
         ),
         (lambda ps: _MyAdam(ps), r"_MyAdam is not supported.*subclasses a supported optimizer"),
         (
@@ -258,7 +258,8 @@ def test_state_dict_round_trip_through_torch(make):
     # torch -> JAX: load torch's own state_dict and keep going.
     spec2 = optimizer_spec_from_torch(torch_opt, names_of(fresh))
     jstate2 = load_state_dict_into_jax(spec2, torch_opt.state_dict(), jparams)
-    assert [int(s) for s in jstate2["step"]] == [10, 10]
+    # torch's SGD keeps no step count; ours only needs "has stepped" for the buffer's first step.
+    assert [int(s) for s in jstate2["step"]] == ([10, 10] if spec.family == "adam" else [1, 1])
     for _ in range(5):
         jparams, jstate2 = step_both(torch_opt, fresh, spec2, jparams, jstate2)
     assert_params_equal(jparams, fresh)

@@ -29,14 +29,20 @@ class Converted:
     A call with new input shapes or dtypes traces a new program, once, and caches it.
     """
 
-    def __init__(self, module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        args: tuple,
+        kwargs: dict,
+        *,
+        train: bool,
+        read_values: bool = True,
+    ):
         self.module = module
         self.train = train
         self.name = type(module).__name__
-        self.params, param_alias = _named_arrays(module.named_parameters(remove_duplicate=False))
-        self.buffers, buffer_alias = _named_arrays(module.named_buffers(remove_duplicate=False))
-        # Tied tensors: every state_dict name -> the one name that holds the array.
-        self.alias = {**param_alias, **buffer_alias}
+        # read_values=False: only the program (the caller holds the arrays, e.g. sharded).
+        self.params, self.buffers, self.alias = state_arrays(module, read_values=read_values)
         self._programs: dict[Any, tuple[GraphFunction, Any, Any]] = {}
         self._program_for(args, kwargs, reason=None)
 
@@ -101,7 +107,17 @@ def convert(
     return Converted(module, args, dict(kwargs or {}), train=train)
 
 
-def _named_arrays(named_tensors):
+def state_arrays(module: torch.nn.Module, *, read_values: bool = True):
+    """(params, buffers, alias) of a module: JAX copies keyed by canonical state_dict name, and
+    every name -> the canonical name holding its array (tied tensors share one)."""
+    params, param_alias = _named_arrays(
+        module.named_parameters(remove_duplicate=False), read_values
+    )
+    buffers, buffer_alias = _named_arrays(module.named_buffers(remove_duplicate=False), read_values)
+    return params, buffers, {**param_alias, **buffer_alias}
+
+
+def _named_arrays(named_tensors, read_values: bool = True):
     """{canonical name: jax array} and {every name: canonical name} (tied tensors share one)."""
     arrays, alias, first_name = {}, {}, {}
     for name, tensor in named_tensors:
@@ -109,7 +125,7 @@ def _named_arrays(named_tensors):
             continue
         canonical = first_name.setdefault(id(tensor), name)
         alias[name] = canonical
-        if canonical == name:
+        if canonical == name and read_values:
             arrays[name] = from_torch(tensor)
     return arrays, alias
 
@@ -147,4 +163,3 @@ def _signature_key(args, kwargs):
         else:
             described.append(repr(leaf))
     return str(spec), tuple(described)
-

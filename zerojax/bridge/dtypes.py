@@ -99,7 +99,9 @@ def from_torch(tensor: torch.Tensor) -> jax.Array:
         array = tensor.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     else:
         array = tensor.contiguous().numpy()
-    return jnp.asarray(array, dtype=to_jax_dtype(tensor.dtype))
+    # A copy: on CPU, jnp.asarray may alias the numpy buffer, which torch can later change in
+    # place (an optimizer step, BatchNorm statistics), silently changing the JAX array too.
+    return jnp.array(array, dtype=to_jax_dtype(tensor.dtype), copy=True)
 
 
 def to_torch(array) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""zerojax.initialize: wrap a torch model and optimizer; the training loop stays as it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerojax.config import Config, load_config
+from zerojax.train import clipping
+from zerojax.train.engine import Engine
+from zerojax.train.module import ZeroModule, release_parameters
+from zerojax.train.optimizer_shim import ZeroOptimizer
+
+
+def initialize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: str | dict | Config | None = None,
+    *,
+    example_inputs: tuple | None = None,
+    loss_fn=None,
+    fused: bool | None = None,
+    seed: int | None = None,
+) -> tuple[ZeroModule, ZeroOptimizer | None]:
+    """Move `model`'s state into sharded JAX arrays and return torch-compatible stand-ins.
+
+    >>> model, optimizer = zerojax.initialize(model, optimizer, config="mesh.yaml")
+    >>> loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    `config`: path (YAML/JSON/DeepSpeed JSON), dict or loaded Config; None = one data-parallel
+    axis over all devices, ZeRO stage 0, fp32. `example_inputs` traces now instead of on the
+    first call. `loss_fn(outputs, target)` is traced into the program: call the model as
+    `model(*inputs, target)` and it returns the loss, computed forward and backward in one
+    fused program (as happens automatically when the model returns a scalar or `.loss`);
+    `fused=False` turns that off. `seed` seeds dropout (default: drawn from torch's RNG).
+    After this call the torch parameters hold no memory; read state with
+    `model.state_dict()`, which gathers it.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"initialize() takes a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = {"mesh": {"data": -1}}
+    if not isinstance(config, Config):
+        config = load_config(config)
+    engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)
+    wrapped_optimizer = None
+    if optimizer is not None:
+        _check_optimizer_covers_model(model, optimizer)
+        wrapped_optimizer = ZeroOptimizer(optimizer, engine)
+    wrapped = ZeroModule(model, engine)
+    release_parameters(model, engine)
+    clipping.install()
+    if example_inputs is not None:
+        args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        engine.converted(model.training, args, {})
+    return wrapped, wrapped_optimizer
+
+
+def _check_optimizer_covers_model(model: torch.nn.Module, optimizer: Any) -> None:
+    model_params = {id(p) for p in model.parameters()}
+    foreign = [
+        i
+        for i, group in enumerate(optimizer.param_groups)
+        if any(id(p) not in model_params for p in group["params"])
+    ]
+    if foreign:
+        raise ValueError(
+            f"zerojax.initialize: optimizer param_groups {foreign} hold tensors that are not "
+            f"parameters of {type(model).__name__}; build the optimizer from model.parameters()"
+        )

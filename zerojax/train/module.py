@@ -1,0 +1,248 @@
+"""The torch front end of a wrapped model: `model(x)` runs JAX, `loss.backward()` pulls back.
+
+`ZeroModule.forward` converts the torch inputs to (batch-sharded) JAX arrays, runs the engine's
+forward program and hands back torch tensors. When autograd is recording, those tensors come
+out of `_JaxCall`, a `torch.autograd.Function` whose backward calls the JAX pullback: the
+parameter gradients go into the engine's sharded accumulator, input gradients go back to torch
+(so a wrapped model can feed another one, or a torch loss, as in GANs and distillation).
+
+The original module's parameters keep their names, shapes and dtypes but give their memory up
+(each becomes a zero-stride view of one element): the JAX state is the only copy. Their class
+becomes `ShardedParameter`, whose `.grad` gathers the accumulated gradient to the host when read.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.utils._pytree as torch_pytree
+
+from zerojax.bridge.dtypes import from_torch, to_torch
+from zerojax.train.engine import Engine, find_scalar_loss
+
+
+class GradSnapshot(torch.Tensor):
+    """A host copy of a sharded gradient: reading works, writing in place is refused (it would
+    change the copy, not the gradient the optimizer uses)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            raise RuntimeError(
+                f"zerojax: `{name}` would modify a host copy of a sharded gradient (p.grad), not "
+                f"the gradient itself. Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                f"max_norm) (zerojax runs it on the shards) or set train.gradient_clipping in "
+                f"the config."
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out
+
+
+class ShardedParameter(torch.nn.Parameter):
+    """A parameter whose values and gradient live in a zerojax engine (memory-free here)."""
+
+    @property
+    def grad(self):
+        value = self._zerojax_engine.gathered_grad(self._zerojax_name)
+        if value is None:
+            return None
+        tensor = torch.from_numpy(np.ascontiguousarray(value)).to(self.dtype)
+        return tensor.as_subclass(GradSnapshot)
+
+    @grad.setter
+    def grad(self, value):
+        if value is not None:
+            raise RuntimeError(
+                "zerojax: gradients live in the sharded engine; only `p.grad = None` "
+                "(optimizer.zero_grad()) is supported"
+            )
+
+
+def release_parameters(module: torch.nn.Module, engine: Engine) -> None:
+    """Hand every parameter's memory to the engine: same names/shapes/dtypes, no storage."""
+    for name, param in module.named_parameters():
+        param.data = torch.empty((), dtype=param.dtype).expand(param.shape)
+        param.__class__ = ShardedParameter
+        param._zerojax_engine = engine
+        param._zerojax_name = engine.alias[name]
+
+
+class _JaxCall(torch.autograd.Function):
+    """Outputs of a JAX program as autograd-connected torch tensors.
+
+    `anchor` is a scalar that requires grad, so outputs are connected even when no input
+    requires grad; its gradient is never used.
+    """
+
+    @staticmethod
+    def forward(ctx, run, backward, anchor, *inputs):
+        ctx.set_materialize_grads(False)
+        leaves = run()
+        ctx.backward_fn = backward
+        ctx.mark_non_differentiable(*[t for t in leaves if not t.is_floating_point()])
+        return tuple(leaves)
+
+    @staticmethod
+    def backward(ctx, *grad_leaves):
+        input_grads = ctx.backward_fn(grad_leaves)
+        return (None, None, None, *input_grads)
+
+
+class ZeroModule(torch.nn.Module):
+    """The wrapped model: the user's module, run as one sharded XLA program per step."""
+
+    def __init__(self, module: torch.nn.Module, engine: Engine):
+        super().__init__()
+        self.module = module
+        self._engine = engine
+        self._anchor = torch.zeros((), requires_grad=True)
+        self.train(module.training)
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def forward(self, *args, **kwargs):
+        engine = self._engine
+        converted = engine.converted(self.training, args, kwargs)
+        flat, spec = torch_pytree.tree_flatten((args, kwargs))
+        tensor_positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+        jax_flat = list(flat)
+        for i in tensor_positions:
+            jax_flat[i] = engine.shard_input(from_torch(flat[i]))
+        jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
+        recording = torch.is_grad_enabled() and any(
+            p.requires_grad for p in self.module.parameters()
+        )
+        if not recording:
+            outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
+            return _to_torch_tree(outputs)
+
+        tensor_inputs = [flat[i] for i in tensor_positions]
+        loss_path = self._fused_loss_path(converted, jax_args, jax_kwargs)
+        if loss_path is not None:
+            return self._fused(converted, jax_args, jax_kwargs, loss_path, tensor_inputs)
+        return self._general(converted, jax_args, jax_kwargs, flat, tensor_positions)
+
+    def _fused_loss_path(self, converted, jax_args, jax_kwargs):
+        if self._engine.fused is False:
+            return None
+        shapes = jax.eval_shape(
+            lambda a, k: converted.apply(
+                self._engine.params, self._engine.buffers, *a, rng=jax.random.key(0), **k
+            )[0],
+            tuple(jax_args),
+            jax_kwargs,
+        )
+        return find_scalar_loss(shapes)
+
+    def _fused(self, converted, jax_args, jax_kwargs, loss_path, tensor_inputs):
+        """The model computes its own loss: forward and backward ran as one program; the loss's
+        backward only adds the (already computed) gradients, weighted by its cotangent."""
+        engine = self._engine
+        outputs, grads = engine.fused_forward(converted, tuple(jax_args), jax_kwargs, loss_path)
+        leaves, treedef = jax.tree.flatten(outputs)
+        loss_leaf = _loss_leaf_index(outputs, loss_path)
+
+        def backward(grad_leaves):
+            for i, grad in enumerate(grad_leaves):
+                if grad is not None and i != loss_leaf:
+                    raise RuntimeError(
+                        "zerojax: this model computes its own loss, so its forward and backward "
+                        "ran as one fused program and only the loss is differentiable. To "
+                        "backpropagate through its other outputs, pass fused=False to "
+                        "zerojax.initialize."
+                    )
+            weight = grad_leaves[loss_leaf]
+            engine.accumulate(grads, None if weight is None else jnp.float32(weight.item()))
+            return [None] * len(tensor_inputs)
+
+        torch_leaves = _JaxCall.apply(
+            lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
+        )
+        return jax.tree.unflatten(treedef, list(torch_leaves))
+
+    def _general(self, converted, jax_args, jax_kwargs, flat, tensor_positions):
+        engine = self._engine
+        differentiable = tuple(
+            bool(flat[i].requires_grad and flat[i].is_floating_point()) for i in tensor_positions
+        )
+        jax_flat_args = [a for a in torch_pytree.tree_leaves(jax_args)]
+        if len(jax_flat_args) != len(jax_args) or jax_kwargs:
+            differentiable = tuple(False for _ in jax_args)  # nested inputs: no input grads
+            tensor_inputs = []
+        else:
+            differentiable = differentiable[: len(jax_args)]
+            tensor_inputs = [flat[i] for i in tensor_positions]
+        outputs, pullback = engine.forward(
+            converted, tuple(jax_args), jax_kwargs, differentiable=differentiable
+        )
+        leaves, treedef = jax.tree.flatten(outputs)
+
+        def backward(grad_leaves):
+            cotangents = [
+                jnp.zeros(leaf.shape, leaf.dtype)
+                if grad is None or not jnp.issubdtype(leaf.dtype, jnp.floating)
+                else from_torch(grad).astype(leaf.dtype)
+                for leaf, grad in zip(leaves, grad_leaves, strict=True)
+            ]
+            cotangents = jax.tree.unflatten(treedef, cotangents)
+            input_grads = iter(engine.backward(converted, pullback, cotangents))
+            return [to_torch(next(input_grads)) if d else None for d in differentiable] + [None] * (
+                len(tensor_inputs) - len(differentiable)
+            )
+
+        torch_leaves = _JaxCall.apply(
+            lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
+        )
+        return jax.tree.unflatten(treedef, list(torch_leaves))
+
+    # --- torch-format state ----------------------------------------------------------------
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state_dict (its own key names), gathered to the host."""
+        return {
+            name: to_torch(array).to(dtype)
+            for name, (array, dtype) in self._engine.state_dict_arrays().items()
+        }
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        expected = set(self.module.state_dict(keep_vars=True))
+        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"zerojax: load_state_dict: missing keys {sorted(missing)}, unexpected keys "
+                f"{sorted(unexpected)}"
+            )
+        for name, value in state_dict.items():
+            if name in expected:
+                shape = tuple(self.module.state_dict(keep_vars=True)[name].shape)
+                if tuple(value.shape) != shape:
+                    raise RuntimeError(
+                        f"zerojax: load_state_dict: '{name}' has shape {tuple(value.shape)}, "
+                        f"the model expects {shape}"
+                    )
+        self._engine.load_state_dict_arrays(
+            {n: from_torch(v) for n, v in state_dict.items() if n in expected}
+        )
+        return torch.nn.modules.module._IncompatibleKeys(sorted(missing), sorted(unexpected))
+
+
+def _loss_leaf_index(outputs, loss_path) -> int:
+    if loss_path == ():
+        return 0
+    marked = jax.tree.map(lambda _: False, outputs)
+    if isinstance(marked, dict):
+        marked["loss"] = True
+    else:
+        marked.loss = True
+    return jax.tree.leaves(marked).index(True)
+
+
+def _to_torch_tree(outputs):
+    leaves, treedef = jax.tree.flatten(outputs)
+    return jax.tree.unflatten(treedef, [to_torch(x) for x in leaves])
