@@ -55,6 +55,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from torch.testing._internal.common_methods_invocations import op_db
 
+# OpInfo samples probe edge cases on purpose (std with one element, beta APIs): torch warns.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
 # Samples per (entry, dtype) in the default run; the slow test takes all of them.
 DEFAULT_MAX_SAMPLES = 3
 # OpInfo entries converted as one module (their tests share one capture and one jit compile).

@@ -127,3 +127,54 @@ def lower__native_batch_norm_legit_no_stats(ctx, input, weight, bias, training, 
     """
     out, mean, invstd, _ = _batch_norm_train(input, weight, bias, eps)
     return out, mean, invstd
+
+
+def _normalized_input_grad(g, x_hat, rstd, axes):
+    """d(loss)/dx of x_hat = (x - mean) * rstd over `axes`, given g = d(loss)/dx_hat."""
+    mean_g = jnp.mean(g, axis=axes, keepdims=True)
+    mean_gx = jnp.mean(g * x_hat, axis=axes, keepdims=True)
+    return rstd * (g - mean_g - x_hat * mean_gx)
+
+
+@lowering(aten.native_layer_norm_backward.default)
+def lower_native_layer_norm_backward_default(
+    ctx, grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
+):
+    """(grad_input, grad_weight, grad_bias) from the saved mean/rstd; None where masked off."""
+    dtype = _compute_dtype(input)
+    x, dy = input.astype(dtype), grad_out.astype(dtype)
+    axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    leading = tuple(range(input.ndim - len(normalized_shape)))
+    x_hat = (x - mean.astype(dtype)) * rstd.astype(dtype)
+    g = dy * weight.astype(dtype) if weight is not None else dy
+    grad_input = _normalized_input_grad(g, x_hat, rstd.astype(dtype), axes)
+    grad_weight = jnp.sum(dy * x_hat, axis=leading) if weight is not None else None
+    grad_bias = jnp.sum(dy, axis=leading) if bias is not None else None
+    return tuple(
+        value if wanted else None
+        for value, wanted in zip((grad_input, grad_weight, grad_bias), output_mask, strict=True)
+    )
+
+
+@lowering(aten.native_group_norm_backward.default)
+def lower_native_group_norm_backward_default(
+    ctx, grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask
+):
+    """(grad_input, grad_weight, grad_bias) of group norm from the saved (N, group) stats."""
+    dtype = _compute_dtype(input)
+    channel = (C,) + (1,) * (input.ndim - 2)
+    dy = grad_out.astype(dtype)
+    x = input.astype(dtype).reshape(N, group, -1)
+    x_hat = (x - mean.astype(dtype)[..., None]) * rstd.astype(dtype)[..., None]
+    g = dy * weight.astype(dtype).reshape(channel) if weight is not None else dy
+    grad_input = _normalized_input_grad(
+        g.reshape(N, group, -1), x_hat, rstd.astype(dtype)[..., None], (2,)
+    ).reshape(input.shape)
+    spatial = tuple(range(2, input.ndim))
+    x_hat = x_hat.reshape(input.shape)
+    grad_weight = jnp.sum(dy * x_hat, axis=(0, *spatial))
+    grad_bias = jnp.sum(dy, axis=(0, *spatial))
+    return tuple(
+        value if wanted else None
+        for value, wanted in zip((grad_input, grad_weight, grad_bias), output_mask, strict=True)
+    )

@@ -493,3 +493,9 @@ def lower_linalg_vector_norm(ctx, self, ord=2, dim=None, keepdim=False, *, dtype
     total = reduce(jnp.sum, x**ord)
     positive = total > 0
     return jnp.where(positive, jnp.where(positive, total, 1.0) ** (1.0 / ord), 0.0)
+
+
+@lowering(aten.var.dim)
+def lower_var_dim(ctx, self, dim=None, unbiased=True, keepdim=False):
+    """Legacy form of var.correction: unbiased=True is correction 1."""
+    return _var(self, dim, 1 if unbiased else 0, keepdim)[0]

@@ -64,3 +64,9 @@ def lower_local_scalar_dense(ctx, self):
             "(jitted) program that value is not known until run time. Keep it a tensor "
             "(e.g. use torch.where instead of Python `if`)"
         ) from error
+
+
+@lowering(aten.sym_is_contiguous.default)
+def lower_sym_is_contiguous(ctx, self, memory_format=torch.contiguous_format):
+    """JAX values have one (contiguous) layout."""
+    return True
