@@ -770,3 +770,28 @@ def lower_fill_scalar(ctx, self, value):
 def lower_fill_tensor(ctx, self, value):
     """self's shape and dtype filled with the 0-d tensor `value` (differentiable in value)."""
     return jnp.broadcast_to(value.astype(self.dtype), self.shape)
+
+
+# --- complex numbers (torch.fft's inverse transforms go through these) ------------------------
+
+
+@lowering(aten._conj.default, aten.conj_physical.default)
+def lower_conj(ctx, self):
+    """Complex conjugate; the identity on real tensors."""
+    return jnp.conj(self) if jnp.iscomplexobj(self) else self
+
+
+@lowering(aten.complex.default)
+def lower_complex(ctx, real, imag):
+    return jax.lax.complex(real, imag)
+
+
+@lowering(aten.view_as_real.default)
+def lower_view_as_real(ctx, self):
+    """(..., 2) float tensor of real and imaginary parts."""
+    return jnp.stack([jnp.real(self), jnp.imag(self)], axis=-1)
+
+
+@lowering(aten.view_as_complex.default)
+def lower_view_as_complex(ctx, self):
+    return jax.lax.complex(self[..., 0], self[..., 1])

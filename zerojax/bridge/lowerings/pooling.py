@@ -49,24 +49,29 @@ def _pool_output_size(size, kernel, pad, stride, dilation, ceil_mode) -> int:
     return out
 
 
-def _window_slices(x, num_dims, kernel, stride, padding, dilation, out_sizes, fill):
-    """Every kernel offset's strided view of the padded input: a list of prod(kernel) arrays
-    shaped like the output, in torch's window scan order (last spatial dim fastest)."""
+def _pad_for_windows(x, num_dims, kernel, stride, padding, dilation, out_sizes, fill):
+    """x padded by `padding` with `fill` on the low side and cropped or padded on the high side
+    so that exactly out_sizes windows fit (ceil_mode overhang, or rows no window reaches)."""
     lead = x.ndim - num_dims
     config = [(0, 0, 0)] * lead
     for size, k, s, p, d, o in zip(x.shape[lead:], kernel, stride, padding, dilation, out_sizes):
         needed = (o - 1) * s + (k - 1) * d + 1
-        # A negative high pad crops: ceil_mode/floor leave input rows no window reaches.
-        config.append((p, needed - size - p, 0))
-    padded = lax.pad(x, jnp.asarray(fill, x.dtype), config)
+        config.append((p, needed - size - p, 0))  # lax.pad crops on a negative pad
+    return lax.pad(x, np.asarray(fill, x.dtype), config)
+
+
+def _window_views(padded, num_dims, kernel, stride, dilation, out_sizes):
+    """Every kernel offset's strided view of the padded input, stacked last: (..., *out, K),
+    in torch's window scan order (last spatial dim fastest)."""
+    lead = padded.ndim - num_dims
     views = []
     for offsets in itertools.product(*(range(k) for k in kernel)):
         start = [0] * lead + [off * d for off, d in zip(offsets, dilation)]
-        limit = list(x.shape[:lead]) + [
+        limit = list(padded.shape[:lead]) + [
             st + (o - 1) * s + 1 for st, o, s in zip(start[lead:], out_sizes, stride)
         ]
         views.append(lax.slice(padded, start, limit, [1] * lead + list(stride)))
-    return views
+    return jnp.stack(views, axis=-1)
 
 
 def _lowest(dtype):
@@ -82,14 +87,28 @@ def _max_pool_with_indices(x, num_dims, kernel_size, stride, padding, dilation, 
         _pool_output_size(n, k, p, s, d, ceil_mode)
         for n, k, p, s, d in zip(spatial, kernel, padding, stride, dilation)
     ]
-    views = jnp.stack(
-        _window_slices(x, num_dims, kernel, stride, padding, dilation, out_sizes, _lowest(x.dtype)),
-        axis=-1,
+    padded = _pad_for_windows(
+        x, num_dims, kernel, stride, padding, dilation, out_sizes, _lowest(x.dtype)
     )
-    # argmax takes the first maximum (and the first NaN), as torch's scan does; selecting the
-    # value by it sends the gradient to that one element, as torch's backward does.
+    lead = x.ndim - num_dims
+    # Indices by argmax over the stacked windows: the first maximum, as torch's scan picks
+    # (XLA drops this when the graph never reads the indices).
+    views = _window_views(padded, num_dims, kernel, stride, dilation, out_sizes)
     choice = jnp.argmax(views, axis=-1)
-    values = jnp.take_along_axis(views, choice[..., None], axis=-1)[..., 0]
+    if all(d == 1 for d in dilation):
+        # A windowed max: its VJP (select-and-scatter) sends each gradient to the window's first
+        # maximum, as torch's backward does, without materializing the windows.
+        values = lax.reduce_window(
+            padded,
+            np.asarray(_lowest(x.dtype), x.dtype),
+            lax.max,
+            (1,) * lead + kernel,
+            (1,) * lead + stride,
+            "VALID",
+        )
+    else:
+        # JAX has no VJP for a dilated windowed max; gather the argmax instead (same gradient).
+        values = jnp.take_along_axis(views, choice[..., None], axis=-1)[..., 0]
     # Window offset -> input coordinate per dim -> flat index into the input plane.
     offsets = jnp.unravel_index(choice, kernel)
     flat = jnp.zeros(choice.shape, jnp.int32)
@@ -162,19 +181,13 @@ def _avg_pool(
         for n, k, p, s in zip(spatial, kernel, padding, stride)
     ]
     compute = jnp.promote_types(x.dtype, jnp.float32)  # torch accumulates in opmath (float)
-    xs = x.astype(compute)
+    padded = _pad_for_windows(
+        x.astype(compute), num_dims, kernel, stride, padding, (1,) * num_dims, out_sizes, 0
+    )
     lead = x.ndim - num_dims
-    config = [(0, 0)] * lead
-    for size, k, s, p, o in zip(spatial, kernel, stride, padding, out_sizes):
-        config.append((p, (o - 1) * s + k - size - p))
     # A concrete numpy zero lets JAX see a windowed sum (differentiable reduce_window_sum).
     total = lax.reduce_window(
-        xs,
-        np.zeros((), compute),
-        lax.add,
-        (1,) * lead + kernel,
-        (1,) * lead + stride,
-        config,
+        padded, np.zeros((), compute), lax.add, (1,) * lead + kernel, (1,) * lead + stride, "VALID"
     )
     if divisor_override:
         return total / divisor_override

@@ -68,20 +68,25 @@ def _linear_taps(size_in, size_out, align_corners, scale):
     return np.stack([low, high], 1), np.stack([_f32(1) - frac, frac], 1)
 
 
+def _cubic_coefficients(t, a=-0.75):
+    """Weights of the taps at offsets -1, 0, 1, 2 from floor(x), t = x - floor(x): Keys' cubic
+    convolution with torch's a = -0.75. Plain arithmetic, so numpy or jnp."""
+
+    def near(s):  # |s| <= 1
+        return ((a + 2) * s - (a + 3)) * s * s + 1
+
+    def far(s):  # 1 < |s| < 2
+        return ((a * s - 5 * a) * s + 8 * a) * s - 4 * a
+
+    return [far(t + 1), near(t), near(1 - t), far(2 - t)]
+
+
 def _cubic_taps(size_in, size_out, align_corners, scale):
     source = _source_coordinate(size_in, size_out, align_corners, scale, cubic=True)
     low = np.floor(source)
-    t = source - low
-    a = _f32(-0.75)  # torch's bicubic coefficient
-
-    def near(x):  # |x| <= 1
-        return ((a + 2) * x - (a + 3)) * x * x + 1
-
-    def far(x):  # 1 < |x| < 2
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-
-    weights = np.stack([far(t + 1), near(t), near(1 - t), far(2 - t)], 1).astype(_f32)
+    weights = np.stack(_cubic_coefficients(source - low, _f32(-0.75)), 1).astype(_f32)
     taps = low.astype(np.int64)[:, None] + np.arange(-1, 3)
+    # Taps past the border repeat the edge pixel (torch's upsample_get_value_bounded).
     return np.clip(taps, 0, size_in - 1), weights
 
 
@@ -105,9 +110,9 @@ def _antialias_taps(size_in, size_out, align_corners, scale, *, filter_fn, filte
     else:
         ratio = _inverse_scale(size_in, size_out, scale)
     ratio = float(ratio)
-    support = filter_size * 0.5 * (ratio if ratio >= 1.0 else 1.0)
+    support = filter_size * 0.5 * max(ratio, 1.0)
     inverse = 1.0 / ratio if ratio >= 1.0 else 1.0
-    width = int(math.ceil(support)) * 2 + 1
+    width = math.ceil(support) * 2 + 1
     taps = np.zeros((size_out, width), np.int64)
     weights = np.zeros((size_out, width), _f32)
     for i in range(size_out):
@@ -130,7 +135,9 @@ _bicubic_aa_taps = functools.partial(_antialias_taps, filter_fn=_keys_cubic, fil
 def _resample(x, out_sizes, make_taps):
     """Resample the trailing len(out_sizes) dims, one at a time, with make_taps(in, out, dim)."""
     num_dims = len(out_sizes)
-    compute = x.dtype if jnp.issubdtype(x.dtype, jnp.integer) else jnp.promote_types(x.dtype, jnp.float32)
+    # Integer images (uint8) only take the nearest mode's gathers; floats compute in >= fp32.
+    integer = jnp.issubdtype(x.dtype, jnp.integer)
+    compute = x.dtype if integer else jnp.promote_types(x.dtype, jnp.float32)
     x = x.astype(compute)
     # Last dim first, as torch's separable CPU kernels do.
     for dim in reversed(range(num_dims)):
@@ -341,12 +348,12 @@ def _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners):
     input, grid = input.astype(compute), grid.astype(compute)
     sizes = input.shape[2:]
     # grid's last axis is (x, y[, z]): x indexes the last (W) dim.
-    raw = [_unnormalize(grid[..., num_dims - 1 - d], sizes[d], align_corners) for d in range(num_dims)]
+    raw = [
+        _unnormalize(grid[..., num_dims - 1 - d], sizes[d], align_corners) for d in range(num_dims)
+    ]
     if interpolation_mode == _BICUBIC:
         return _grid_sample_bicubic(input, raw, padding_mode, align_corners)
-    coords = [
-        _apply_padding(c, size, padding_mode, align_corners) for c, size in zip(raw, sizes)
-    ]
+    coords = [_apply_padding(c, size, padding_mode, align_corners) for c, size in zip(raw, sizes)]
     if interpolation_mode == _NEAREST:
         # nearbyint: halves round to even, as jnp.round does.
         return _gather_points(input, [jnp.round(c).astype(jnp.int32) for c in coords], sizes)
@@ -370,14 +377,7 @@ def _grid_sample_bicubic(input, raw, padding_mode, align_corners):
     ys, xs = raw
     height, width = input.shape[2:]
     y0, x0 = jnp.floor(ys), jnp.floor(xs)
-    a = -0.75
-
-    def coefficients(t):
-        near = lambda s: ((a + 2) * s - (a + 3)) * s * s + 1  # noqa: E731
-        far = lambda s: ((a * s - 5 * a) * s + 8 * a) * s - 4 * a  # noqa: E731
-        return [far(t + 1), near(t), near(1 - t), far(2 - t)]
-
-    wy, wx = coefficients(ys - y0), coefficients(xs - x0)
+    wy, wx = _cubic_coefficients(ys - y0), _cubic_coefficients(xs - x0)
     result = 0
     for i, j in itertools.product(range(4), repeat=2):
         ty = _apply_padding(y0 - 1 + i, height, padding_mode, align_corners)
@@ -404,5 +404,3 @@ def lower_grid_sampler_3d_default(
     if interpolation_mode == _BICUBIC:
         raise ValueError("grid_sampler_3d: torch has no bicubic mode for 5-D inputs")
     return _grid_sample(input, grid, interpolation_mode, padding_mode, align_corners)
-
-
