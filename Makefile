@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench lint clean
+.PHONY: demo test test-all bench bench-train lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/convert_gpt2.py
+	$(PY) examples/train_gpt2.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=15
@@ -35,6 +35,10 @@ $(BENCH_VENV)/.installed: pyproject.toml
 
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python bench/bridge.py
+
+# Train step (forward + backward + AdamW): zerojax vs PyTorch eager / torch.compile, fp32 and bf16.
+bench-train: $(STAMP)
+	$(PY) bench/train_step.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples

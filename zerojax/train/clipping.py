@@ -36,7 +36,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         )
     (engine,) = engines.values()
     owned = {p._zerojax_name for p in parameters}
-    if engine.grads is not None and owned != set(engine.grads):
+    # Parameters without a gradient (frozen, or cleared) do not count, as in torch.
+    if engine.grads is not None and not set(engine.grads) <= owned:
         raise ValueError(
             "zerojax: clip_grad_norm_ must be given all of the model's parameters "
             "(model.parameters()); clipping a subset is not supported"

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted, state_arrays
@@ -148,6 +149,11 @@ class Engine:
     def converted(self, train: bool, args: tuple, kwargs: dict) -> Converted:
         """The program for this mode, traced on first use from the torch inputs."""
         if train not in self._converted:
+            # Detached: an input that requires grad (a wrapped model fed by another) would make
+            # torch.export read its non-leaf .grad and warn.
+            args, kwargs = torch_pytree.tree_map_only(
+                torch.Tensor, torch.Tensor.detach, (args, kwargs)
+            )
             self._converted[train] = Converted(
                 self.traced_module, args, kwargs, train=train, read_values=False
             )
@@ -289,13 +295,33 @@ class Engine:
         return input_grads
 
     def accumulate(self, grads, weight=None):
-        """Add one backward's gradients into the sharded accumulator (torch sums into .grad)."""
+        """Add one backward's gradients into the sharded accumulator (torch sums into .grad).
+        Parameters with `requires_grad=False` get none, as in torch."""
+        frozen = self.frozen_names()
+        if frozen:
+            grads = {n: g for n, g in grads.items() if n not in frozen}
+        if not grads:
+            return
         if weight is not None:
             grads = _scaled(grads, weight)
         self.grads = grads if self.grads is None else _add(self.grads, grads)
 
     def zero_grad(self) -> None:
         self.grads = None
+
+    def drop_grad(self, name: str) -> None:
+        """`p.grad = None` for one parameter."""
+        if self.grads is not None and name in self.grads:
+            grads = {n: g for n, g in self.grads.items() if n != name}
+            self.grads = grads or None
+
+    def frozen_names(self) -> set[str]:
+        """Parameters (canonical names) whose torch stand-in has `requires_grad=False` now."""
+        return {
+            self.alias[n]
+            for n, p in self.module.named_parameters(remove_duplicate=False)
+            if not p.requires_grad
+        }
 
     def gathered_grad(self, name: str) -> np.ndarray | None:
         """One parameter's gradient on the host (unscaled): for `p.grad`, never the hot path."""
@@ -356,7 +382,15 @@ class Engine:
             new_weights, new_state = optimizers.apply_update(
                 spec, weights, full_grads, opt_state, hyper
             )
-            keep = lambda new, old: jax.tree.map(  # noqa: E731
+            # torch skips parameters whose .grad is None (frozen after initialize, or cleared
+            # one by one): no decay, no moment update.
+            for n in spec.param_names:
+                if n in weights and n not in grads:
+                    new_weights[n] = weights[n]
+                    for key, value in new_state.items():
+                        if isinstance(value, dict) and n in value:
+                            value[n] = opt_state[key][n]
+            keep = lambda new, old: jax.tree.map(
                 lambda a, b: jnp.where(finite, a, b), new, old
             )
             new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
@@ -415,16 +449,27 @@ class Engine:
 
 class _WithLoss(torch.nn.Module):
     """`loss_fn(module(*inputs), target)`: the model and its loss traced as one program, so the
-    fused path applies. Called as `model(*inputs, target)`."""
+    fused path applies. Called as `model(*inputs, target)`.
+
+    It shares the module's own parameter, buffer and submodule tables instead of holding the
+    module as a child: a child would prefix every traced name with `module.`, and the engine's
+    arrays are keyed by the module's own names."""
 
     def __init__(self, module, loss_fn):
         super().__init__()
-        self.module = module
-        self.loss_fn = loss_fn
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self._modules = module._modules
+        self.training = module.training
+        # Plain attributes: assigning through nn.Module would register a module-valued
+        # loss_fn (nn.CrossEntropyLoss()) in the shared submodule table.
+        object.__setattr__(self, "_wrapped_forward", module.forward)
+        object.__setattr__(self, "_loss_fn", loss_fn)
 
     def forward(self, *args, **kwargs):
         *inputs, target = args
-        return self.loss_fn(self.module(*inputs, **kwargs), target)
+        return self._loss_fn(self._wrapped_forward(*inputs, **kwargs), target)
 
 
 @jax.jit

@@ -60,6 +60,9 @@ class ShardedParameter(torch.nn.Parameter):
                 "zerojax: gradients live in the sharded engine; only `p.grad = None` "
                 "(optimizer.zero_grad()) is supported"
             )
+        engine = getattr(self, "_zerojax_engine", None)
+        if engine is not None:  # as in torch, this parameter's gradient is gone
+            engine.drop_grad(self._zerojax_name)
 
 
 def release_parameters(module: torch.nn.Module, engine: Engine) -> None:
@@ -115,15 +118,20 @@ class ZeroModule(torch.nn.Module):
         for i in tensor_positions:
             jax_flat[i] = engine.shard_input(from_torch(flat[i]))
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
-        recording = torch.is_grad_enabled() and any(
-            p.requires_grad for p in self.module.parameters()
+        inputs_require_grad = any(flat[i].requires_grad for i in tensor_positions)
+        recording = torch.is_grad_enabled() and (
+            inputs_require_grad or any(p.requires_grad for p in self.module.parameters())
         )
         if not recording:
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
             return _to_torch_tree(outputs)
 
         tensor_inputs = [flat[i] for i in tensor_positions]
-        loss_path = self._fused_loss_path(converted, jax_args, jax_kwargs)
+        # The fused program returns no input gradients: inputs that need one (a wrapped model
+        # fed by another) take the general path.
+        loss_path = (
+            None if inputs_require_grad else self._fused_loss_path(converted, jax_args, jax_kwargs)
+        )
         if loss_path is not None:
             return self._fused(converted, jax_args, jax_kwargs, loss_path, tensor_inputs)
         return self._general(converted, jax_args, jax_kwargs, flat, tensor_positions)
@@ -131,6 +139,19 @@ class ZeroModule(torch.nn.Module):
     def _fused_loss_path(self, converted, jax_args, jax_kwargs):
         if self._engine.fused is False:
             return None
+        # Tracing the whole model to look at its output costs ~3% of a step: once per shapes.
+        leaves, treedef = jax.tree.flatten((tuple(jax_args), jax_kwargs))
+        key = (
+            id(converted),
+            treedef,
+            tuple((x.shape, x.dtype) if isinstance(x, jax.Array) else repr(x) for x in leaves),
+        )
+        cache = self.__dict__.setdefault("_loss_paths", {})
+        if key not in cache:
+            cache[key] = self._find_loss_path(converted, jax_args, jax_kwargs)
+        return cache[key]
+
+    def _find_loss_path(self, converted, jax_args, jax_kwargs):
         shapes = jax.eval_shape(
             lambda a, k: converted.apply(
                 self._engine.params, self._engine.buffers, *a, rng=jax.random.key(0), **k
@@ -200,6 +221,11 @@ class ZeroModule(torch.nn.Module):
             lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the accumulated gradients. nn.Module's version would read (gather) every
+        `p.grad` first; either way the next backward starts from nothing."""
+        self._engine.zero_grad()
 
     # --- torch-format state ----------------------------------------------------------------
 

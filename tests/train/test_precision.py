@@ -1,0 +1,246 @@
+"""Precision policies through the unchanged torch loop: bf16, pure bf16, fp16 loss scaling.
+
+Run: `.venv/bin/python -m pytest -q tests/train/test_precision.py -p no:cacheprovider`.
+Why: a policy changes what the engine stores and computes in, never the user's loop. bf16
+compute with fp32 master weights must follow the fp32 loss curve; pure bf16 states must still
+learn; fp16 must scale the loss inside the JAX step so that a plain `loss.backward()` works,
+skip an overflowing step (parameters untouched), lower the scale by DeepSpeed's rule
+(hysteresis, then halving), report both, and train on afterwards. Each policy's bytes per
+parameter are read off the engine's arrays and off `zerojax.memory_report`.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerojax
+from zerojax.sharding.memory import measure_memory
+
+pytestmark = pytest.mark.multidevice
+
+BATCH, IN, CLASSES, STEPS = 32, 16, 4, 20
+MIXED = "params=bfloat16,compute=bfloat16,master=float32"
+PURE_BF16 = "params=bfloat16,compute=bfloat16,optimizer_state=bfloat16,grad_reduce=bfloat16"
+BF16_TRACKING_TOL = 0.01
+"""bf16 compute + fp32 master: max |loss - fp32 torch loss| over STEPS steps with losses going
+1.26 -> 0.4 (measured: 0.0015)."""
+PURE_BF16_TRACKING_TOL = 0.03
+"""Pure bf16 states (params, grads, Adam moments in bf16, no master): measured 0.0038."""
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, 64)
+        self.norm = nn.LayerNorm(64)
+        self.fc2 = nn.Linear(64, CLASSES)
+
+    def forward(self, x):
+        return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+class Task:
+    """Labels from a fixed random linear map: learnable in a few AdamW steps; fresh inputs."""
+
+    def __init__(self):
+        self.teacher = torch.randn(IN, CLASSES)
+
+    def batch(self):
+        x = torch.randn(BATCH, IN)
+        return x, (x @ self.teacher).argmax(-1)
+
+
+def config(precision, stage=3, **extra):
+    return {"mesh": {"data": -1}, "zero_stage": stage, "precision": precision, **extra}
+
+
+def setup(precision, **extra):
+    torch.manual_seed(0)
+    module = Classifier()
+    reference = copy.deepcopy(module)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=2e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=2e-2)
+    model, optimizer = zerojax.initialize(module, optimizer, config=config(precision, **extra))
+    return model, optimizer, reference, ref_optimizer
+
+
+def step(model, optimizer, x, y, loss_factor=1.0):
+    loss = F.cross_entropy(model(x), y)
+    (loss * loss_factor).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def bytes_per_param(engine) -> dict[str, float]:
+    report = measure_memory(
+        engine.plan,
+        params=engine.params,
+        grads=engine.grads,
+        opt_state=engine.opt_state,
+        master_weights=engine.master,
+    )
+    return {c.name: round(c.bytes_per_param, 1) for c in report.components}
+
+
+def test_bf16_compute_with_fp32_master_tracks_fp32():
+    model, optimizer, reference, ref_optimizer = setup(MIXED)
+    engine = model.engine
+    assert {str(a.dtype) for a in engine.params.values()} == {"bfloat16"}
+    assert {str(a.dtype) for a in engine.master.values()} == {"float32"}
+    for name, master in engine.master.items():
+        assert master.sharding.is_equivalent_to(engine.plan.master_weights[name], master.ndim)
+    task = Task()
+    x, _ = task.batch()
+    with torch.no_grad():
+        out, expected = model(x), reference(x)
+    assert out.dtype == torch.float32  # output_dtype
+    torch.testing.assert_close(out, out.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert (out - expected).abs().max() > 1e-4  # really computed in bf16, not fp32
+    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.02)
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        x, y = task.batch()
+        losses.append(step(model, optimizer, x, y))
+        ref_losses.append(step(reference, ref_optimizer, x, y))
+    gaps = [abs(a - b) for a, b in zip(losses, ref_losses)]
+    assert max(gaps) <= BF16_TRACKING_TOL, f"bf16 vs fp32 loss gaps {gaps}"
+    assert losses[-1] < 0.5 * losses[0]
+    # state_dict gives torch's dtypes, from the fp32 master copy.
+    state = model.state_dict()
+    assert state["fc1.weight"].dtype == torch.float32
+    master = torch.from_numpy(np.array(engine.master["fc1.weight"]))
+    torch.testing.assert_close(state["fc1.weight"], master, rtol=0, atol=0)
+
+
+def test_pure_bf16_states_learn():
+    model, optimizer, reference, ref_optimizer = setup(PURE_BF16)
+    engine = model.engine
+    assert engine.master is None
+    task = Task()
+    x, y = task.batch()
+    F.cross_entropy(model(x), y).backward()
+    assert {str(g.dtype) for g in engine.grads.values()} == {"bfloat16"}
+    optimizer.zero_grad()
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        x, y = task.batch()
+        losses.append(step(model, optimizer, x, y))
+        ref_losses.append(step(reference, ref_optimizer, x, y))
+    assert {str(a.dtype) for a in engine.params.values()} == {"bfloat16"}
+    assert {str(a.dtype) for a in engine.opt_state["exp_avg"].values()} == {"bfloat16"}
+    assert losses[-1] < 0.5 * losses[0], losses
+    gaps = [abs(a - b) for a, b in zip(losses, ref_losses)]
+    assert max(gaps) <= PURE_BF16_TRACKING_TOL, f"pure bf16 vs fp32 loss gaps {gaps}"
+    assert model.state_dict()["fc1.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"),
+    [
+        ("params=float32", {"params": 4, "grads": 4, "opt_state": 8, "master_weights": 0}),
+        (MIXED, {"params": 2, "grads": 4, "opt_state": 8, "master_weights": 4}),
+        (PURE_BF16, {"params": 2, "grads": 2, "opt_state": 4, "master_weights": 0}),
+    ],
+    ids=["fp32", "bf16-fp32-master", "pure-bf16"],
+)
+def test_bytes_per_parameter_per_policy(precision, expected):
+    """What the engine holds for AdamW: 16, 18 and 8 bytes/param; ZeRO-3 splits it."""
+    model, _, _, _ = setup(precision)
+    x, y = Task().batch()
+    F.cross_entropy(model(x), y).backward()
+    engine = model.engine
+    assert bytes_per_param(engine) == expected
+    report = measure_memory(
+        engine.plan, params=engine.params, grads=engine.grads, opt_state=engine.opt_state
+    )
+    assert report["params"].measured < 0.25 * report["params"].formula * 8  # ZeRO-3 splits
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        "params=float32",
+        pytest.param(
+            MIXED,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="memory_report places gradients in param_dtype (bf16, 2 B/param); the "
+                "engine accumulates them in grad_reduce_dtype (float32 by default, 4 B/param)",
+            ),
+        ),
+        PURE_BF16,
+    ],
+    ids=["fp32", "bf16-fp32-master", "pure-bf16"],
+)
+def test_memory_report_agrees_with_the_engine(precision):
+    model, _, _, _ = setup(precision)
+    x, y = Task().batch()
+    F.cross_entropy(model(x), y).backward()
+    converted = zerojax.convert(Classifier(), (x,))
+    planned = zerojax.memory_report(converted, (x,), config(precision), run_step=False)
+    planned_bytes = {c.name: round(c.bytes_per_param, 1) for c in planned.components}
+    assert planned_bytes == bytes_per_param(model.engine)
+
+
+def test_fp16_overflow_skips_the_step_lowers_the_scale_and_recovers():
+    """hysteresis=2: the first overflow only uses up hysteresis, the second halves the scale;
+    window=3 clean steps double it again."""
+    loss_scale = {"initial_scale": 1024.0, "hysteresis": 2, "window": 3}
+    model, optimizer, _, _ = setup(
+        {
+            "param_dtype": "float16",
+            "compute_dtype": "float16",
+            "master_dtype": "float32",
+            "loss_scale": loss_scale,
+        }
+    )
+    assert optimizer.loss_scale == 1024.0 and optimizer.skipped_steps == 0
+    task = Task()
+    losses = [step(model, optimizer, *task.batch())]
+    assert optimizer.loss_scale == 1024.0 and optimizer.skipped_steps == 0
+
+    before = model.state_dict()
+    master_before = {n: a.copy() for n, a in model.engine.master.items()}
+    # A loss 1e8 times too large: its fp16 gradients overflow; the loop itself is unchanged.
+    step(model, optimizer, *task.batch(), loss_factor=1e8)
+    assert optimizer.skipped_steps == 1
+    assert optimizer.loss_scale == 1024.0  # hysteresis absorbed the first overflow
+    step(model, optimizer, *task.batch(), loss_factor=1e8)
+    assert optimizer.skipped_steps == 2
+    assert optimizer.loss_scale == 512.0
+    after = model.state_dict()
+    for name in before:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+    for name, master in model.engine.master.items():
+        assert (master == master_before[name]).all(), name
+    adam_steps = optimizer.state_dict()["state"][0]["step"]
+    assert float(adam_steps) == 1.0  # skipped steps do not count
+
+    for _ in range(3):
+        losses.append(step(model, optimizer, *task.batch()))
+    assert optimizer.skipped_steps == 2
+    assert optimizer.loss_scale == 1024.0  # window=3 clean steps: doubled
+    for _ in range(STEPS - 4):
+        losses.append(step(model, optimizer, *task.batch()))
+    assert optimizer.skipped_steps == 2
+    assert all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_unsupported_optimizer_lists_the_supported_ones():
+    module = Classifier()
+    with pytest.raises(ValueError, match=r"RMSprop.*AdamW.*Adam.*SGD|RMSprop.*SGD") as info:
+        zerojax.initialize(
+            module, torch.optim.RMSprop(module.parameters()), config=config("params=float32")
+        )
+    message = str(info.value)
+    for name in ("AdamW", "Adam", "SGD"):
+        assert name in message
