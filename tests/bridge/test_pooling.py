@@ -231,3 +231,10 @@ def test_fractional_max_pool():
         torch.randn(2, 2, 5, 6, 7),
         torch.rand(2, 2, 3),
     )
+
+
+def test_avg_pool1d_and_adaptive_avg_pool1d_overloads():
+    """Core-ATen 1-d overloads (F.avg_pool1d decomposes to the 2-d op; call them directly)."""
+    x = torch.randn(2, 3, 11)
+    check(lambda x: torch.ops.aten.avg_pool1d(x, [3], [2], [1], True, False), x)
+    check(lambda x: torch.ops.aten.adaptive_avg_pool1d(x, [4]), x)

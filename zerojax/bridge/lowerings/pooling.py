@@ -213,6 +213,13 @@ def lower_avg_pool2d_default(
     )
 
 
+@lowering(aten.avg_pool1d.default)
+def lower_avg_pool1d_default(
+    ctx, self, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True
+):
+    return _avg_pool(self, 1, kernel_size, stride, padding, ceil_mode, count_include_pad, None)
+
+
 @lowering(aten.avg_pool3d.default)
 def lower_avg_pool3d_default(
     ctx,
@@ -314,7 +321,11 @@ def _adaptive_avg_pool(x, output_size):
     return x
 
 
-@lowering(aten._adaptive_avg_pool2d.default, aten._adaptive_avg_pool3d.default)
+@lowering(
+    aten.adaptive_avg_pool1d.default,
+    aten._adaptive_avg_pool2d.default,
+    aten._adaptive_avg_pool3d.default,
+)
 def lower__adaptive_avg_pool_default(ctx, self, output_size):
     """Mean over torch's adaptive windows (overlapping when sizes do not divide)."""
     return _adaptive_avg_pool(self, [int(o) for o in output_size])
