@@ -1,6 +1,6 @@
 """Train-step benchmark: forward + backward + AdamW on the GPT-2 bench model, zerojax vs PyTorch.
 
-1. Steady state: the median of --steps timed steps (after two warm-up steps) for
+1. Steady state: the median of --steps timed steps (after WARMUP_STEPS untimed ones) for
    - zerojax fused: `initialize(..., loss_fn=...)`, `model(x, y)` returns the loss, forward and
      backward run as one XLA program;
    - zerojax general: the model returns logits, the loss is computed in torch, `loss.backward()`
@@ -35,20 +35,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 1)
 jax.config.update("jax_platforms", "cpu")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-import zerojax  # noqa: E402
-from bench.architectures import gpt2_bench_model  # noqa: E402
+import zerojax
+from bench.architectures import gpt2_bench_model
 
 BF16_POLICY = "params=bfloat16,compute=bfloat16,master=float32"
 PRECISIONS = {"fp32": "params=float32,compute=float32", "bf16": BF16_POLICY}
 LR = 3e-4
+WARMUP_STEPS = 5
+"""Untimed steps first: compilation, allocator growth, and torch.compile's first few steps,
+which run slow here (hundreds of ms) while its kernels finish compiling in the background."""
 
 
 def lm_loss(logits, targets):
@@ -114,9 +117,10 @@ CONTENDERS = {
 
 
 def time_steps(step, steps: int) -> tuple[float, float]:
-    """(first loss, median seconds of `steps` steps after two warm-up steps)."""
+    """(first loss, median seconds of `steps` steps after WARMUP_STEPS untimed ones)."""
     first_loss = step().item()
-    step()  # warm-up: compilation, allocator growth
+    for _ in range(WARMUP_STEPS - 1):
+        step()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -132,13 +136,15 @@ def steady_state_table(quick: bool, steps: int) -> str:
             print(f"  timing {name} {precision} ...", file=sys.stderr, flush=True)
             try:
                 results[name, precision] = time_steps(make(quick, precision), steps)
-            except Exception as exc:  # one broken contender must not hide the others
+            except Exception as exc:  # noqa: BLE001 (one broken contender must not hide the rest)
                 message = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
                 print(f"  {name} {precision} failed: {message}", file=sys.stderr)
                 results[name, precision] = None
     lines = [
-        "| implementation | fp32 step (ms) | fp32 speed-up vs eager | bf16 step (ms) "
-        "| bf16 speed-up vs eager | first-step loss fp32 / bf16 |",
+        (
+            "| implementation | fp32 step (ms) | fp32 speed-up vs eager | bf16 step (ms) "
+            "| bf16 speed-up vs eager | first-step loss fp32 / bf16 |"
+        ),
         "|---|---|---|---|---|---|",
     ]
     for name in CONTENDERS:
@@ -173,7 +179,11 @@ def first_step_child(quick: bool, fused: bool, cache_dir: str | None) -> None:
     done = time.perf_counter()
     step()
     second = time.perf_counter() - done
-    print(json.dumps({"initialize": initialized - start, "first": done - initialized, "second": second}))
+    print(
+        json.dumps(
+            {"initialize": initialized - start, "first": done - initialized, "second": second}
+        )
+    )
 
 
 def first_step_table(quick: bool) -> str:
@@ -182,23 +192,30 @@ def first_step_table(quick: bool) -> str:
         command += ["--quick"] if quick else []
         command += ["--cache-dir", cache_dir] if cache_dir else []
         start = time.perf_counter()
-        out = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+        out = subprocess.run(command, capture_output=True, text=True, cwd=REPO, check=False)
         if out.returncode:
             raise RuntimeError(f"{' '.join(command)} failed:\n{out.stderr[-2000:]}")
-        return {**json.loads(out.stdout.strip().splitlines()[-1]),
-                "process": time.perf_counter() - start}
+        return {
+            **json.loads(out.stdout.strip().splitlines()[-1]),
+            "process": time.perf_counter() - start,
+        }
 
     lines = [
-        "| path | compilation cache | initialize (s) | first step (s) | second step "
-        "| whole process (s) |",
+        (
+            "| path | compilation cache | initialize (s) | first step (s) | second step "
+            "| whole process (s) |"
+        ),
         "|---|---|---|---|---|---|",
     ]
     for fused in (True,) if quick else (True, False):
         with tempfile.TemporaryDirectory(prefix="zerojax-bench-cache-") as cache_dir:
             cases = [("none", None), ("empty (written)", cache_dir), ("warm", cache_dir)]
             for label, directory in cases:
-                print(f"  first step, {'fused' if fused else 'general'}, cache {label} ...",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  first step, {'fused' if fused else 'general'}, cache {label} ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 r = child(fused, directory)
                 lines.append(
                     f"| zerojax {'fused' if fused else 'general'} | {label} | "
@@ -210,10 +227,17 @@ def first_step_table(quick: bool) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per contender (>= 20 "
-                        "for the published table)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: a 2-layer width-64 model, batch 2 x 64, 3 steps")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="timed steps per contender (>= 20 for the published table)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: a 2-layer width-64 model, batch 2 x 64, 3 steps",
+    )
     parser.add_argument("--skip-first-step", action="store_true")
     parser.add_argument("--first-step-child", choices=["fused", "general"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -232,8 +256,8 @@ def main() -> None:
     print(f"## Train step: forward + backward + AdamW ({shape}, {num_params / 1e6:.2f}M params)\n")
     print(steady_state_table(options.quick, steps))
     print(
-        f"\nMedian of {steps} steps after 2 warm-up steps; one CPU device (mesh data=1) for "
-        f"every contender; {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; "
+        f"\nMedian of {steps} steps after {WARMUP_STEPS} untimed steps; one CPU device "
+        f"(mesh data=1) for every contender; {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; "
         f"torch {torch.__version__}, jax {jax.__version__}. bf16: zerojax precision "
         f'"{BF16_POLICY}", torch autocast(cpu, bfloat16). Speed-up = eager step time / step '
         "time, same precision."

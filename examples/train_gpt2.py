@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 import jax
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import zerojax
 from zerojax.sharding import configure_devices
@@ -48,8 +51,6 @@ def parse_args() -> argparse.Namespace:
 
 def encode(a, b):
     """(n,) int tensors -> (n, 9) tokens of "ab+cd=" and the sum's digits reversed."""
-    import torch
-
     answer = a + b
     digits = [a // 10, a % 10, torch.full_like(a, 10), b // 10, b % 10, torch.full_like(a, 11)]
     digits += [answer % 10, answer // 10 % 10, answer // 100]
@@ -61,8 +62,6 @@ def decode(tokens) -> str:
 
 
 def split_problems(seed: int, num_test: int = 1000):
-    import torch
-
     pairs = torch.cartesian_prod(torch.arange(100), torch.arange(100))
     pairs = pairs[torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))]
     return pairs[num_test:], pairs[:num_test]
@@ -71,8 +70,6 @@ def split_problems(seed: int, num_test: int = 1000):
 def batches(train_pairs, batch_size: int, steps: int, seed: int):
     """(inputs, targets): inputs are the first 8 tokens, targets the next-token labels with the
     prompt positions set to -100 (cross_entropy's ignore_index), so only answers count."""
-    import torch
-
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         rows = train_pairs[torch.randint(len(train_pairs), (batch_size,), generator=generator)]
@@ -115,8 +112,6 @@ class ProgressBar:
 def print_memory_table(model, optimizer, inputs, targets) -> None:
     """Per-device bytes of the live training state, read off the sharded arrays, beside the
     ZeRO formula. One forward/backward makes the gradients live (and compiles both programs)."""
-    import torch.nn.functional as F
-
     loss = F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())
     loss.backward()
     engine = model.engine
@@ -136,8 +131,6 @@ def held_out_accuracy(model, test_pairs, show: int = 8) -> float:
     """Exact-match accuracy of greedily decoded answers. Every call feeds the same (n, 8)
     shape, so one compiled program serves all three digits (causal attention ignores the
     not-yet-written positions)."""
-    import torch
-
     tokens = encode(test_pairs[:, 0], test_pairs[:, 1])
     inputs = tokens[:, :-1].clone()
     inputs[:, PROMPT_LEN:] = 0
@@ -165,10 +158,6 @@ def main() -> None:
     # Compiled programs persist across runs; the second run skips XLA compilation.
     jax.config.update("jax_compilation_cache_dir", str(REPO / ".cache" / "jax"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-    import torch
-    import torch.nn.functional as F
-    from transformers import GPT2Config, GPT2LMHeadModel
 
     start = time.perf_counter()
     torch.manual_seed(args.seed)
@@ -203,7 +192,8 @@ def main() -> None:
 
     train_pairs, test_pairs = split_problems(args.seed)
     loader = batches(train_pairs, args.batch_size, args.steps, args.seed)
-    print_memory_table(model, optimizer, *next(batches(train_pairs, args.batch_size, 1, -1)))
+    example_x, example_y = next(batches(train_pairs, args.batch_size, 1, args.seed + 1))
+    print_memory_table(model, optimizer, example_x, example_y)
     print(f"setup (trace + compile): {time.perf_counter() - start:.1f} s")
 
     bar = ProgressBar(args.steps)

@@ -168,14 +168,7 @@ def test_bytes_per_parameter_per_policy(precision, expected):
     "precision",
     [
         "params=float32",
-        pytest.param(
-            MIXED,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="memory_report places gradients in param_dtype (bf16, 2 B/param); the "
-                "engine accumulates them in grad_reduce_dtype (float32 by default, 4 B/param)",
-            ),
-        ),
+        MIXED,
         PURE_BF16,
     ],
     ids=["fp32", "bf16-fp32-master", "pure-bf16"],

@@ -378,13 +378,16 @@ def memory_report(
         batch = step.shard_batch(batch)
         rng = jax.random.key(0)
         _, grads, _ = step.loss_and_grads(params, converted.buffers, batch, rng)
+        # Gradients are reduced and accumulated in grad_reduce_dtype (what the engine holds).
+        grads = _float_cast(grads, precision.grad_reduce_dtype)
         compiled = step.compile(params, opt_state, converted.buffers, batch, rng)
         if master is not None:
             notes.append("the compiled step updates params directly (master weights not in it)")
     else:
-        grads = {
-            n: jax.device_put(np.zeros(p.shape, p.dtype), plan.grads[n]) for n, p in params.items()
-        }
+        grads = _float_cast(
+            {n: jax.device_put(np.zeros(p.shape, p.dtype), plan.grads[n]) for n, p in params.items()},
+            precision.grad_reduce_dtype,
+        )
         notes.append("gradients placed per the plan; the step was not run")
     return measure_memory(
         plan,
