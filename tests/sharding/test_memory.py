@@ -99,12 +99,13 @@ def test_measured_matches_zero_formula_fp32(mlp, stage):
 
 def test_mixed_precision_is_the_paper_formula(mlp):
     """bf16 params and grads, fp32 master weights and Adam moments: 2 + 2 + 4 + 8 = 16 bytes,
-    the paper's K = 12 case; stage 1 = 4Psi + 12Psi/N_d."""
+    the paper's K = 12 case; stage 1 = 4Psi + 12Psi/N_d. (Gradients are fp32 unless
+    grad_reduce says otherwise; the paper reduces them in bf16.)"""
     converted, args = mlp
     config = {
         "mesh": {"data": 8},
         "zero_stage": 1,
-        "precision": "params=bfloat16,compute=bfloat16,master=float32",
+        "precision": "params=bfloat16,compute=bfloat16,master=float32,grad_reduce=bfloat16",
     }
     report = memory_report(converted, args, config, run_step=False)
     psi = report.num_params
