@@ -179,7 +179,8 @@ def main() -> None:
     num_params = sum(p.numel() for p in model.parameters())
     print(
         f"GPT-2 ({gpt2_config.n_layer} layers, width {gpt2_config.n_embd}, {num_params:,} "
-        f"parameters) on {len(jax.devices())} {jax.devices()[0].platform.upper()} devices, "
+        f"parameters), batch {args.batch_size} x {PROMPT_LEN + ANSWER_LEN - 1} tokens, on "
+        f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices, "
         f"config {os.path.relpath(args.config)}"
     )
 

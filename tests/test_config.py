@@ -257,7 +257,7 @@ def test_yaml_file_and_example(tmp_path):
     config = load_config(EXAMPLES / "zero3.yaml")
     assert config.mesh.axes == (("fsdp", -1),) and config.mesh.shape == (8,)
     assert config.zero_stage == 3 and config.rules[0].preset == "gpt2"
-    assert config.source.endswith("zero3.yaml") and config.train.global_batch_size == 32
+    assert config.source.endswith("zero3.yaml") and config.train.global_batch_size == 128
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"mesh": {"fsdp": 8}, "zero_stage": 2}))
     assert load_config(path).zero_stage == 2
@@ -308,7 +308,7 @@ def test_deepspeed_example_maps_every_key():
         p.optimizer_state_dtype,
         p.grad_reduce_dtype,
     ) == ("bfloat16", "bfloat16", "float32", "float32", "float32")
-    assert config.train.micro_batch_size == 4 and config.train.global_batch_size == 32
+    assert config.train.micro_batch_size == 4 and config.train.global_batch_size == 128
     assert config.train.gradient_clipping == 1.0
     assert config.optimizer.type == "adamw"
     assert config.optimizer.kwargs == {

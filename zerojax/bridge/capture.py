@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -61,4 +62,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
                 f"what torch.export can trace (no data-dependent Python control flow, no "
                 f"untraceable calls). torch's reason:\n{reason}"
             ) from error
-        return exported.run_decompositions(decomposition_table())
+        with warnings.catch_warnings():
+            # torch's own deepcopy of its pytree specs warns about its own deprecated API.
+            warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+            return exported.run_decompositions(decomposition_table())

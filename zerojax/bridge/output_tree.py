@@ -33,7 +33,7 @@ def register_output_types(spec: torch_pytree.TreeSpec) -> None:
     node_type = spec.type
     if node_type is not None and node_type not in _JAX_NATIVE and node_type not in _registered:
         _register(node_type)
-    for child in spec.children_specs:
+    for child in spec.children():
         register_output_types(child)
 
 

@@ -49,6 +49,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("zerojax: optimizer.step(closure) is not supported (LBFGS-style)")
+        # An LR scheduler built on the original optimizer watches its step() for this flag.
+        self._optimizer._opt_called = True
         hyper = optimizers.hyper_from_torch(self._optimizer, self._engine.optimizer_spec)
         self._engine.step(hyper)
 
