@@ -7,6 +7,8 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import logging  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,6 +19,10 @@ def _seed():
     """Fresh but reproducible random inputs per test."""
     torch.manual_seed(0)
     yield
+
+
+# torch.export logs every traced op at DEBUG on this logger; pytest would print it all on failure.
+logging.getLogger("torch.__trace").setLevel(logging.INFO)
 
 
 def pytest_report_header(config):

@@ -45,9 +45,11 @@ def assert_close(expected, got, *, rtol=1.3e-6, atol=1e-5, what=""):
             assert e == g, f"{what}[{i}]: {e!r} != {g!r}"
             continue
         g = torch.as_tensor(g)
-        expected_dtype = {torch.int64: torch.int32, torch.float64: torch.float32}.get(
-            e.dtype, e.dtype
-        )
+        expected_dtype = {
+            torch.int64: torch.int32,
+            torch.float64: torch.float32,
+            torch.complex128: torch.complex64,
+        }.get(e.dtype, e.dtype)
         assert g.dtype in (e.dtype, expected_dtype), f"{what}[{i}]: dtype {g.dtype} vs {e.dtype}"
         assert tuple(g.shape) == tuple(e.shape), f"{what}[{i}]: shape {g.shape} vs {e.shape}"
         torch.testing.assert_close(

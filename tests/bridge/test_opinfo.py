@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import logging
 import sys
 import traceback
 import warnings
@@ -47,7 +46,7 @@ from tests.bridge import opinfo_table as table
 from tests.bridge.parity import assert_close
 from zerojax.bridge.capture import capture
 from zerojax.bridge.dtypes import from_torch, to_torch
-from zerojax.bridge.errors import CaptureError, UnsupportedOpError
+from zerojax.bridge.errors import CaptureError, MissingLoweringError, UnsupportedOpError
 from zerojax.bridge.interpreter import _PYTHON_FUNCTIONS, RANDOM_OPS_NEED_RNG
 from zerojax.bridge.registry import get_lowering, supported_ops
 
@@ -453,11 +452,11 @@ def evaluate(cases: list[Case]) -> list[Outcome]:
         converted = zerojax.convert(module, module.inputs())
     except CaptureError as error:
         return _narrow(cases, "skip", _capture_reason(error))
-    except UnsupportedOpError as error:
-        if "no lowering" not in str(error):  # mutates an input in place, or a similar form
-            return _narrow(cases, "skip", _first_line(error))
+    except MissingLoweringError:
         outcomes, runnable = _attribute_unsupported(module)
         return outcomes + evaluate(runnable)
+    except UnsupportedOpError as error:  # mutates an input in place, or a similar form
+        return _narrow(cases, "skip", _first_line(error))
     except Exception as error:  # noqa: BLE001  (classified: torch's limit, or a bridge bug)
         if _is_torch_error(error):  # e.g. run_decompositions guarding on a data-dependent size
             return _narrow(cases, "skip", _capture_reason(error))
@@ -529,13 +528,6 @@ def check_entry(entry: str, dtype: torch.dtype, *, all_samples: bool) -> None:
 # Tests
 
 
-@pytest.fixture(autouse=True)
-def _quiet_export_trace():
-    """torch.export's structured trace log would fill every failure report with DEBUG lines."""
-    trace_log = logging.getLogger("torch.__trace")
-    saved, trace_log.disabled = trace_log.disabled, True
-    yield
-    trace_log.disabled = saved
 
 
 def test_tables_name_real_entries():

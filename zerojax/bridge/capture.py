@@ -50,6 +50,10 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
     with _training_mode(module, train):
         try:
             exported = torch.export.export(module, args, kwargs, strict=False)
+            with warnings.catch_warnings():
+                # torch's own deepcopy of its pytree specs warns about its own deprecated API.
+                warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
+                return exported.run_decompositions(decomposition_table())
         except Exception as error:  # torch raises many types here; all mean "cannot capture"
             reason = f"{type(error).__name__}: {error}"
             if "cache_utils" in reason:
@@ -62,7 +66,3 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
                 f"what torch.export can trace (no data-dependent Python control flow, no "
                 f"untraceable calls). torch's reason:\n{reason}"
             ) from error
-        with warnings.catch_warnings():
-            # torch's own deepcopy of its pytree specs warns about its own deprecated API.
-            warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
-            return exported.run_decompositions(decomposition_table())

@@ -15,6 +15,14 @@ class UnsupportedOpError(NotImplementedError):
     """The captured graph contains ATen overloads zerojax has no lowering for."""
 
 
+class MissingLoweringError(UnsupportedOpError):
+    """The graph uses ATen overloads with no lowering; `.ops` names them."""
+
+    def __init__(self, message: str, ops: tuple[str, ...]):
+        super().__init__(message)
+        self.ops = ops
+
+
 class DataDependentShapeError(UnsupportedOpError):
     """An op's output shape depends on tensor values (nonzero, masked_select); JAX needs static
     shapes."""

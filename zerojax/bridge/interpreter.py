@@ -22,7 +22,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from zerojax.bridge.dtypes import from_torch
-from zerojax.bridge.errors import UnsupportedOpError, node_location
+from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.registry import LoweringContext, get_lowering
 
 # Placement and layout arguments mean nothing to a JAX value (no per-op device, no strides).
@@ -114,10 +114,11 @@ class GraphFunction:
             lines = "\n".join(
                 f"  {op}  in {node_location(node)}" for op, node in sorted(missing.items())
             )
-            raise UnsupportedOpError(
+            raise MissingLoweringError(
                 f"zerojax has no lowering for {len(missing)} ATen op(s) in {self.model_name}:\n"
                 f"{lines}\nzerojax.bridge.supported_ops() lists what is supported; README.md "
-                f"('Op coverage') lists the known gaps and why."
+                f"('Op coverage') lists the known gaps and why.",
+                ops=tuple(sorted(missing)),
             )
 
     def __call__(
