@@ -308,7 +308,7 @@ def test_deepspeed_example_maps_every_key():
         p.optimizer_state_dtype,
         p.grad_reduce_dtype,
     ) == ("bfloat16", "bfloat16", "float32", "float32", "float32")
-    assert config.train.micro_batch_size == 4 and config.train.global_batch_size == 128
+    assert config.train.micro_batch_size == 4 and config.train.global_batch_size == 32
     assert config.train.gradient_clipping == 1.0
     assert config.optimizer.type == "adamw"
     assert config.optimizer.kwargs == {

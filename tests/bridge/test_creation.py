@@ -104,3 +104,10 @@ def test_arange_overloads_direct():
 
     np.testing.assert_array_equal(get_lowering(aten.arange.default)(Ctx(), 4), np.arange(4))
     np.testing.assert_array_equal(get_lowering(aten.arange.start)(Ctx(), 3, 7), np.arange(3, 7))
+
+
+@pytest.mark.parametrize("row, col, offset", [(4, 3, 0), (3, 5, 1), (5, 4, -2), (0, 3, 0)])
+def test_tril_triu_indices(row, col, offset):
+    x = torch.randn(2)
+    check(lambda a: a.sum() + torch.tril_indices(row, col, offset).sum(), x)
+    check(lambda a: (torch.tril_indices(row, col, offset), torch.triu_indices(row, col, offset)), x)

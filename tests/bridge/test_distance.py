@@ -5,6 +5,7 @@ Run: .venv/bin/python -m pytest tests/bridge/test_distance.py -q
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -46,3 +47,8 @@ def test_distance_grads_are_zero_at_zero_distance():
         x,
         torch.cat([x[:2], torch.randn(2, 3)]),
     )
+
+
+@pytest.mark.parametrize("p", [0, 1, 2, 3.5, math.inf, -math.inf])
+def test_dist(p):
+    check(lambda a, b: torch.dist(a, b, p), torch.randn(3, 4), torch.randn(4))

@@ -290,3 +290,51 @@ def test_data_dependent_shapes_raise(fn):
     """Ops with value-dependent output sizes fail with a message naming a static rewrite."""
     with pytest.raises(UnsupportedOpError, match="depends on the tensor's values"):
         check(fn, torch.randn(3, 4))
+
+
+def test_bool_accumulate_is_logical():
+    """torch accumulates bool as logical or (sum) / and (prod)."""
+    x = torch.rand(4, 5) > 0.5
+    src = torch.rand(4, 5) > 0.5
+    index = torch.randint(0, 4, (4, 5))
+    check(lambda a, s, i: a.scatter_add(0, i, s), x, src, index)
+    check(lambda a, s, i: a.scatter_reduce(0, i, s, "prod"), x, src, index)
+    check(lambda a, s, i: a.index_put((i[:, 0],), s, accumulate=True), x, src, index)
+    check(lambda a, s, i: a.put(i[0], s[0], accumulate=True), x, src, index)
+
+
+@pytest.mark.parametrize("reduce", ["add", "multiply"])
+def test_scatter_legacy_reduce(reduce):
+    x, src = torch.randn(4, 5), torch.randn(4, 5)
+    index = torch.randint(0, 4, (3, 5))
+    check(lambda a, s, i: a.scatter(0, i, s, reduce=reduce), x, src, index)
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_index_reduce(reduce, include_self):
+    x, src = torch.randn(4, 3), torch.randn(6, 3)
+    index = torch.randint(0, 4, (6,))
+    check(lambda a, s, i: a.index_reduce(0, i, s, reduce, include_self=include_self), x, src, index)
+    xi, srci = torch.randint(-9, 9, (3, 4)), torch.randint(-9, 9, (3, 6))
+    check(
+        lambda a, s, i: a.index_reduce(1, i, s, reduce, include_self=include_self), xi, srci, index
+    )
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_searchsorted_bucketize(right):
+    boundaries = torch.randint(0, 6, (7,)).sort().values.float()
+    values = torch.randint(-1, 7, (3, 4)).float()
+    check(lambda b, v: torch.searchsorted(b, v, right=right), boundaries, values)
+    check(lambda b, v: torch.bucketize(v, b, right=right, out_int32=True), boundaries, values)
+    batched = torch.randn(2, 3, 5).sort(-1).values
+    check(
+        lambda b, v: torch.searchsorted(b, v, side="right" if right else "left"),
+        batched,
+        torch.randn(2, 3, 4),
+    )
+    unsorted = torch.randn(6)
+    sorter = unsorted.argsort()
+    check(lambda b, s, v: torch.searchsorted(b, v, sorter=s), unsorted, sorter, torch.randn(5))
+    check(lambda a, b: torch.isin(a, b), torch.randint(0, 9, (4, 4)), torch.randint(0, 9, (6,)))

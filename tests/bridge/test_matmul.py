@@ -78,3 +78,33 @@ def test_linear_and_matmul_graphs():
     check(torch.nn.Linear(6, 3), torch.randn(4, 6), **FP32)
     check(torch.nn.Linear(6, 3, bias=False), torch.randn(4, 6), **FP32)
     check(torch.matmul, torch.randn(2, 3, 4, 5), torch.randn(5, 2), **FP32)
+
+
+def test_integer_add_products_truncate_scalars():
+    """torch casts beta/alpha to the integer dtype (0.6 -> 0) before scaling."""
+    m, v = torch.randint(-9, 9, (3, 4)), torch.randint(-9, 9, (4,))
+    b1, b2 = torch.randint(-9, 9, (2, 3, 4)), torch.randint(-9, 9, (2, 4, 5))
+    check(
+        lambda s, a, b: torch.addmv(s, a, b, beta=0.2, alpha=0.6), torch.randint(-9, 9, (3,)), m, v
+    )
+    check(
+        lambda s, a, b: torch.addmv(s, a, b, beta=2.7, alpha=1.6), torch.randint(-9, 9, (3,)), m, v
+    )
+    check(
+        lambda s, a, b: torch.addbmm(s, a, b, beta=0.2, alpha=0.6),
+        torch.randint(-9, 9, (3, 5)),
+        b1,
+        b2,
+    )
+
+
+def test_bilinear():
+    x1, x2 = torch.randn(4, 3), torch.randn(4, 5)
+    w, b = torch.randn(2, 3, 5), torch.randn(2)
+    check(torch.nn.functional.bilinear, x1, x2, w, b)
+    check(
+        lambda a, c, d: torch.nn.functional.bilinear(a, c, d),
+        torch.randn(2, 4, 3),
+        torch.randn(2, 4, 5),
+        w,
+    )

@@ -569,3 +569,35 @@ def test_gradient_binary():
         "floor_div": lambda a, b, lo: torch.div(a, b, rounding_mode="floor") + a,
     }
     grad_parity(fns, real(3, 4), positive(3, 4), real(4))
+
+
+def test_rounded_division_broadcasts():
+    """lax.div/lax.rem do not broadcast: operands of shapes (5, 1) and (5,) must still work."""
+    fns = {
+        "fmod": lambda x, y, i, j: torch.fmod(x, y),
+        "fmod_int": lambda x, y, i, j: torch.fmod(i, j),
+        "floor_divide": lambda x, y, i, j: torch.floor_divide(x, y),
+        "div_floor": lambda x, y, i, j: torch.div(x, y, rounding_mode="floor"),
+        "div_trunc_int": lambda x, y, i, j: torch.div(i, j, rounding_mode="trunc"),
+    }
+    check_many(fns, real(5, 1), real(5), ints(5, 1), torch.randint(1, 9, (5,)))
+
+
+def test_polygamma_negative_arguments_and_poles():
+    """Reflection for x < 0 (jax's polygamma is inaccurate there) and torch's values at poles."""
+    x = torch.cat([torch.rand(16) * -20, torch.tensor([-8.5, -3.5, -0.5, 0.0, -1.0, -2.0])])
+    for n in (1, 2, 3):
+        check(lambda v, n=n: torch.polygamma(n, v), x, rtol=1e-5)
+    zeta_x = torch.tensor([0.0, 1.0, 0.0, 1.0, 2.0, 1.5, 3.0, 2.0])
+    zeta_q = torch.tensor([0.0, 0.0, 1.0, 1.0, -2.0, -2.0, -2.5, -3.5])
+    check(torch.special.zeta, zeta_x, zeta_q)
+
+
+def test_complex_constructors_and_assert_async():
+    def assert_then_double(x):
+        torch._assert_async(x.abs().sum() >= 0, "nonnegative")
+        return x * 2
+
+    check(lambda a, b: torch.polar(a, b), torch.rand(3, 4), real(3, 4))
+    check(lambda x: aten._conj_physical(x), real(3, 4))
+    check(assert_then_double, real(3))

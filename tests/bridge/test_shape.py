@@ -183,3 +183,25 @@ def test_as_strided_outside_input_raises():
     """A read outside the input's own elements needs storage zerojax does not have."""
     with pytest.raises(NotImplementedError, match="outside its input"):
         check(lambda x: x[1:].as_strided((2, 2), (1, 2), 0), torch.randn(3, 4))
+
+
+def test_copy_variants():
+    x = torch.randn(2, 3, 4)
+    check(lambda a: torch.ops.aten.view_copy(a, [6, 4]), x)
+    check(lambda a: torch.permute_copy(a, (2, 0, 1)), x)
+    check(lambda a: torch.narrow_copy(a, 2, 1, 2), x)
+    check(lambda a: torch.unbind_copy(a, 1), x)
+    check(lambda a: torch.as_strided_copy(a, (3, 2), (4, 1), 1), x)
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 2])
+def test_diagonal_scatter(offset):
+    x = torch.randn(3, 4, 5)
+    src = torch.diagonal(x, offset, 2, 0).clone().normal_()
+    check(lambda a, s: torch.diagonal_scatter(a, s, offset, 2, 0), x, src)
+
+
+def test_as_strided_scatter():
+    x = torch.randn(4, 5)
+    check(lambda a, s: torch.as_strided_scatter(a, s, (2, 3), (5, 2), 1), x, torch.randn(2, 3))
+    check(lambda a, s: torch.as_strided_scatter(a, s, (3,), (6,)), x, torch.randn(3))

@@ -6,6 +6,7 @@ zeros: JAX has no uninitialized memory, and torch promises nothing about the con
 """
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -109,3 +110,20 @@ def lower_new_full_default(ctx, self, size, fill_value, *, dtype=None):
 @lowering(aten.scalar_tensor.default)
 def lower_scalar_tensor_default(ctx, s, *, dtype=None):
     return jnp.asarray(s, ctx.out_dtype)
+
+
+def _pair_indices(ctx, coords):
+    # Static (row, col) pairs, row-major as torch orders them: a (2, N) constant.
+    return jnp.asarray(np.stack(coords).reshape(2, -1), ctx.out_dtype)
+
+
+@lowering(aten.tril_indices.default)
+def lower_tril_indices_default(ctx, row, col, offset=0, *, dtype=None):
+    """(2, N) coordinates of the row x col lower triangle (diagonal `offset` included)."""
+    return _pair_indices(ctx, np.tril_indices(row, offset, col))
+
+
+@lowering(aten.triu_indices.default)
+def lower_triu_indices_default(ctx, row, col, offset=0, *, dtype=None):
+    """(2, N) coordinates of the row x col upper triangle (diagonal `offset` included)."""
+    return _pair_indices(ctx, np.triu_indices(row, offset, col))

@@ -32,7 +32,9 @@ def _p_norm(diff, p, axis=-1):
     if p == 0:
         return (diff != 0).sum(axis).astype(diff.dtype)
     if p == math.inf:
-        return jnp.abs(diff).max(axis)
+        return jnp.abs(diff).max(axis, initial=0)
+    if p == -math.inf:
+        return jnp.abs(diff).min(axis, initial=math.inf)
     if p == 1:
         return jnp.abs(diff).sum(axis)
     if p == 2:
@@ -69,3 +71,10 @@ def lower__pdist_forward_default(ctx, self, p=2.0):
     x = self.astype(compute)
     first, second = np.triu_indices(x.shape[0], k=1)
     return _p_norm(x[first] - x[second], p)
+
+
+@lowering(aten.dist.default)
+def lower_dist_default(ctx, self, other, p=2):
+    """p-norm of (self - other) over all elements, the two broadcast together."""
+    compute = jnp.promote_types(jnp.result_type(self, other), jnp.float32)
+    return _p_norm(self.astype(compute) - other.astype(compute), p, axis=None)

@@ -6,11 +6,12 @@ Ops whose output size depends on tensor values (nonzero, masked_select, x[bool_m
 traced with static shapes and raise `DataDependentShapeError` naming a static alternative.
 """
 
+import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
 
-from zerojax.bridge.dtypes import is_bool, is_floating
+from zerojax.bridge.dtypes import is_bool, is_floating, result_type
 from zerojax.bridge.errors import DataDependentShapeError
 from zerojax.bridge.registry import lowering
 
@@ -173,7 +174,7 @@ def lower_scatter_add_default(ctx, self, dim, index, src):
     """self with src[i] added at self[.., index[i], ..]; duplicate indices accumulate."""
     _check_scatter(self, index)
     positions = _scatter_positions(self, dim, index)
-    return self.at[positions].add(_scatter_source(src, index).astype(self.dtype), mode="drop")
+    return _accumulate(self, positions, _scatter_source(src, index), "add", mode="drop")
 
 
 def _reduce_identity(reduce: str, dtype):
@@ -189,38 +190,78 @@ def _reduce_identity(reduce: str, dtype):
     return jnp.asarray(info.min if reduce == "amax" else info.max, dtype)
 
 
-@lowering(aten.scatter_reduce.two)
-def lower_scatter_reduce_two(ctx, self, dim, index, src, reduce, *, include_self=True):
-    """Reduce src into self at index with sum/prod/mean/amax/amin.
+def _accumulate(self, positions, values, op: str, **kwargs):
+    """self.at[positions].<op>(values); bool accumulates in int32 (add = or, multiply = and)."""
+    if is_bool(self.dtype):
+        out = getattr(self.astype(jnp.int32).at[positions], op)(values.astype(jnp.int32), **kwargs)
+        return out != 0
+    return getattr(self.at[positions], op)(values.astype(self.dtype), **kwargs)
 
-    include_self=False: scattered-to positions start from the reduction's identity instead of
+
+_REDUCE_OPS = {"sum": "add", "mean": "add", "prod": "multiply", "amax": "max", "amin": "min"}
+
+
+def _reduce_into(self, positions, values, reduce: str, include_self: bool):
+    """Reduce values into self.at[positions] with sum/prod/mean/amax/amin.
+
+    include_self=False: reduced-into positions start from the reduction's identity instead of
     self; untouched positions keep self. mean divides by the number of contributions (+1 for
     self), flooring for integer dtypes as torch does.
     """
-    if reduce not in ("sum", "prod", "mean", "amax", "amin"):
-        raise ValueError(f"scatter_reduce: unknown reduce {reduce!r}")
-    _check_scatter(self, index)
-    positions = _scatter_positions(self, dim, index)
-    values = _scatter_source(src, index).astype(self.dtype)
+    if reduce not in _REDUCE_OPS:
+        raise ValueError(f"unknown reduce {reduce!r}")
     hit = jnp.zeros(self.shape, jnp.bool_).at[positions].set(True, mode="drop")
     base = self if include_self else jnp.where(hit, _reduce_identity(reduce, self.dtype), self)
-    scatter = base.at[positions]
-    if reduce in ("sum", "mean"):
-        out = scatter.add(values, mode="drop")
-    elif reduce == "prod":
-        out = scatter.multiply(values, mode="drop")
-    elif reduce == "amax":
-        out = scatter.max(values, mode="drop")
-    else:
-        out = scatter.min(values, mode="drop")
+    out = _accumulate(base, positions, values, _REDUCE_OPS[reduce], mode="drop")
     if reduce != "mean":
         return out
     counts = jnp.zeros(self.shape, jnp.int32).at[positions].add(1, mode="drop")
     counts = counts + int(include_self)
-    counts = jnp.maximum(counts, 1).astype(self.dtype)
-    if is_floating(self.dtype):
+    counts = jnp.maximum(counts, 1).astype(out.dtype)
+    if is_floating(out.dtype):
         return out / counts
     return jnp.floor_divide(out, counts)
+
+
+@lowering(aten.scatter_reduce.two)
+def lower_scatter_reduce_two(ctx, self, dim, index, src, reduce, *, include_self=True):
+    """Reduce src into self at index with sum/prod/mean/amax/amin (see _reduce_into)."""
+    _check_scatter(self, index)
+    positions = _scatter_positions(self, dim, index)
+    return _reduce_into(self, positions, _scatter_source(src, index), reduce, include_self)
+
+
+# scatter's legacy reduce names.
+_LEGACY_REDUCE = {"add": "sum", "multiply": "prod"}
+
+
+@lowering(aten.scatter.reduce)
+def lower_scatter_reduce(ctx, self, dim, index, src, *, reduce):
+    """scatter with reduce='add'|'multiply': accumulate src into self (self included)."""
+    _check_scatter(self, index)
+    positions = _scatter_positions(self, dim, index)
+    values = _scatter_source(src, index)
+    return _reduce_into(self, positions, values, _LEGACY_REDUCE[reduce], True)
+
+
+@lowering(aten.scatter.value_reduce)
+def lower_scatter_value_reduce(ctx, self, dim, index, value, *, reduce):
+    _check_scatter(self, index)
+    positions = _scatter_positions(self, dim, index)
+    values = jnp.full(index.shape, value, self.dtype)
+    return _reduce_into(self, positions, values, _LEGACY_REDUCE[reduce], True)
+
+
+@lowering(aten.index_reduce.default)
+def lower_index_reduce_default(ctx, self, dim, index, source, reduce, *, include_self=True):
+    """Reduce source's slices along dim into self's slices index[i] (prod/mean/amax/amin)."""
+    if self.ndim == 0:
+        self, source = self.reshape(1), source.reshape(1)
+    dim = _dim(dim, self.ndim)
+    moved = jnp.moveaxis(self, dim, 0)
+    values = jnp.moveaxis(source, dim, 0)
+    out = _reduce_into(moved, (index.reshape(-1),), values, reduce, include_self)
+    return jnp.moveaxis(out, 0, dim).reshape(ctx.out_shape)
 
 
 @lowering(aten.index_put.default, aten._unsafe_index_put.default)
@@ -235,11 +276,10 @@ def lower_index_put_default(ctx, self, indices, values, accumulate=False):
     if has_mask and _is_single_leading_mask(indices, values, self):
         return _masked_put(self, indices, values, accumulate)
     indices = _masks_to_positions(indices) if has_mask else indices
-    target = self.at[_index_tuple(indices)]
     mode = "drop" if has_mask else None
     if accumulate:
-        return target.add(values, mode=mode)
-    return target.set(values, mode=mode)
+        return _accumulate(self, _index_tuple(indices), values, "add", mode=mode)
+    return self.at[_index_tuple(indices)].set(values, mode=mode)
 
 
 def _is_single_leading_mask(indices, values, self) -> bool:
@@ -267,10 +307,11 @@ def _masked_put(self, indices, values, accumulate):
 @lowering(aten.put.default)
 def lower_put_default(ctx, self, index, source, accumulate=False):
     """self.flatten()[index] = source (or +=), then self's shape; negative indices wrap."""
-    flat = self.reshape(-1).at[index.reshape(-1)]
+    flat, index = self.reshape(-1), index.reshape(-1)
     source = source.reshape(-1).astype(self.dtype)
-    flat = flat.add(source) if accumulate else flat.set(source)
-    return flat.reshape(self.shape)
+    if accumulate:
+        return _accumulate(flat, index, source, "add").reshape(self.shape)
+    return flat.at[index].set(source).reshape(self.shape)
 
 
 @lowering(aten.masked_scatter.default)
@@ -299,6 +340,43 @@ def lower_slice_scatter_default(ctx, self, src, dim=0, start=None, end=None, ste
     start, end, _ = slice(start, end, step).indices(self.shape[dim])
     end = max(start, end)
     return self.at[(slice(None),) * dim + (slice(start, end, step),)].set(src.astype(self.dtype))
+
+
+# --- sorted search ---------------------------------------------------------------------------
+
+
+def _searchsorted(sorted_sequence, values, side: str, sorter=None):
+    """Insertion points of values in sorted_sequence's last dim; leading dims pair up."""
+    dtype = result_type(sorted_sequence, values)
+    sorted_sequence, values = sorted_sequence.astype(dtype), values.astype(dtype)
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    if sorted_sequence.ndim <= 1:
+        return jnp.searchsorted(sorted_sequence.reshape(-1), values, side=side)
+    # Batched: row b of sorted_sequence is searched by row b of values.
+    lead = sorted_sequence.shape[:-1]
+    rows = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
+    queries = values.reshape(rows.shape[0], -1)
+    found = jax.vmap(lambda row, q: jnp.searchsorted(row, q, side=side))(rows, queries)
+    return found.reshape(lead + values.shape[-1:])
+
+
+def _side(right: bool, side) -> str:
+    return side if side is not None else ("right" if right else "left")
+
+
+@lowering(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def lower_searchsorted_tensor(
+    ctx, sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None
+):
+    """Index where each value would be inserted; side='right' (or right=True) after equals."""
+    return _searchsorted(sorted_sequence, jnp.asarray(self), _side(right, side), sorter)
+
+
+@lowering(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def lower_bucketize_tensor(ctx, self, boundaries, *, out_int32=False, right=False):
+    """Bucket of each value in 1-D boundaries; right=False: boundaries[i-1] < x <= boundaries[i]."""
+    return _searchsorted(boundaries, jnp.asarray(self), _side(right, None))
 
 
 # --- data-dependent shapes -------------------------------------------------------------------

@@ -38,6 +38,9 @@ def _einsum(spec: str, a, b):
 
 def _add_scaled(self, product, beta, alpha):
     """beta * self + alpha * product; beta == 0 ignores self (its NaN/inf too), as torch does."""
+    if not is_floating(product.dtype):
+        # torch casts the scalars to the integer dtype first: 0.6 -> 0.
+        beta, alpha = int(beta), int(alpha)
     out = product if alpha == 1 else product * alpha
     if beta == 0:
         return out
@@ -71,3 +74,22 @@ def lower_addbmm_default(ctx, self, batch1, batch2, *, beta=1, alpha=1):
 def lower_addmv_default(ctx, self, mat, vec, *, beta=1, alpha=1):
     """beta * self + alpha * (mat @ vec)."""
     return _add_scaled(self, _einsum("ij,j->i", mat, vec), beta, alpha)
+
+
+@lowering(aten._trilinear.default)
+def lower__trilinear_default(ctx, i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """sum over sumdim of i1 * i2 * i3, each first unsqueezed at its expand dims (bilinear)."""
+    ndim = i1.ndim + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ndim]
+    specs = [
+        "".join(c for d, c in enumerate(letters) if d not in e) for e in (expand1, expand2, expand3)
+    ]
+    present = set("".join(specs))
+    # A dim expanded in all three inputs has size 1: einsum cannot name it, the reshape adds it.
+    out = "".join(c for d, c in enumerate(letters) if d not in sumdim and c in present)
+    dtype = result_type(i1, i2, i3)
+    operands = [t.astype(dtype) for t in (i1, i2, i3)]
+    result = jnp.einsum(
+        f"{specs[0]},{specs[1]},{specs[2]}->{out}", *operands, **product_options(dtype)
+    )
+    return result.reshape(ctx.out_shape)

@@ -230,7 +230,36 @@ def lower_digamma(ctx, self):
 @lowering(aten.polygamma.default)
 def lower_polygamma(ctx, n, self):
     x = _float_arg(self)
-    return _digamma(x) if n == 0 else jss.polygamma(n, x)
+    return _digamma(x) if n == 0 else _polygamma(n, x)
+
+
+def _polygamma(n: int, x):
+    """psi^(n)(x) for n >= 1, with torch's values at the poles (x = 0, -1, -2, ...).
+
+    jax.scipy.special.polygamma loses accuracy for x < 0 (psi1(-8.5) = 6.79, not 9.76), so
+    negative x goes through the reflection formula
+    psi^(n)(x) = (-1)^n psi^(n)(1 - x) - pi d^n/dx^n cot(pi x).
+    """
+    reflect = x < 0
+    mirrored = jss.polygamma(n, jnp.where(reflect, 1 - x, x))
+    if n == 1:
+        # torch's trigamma reflects with the unreduced sin(pi x): at negative integers it returns
+        # a large finite value (pi^2 / sin(float32(pi) * x)^2), and +inf at 0.
+        sin = jnp.sin(jnp.pi * jnp.where(reflect, x, 0.5))
+        return jnp.where(reflect, jnp.pi**2 / (sin * sin) - mirrored, mirrored)
+    # cot(pi x) has period 1; reducing x first keeps pi * x small and exact enough in float32.
+    r = jnp.where(reflect, x - jnp.round(x), 0.25)
+    # cos(pi r) written as sin(pi (1/2 - |r|)) is exactly 0 at r = +-1/2 (half-integer x).
+    c = jnp.sin(jnp.pi * (0.5 - jnp.abs(r))) / jnp.sin(jnp.pi * r)
+    # d^n/dx^n cot(pi x) = pi^n P_n(c) with P_0 = c and P_{k+1} = -(1 + c^2) P_k'(c).
+    poly = np.array([1.0, 0.0])
+    for _ in range(n):
+        poly = np.polymul([-1.0, 0.0, -1.0], np.polyder(poly))
+    cot = jnp.pi**n * jnp.polyval(jnp.asarray(poly, x.dtype), c)
+    value = jnp.where(reflect, (-1) ** n * mirrored - jnp.pi * cot, mirrored)
+    # torch computes n >= 2 as (-1)^(n+1) n! zeta(n+1, x), which is +-inf at the poles.
+    pole = (x <= 0) & (x == jnp.floor(x))
+    return jnp.where(pole, jnp.inf if n % 2 == 1 else -jnp.inf, value)
 
 
 @lowering(aten.i0.default, aten.special_modified_bessel_i0.default)
@@ -277,7 +306,9 @@ def lower_igammac(ctx, self, other):
 def lower_special_zeta(ctx, self, other):
     """Hurwitz zeta(self, other); either operand may be a Python scalar."""
     x, q = _floating(self, other)
-    return jss.zeta(x, q)
+    # torch (Cephes): NaN for x < 1, else +inf at the poles q = 0, -1, ...; jax differs there.
+    pole = (q <= 0) & (q == jnp.floor(q))
+    return jnp.where(x < 1, jnp.nan, jnp.where(pole, jnp.inf, jss.zeta(x, q)))
 
 
 @lowering(aten.angle.default)
@@ -446,7 +477,8 @@ def lower_div_mode(ctx, self, other, *, rounding_mode=None):
         raise ValueError(
             f"div: rounding_mode must be None, 'trunc' or 'floor', got {rounding_mode!r}"
         )
-    a, b = _promoted(self, other)
+    # lax.div/lax.rem (here and in _floor_divide_float) do not broadcast.
+    a, b = jnp.broadcast_arrays(*_promoted(self, other))
     if not is_floating(a.dtype):
         # lax.div truncates toward zero; jnp.floor_divide rounds toward -inf (Python's //).
         return lax.div(a, b) if rounding_mode == "trunc" else jnp.floor_divide(a, b)
@@ -469,7 +501,7 @@ def _floor_divide_float(a, b):
 @lowering(aten.fmod.Tensor, aten.fmod.Scalar)
 def lower_fmod(ctx, self, other):
     """C fmod: the remainder has the sign of the dividend."""
-    a, b = _promoted(self, other)
+    a, b = jnp.broadcast_arrays(*_promoted(self, other))  # lax.rem does not broadcast
     return lax.rem(a, b)
 
 
@@ -775,7 +807,7 @@ def lower_fill_tensor(ctx, self, value):
 # --- complex numbers (torch.fft's inverse transforms go through these) ------------------------
 
 
-@lowering(aten._conj.default, aten.conj_physical.default)
+@lowering(aten._conj.default, aten.conj_physical.default, aten._conj_physical.default)
 def lower_conj(ctx, self):
     """Complex conjugate; the identity on real tensors."""
     return jnp.conj(self) if jnp.iscomplexobj(self) else self
@@ -795,3 +827,9 @@ def lower_view_as_real(ctx, self):
 @lowering(aten.view_as_complex.default)
 def lower_view_as_complex(ctx, self):
     return jax.lax.complex(self[..., 0], self[..., 1])
+
+
+@lowering(aten.polar.default)
+def lower_polar(ctx, abs, angle):
+    """abs * exp(i * angle), complex of abs's float dtype."""
+    return lax.complex(abs * jnp.cos(angle), abs * jnp.sin(angle))

@@ -33,7 +33,7 @@ def _slice_bounds(size: int, start, end, step: int) -> tuple[int, int]:
     return start, max(start, end)
 
 
-@lowering(aten.view.default, aten._unsafe_view.default)
+@lowering(aten.view.default, aten._unsafe_view.default, aten.view_copy.default)
 def lower_view_default(ctx, self, size):
     return jnp.reshape(self, tuple(size))
 
@@ -74,7 +74,7 @@ def lower_expand_default(ctx, self, size, *, implicit=False):
     return jnp.broadcast_to(self, shape)
 
 
-@lowering(aten.permute.default)
+@lowering(aten.permute.default, aten.permute_copy.default)
 def lower_permute_default(ctx, self, dims):
     return jnp.transpose(self, tuple(_dim(d, self.ndim) for d in dims))
 
@@ -119,6 +119,19 @@ def lower_slice_tensor(ctx, self, dim=0, start=None, end=None, step=1):
     dim = _dim(dim, self.ndim)
     start, end = _slice_bounds(self.shape[dim], start, end, step)
     return lax.slice_in_dim(self, start, end, step, axis=dim)
+
+
+@lowering(aten.narrow_copy.default)
+def lower_narrow_copy_default(ctx, self, dim, start, length):
+    dim = _dim(dim, self.ndim)
+    start = start % self.shape[dim] if start < 0 else start
+    return lax.slice_in_dim(self, start, start + length, axis=dim)
+
+
+@lowering(aten.unbind_copy.int)
+def lower_unbind_copy_int(ctx, self, dim=0):
+    dim = _dim(dim, self.ndim)
+    return [lax.index_in_dim(self, i, axis=dim, keepdims=False) for i in range(self.shape[dim])]
 
 
 @lowering(aten.cat.default)
@@ -204,6 +217,18 @@ def lower_diagonal_default(ctx, self, offset=0, dim1=0, dim2=1):
     return jnp.diagonal(self, offset, dim1, dim2)
 
 
+@lowering(aten.diagonal_scatter.default)
+def lower_diagonal_scatter_default(ctx, self, src, offset=0, dim1=0, dim2=1):
+    """self with its diagonal(offset, dim1, dim2) replaced by src (diagonal as src's last dim)."""
+    dim1, dim2 = _dim(dim1, self.ndim), _dim(dim2, self.ndim)
+    moved = jnp.moveaxis(self, (dim1, dim2), (-2, -1))
+    length = src.shape[-1]
+    rows = jnp.arange(length) + max(-offset, 0)
+    cols = jnp.arange(length) + max(offset, 0)
+    moved = moved.at[..., rows, cols].set(src.astype(self.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (dim1, dim2))
+
+
 def _storage_positions(shape, stride, offset) -> np.ndarray:
     """The storage index of every element of a strided view (static, numpy)."""
     positions = np.full(tuple(shape), offset, np.int64)
@@ -212,7 +237,7 @@ def _storage_positions(shape, stride, offset) -> np.ndarray:
     return positions
 
 
-@lowering(aten.as_strided.default)
+@lowering(aten.as_strided.default, aten.as_strided_copy.default)
 def lower_as_strided_default(ctx, self, size, stride, storage_offset=None):
     """Read `size` elements at `stride`/`storage_offset` of the input's storage.
 
@@ -251,6 +276,28 @@ def lower_as_strided_default(ctx, self, size, stride, storage_offset=None):
         # An iota expression instead of a constant: no index table baked into the program.
         index = index + lax.broadcasted_iota(jnp.int32, tuple(size), axis) * step
     return jnp.take(storage, index, mode="clip")
+
+
+@lowering(aten.as_strided_scatter.default)
+def lower_as_strided_scatter_default(ctx, self, src, size, stride, storage_offset=None):
+    """A clone of self with clone.as_strided(size, stride, storage_offset) = src.
+
+    The clone keeps self's strides with a fresh storage (offset 0), which is what size, stride
+    and storage_offset address; writes outside that storage are not representable.
+    """
+    in_stride = tuple(int(s) for s in ctx.node.args[0].meta["val"].stride())
+    held = _storage_positions(self.shape, in_stride, 0).reshape(-1)
+    wanted = _storage_positions(size, stride, storage_offset or 0).reshape(-1)
+    span = int(held.max(initial=-1)) + 1
+    if wanted.size and (wanted.min() < 0 or wanted.max() >= span):
+        raise NotImplementedError(
+            f"as_strided_scatter(size={list(size)}, stride={list(stride)}) writes outside its "
+            f"input's storage; zerojax holds tensor values, not storage"
+        )
+    held_index = jnp.asarray(held, jnp.int32)
+    storage = jnp.zeros(span, self.dtype).at[held_index].set(self.reshape(-1))
+    storage = storage.at[jnp.asarray(wanted, jnp.int32)].set(src.reshape(-1).astype(self.dtype))
+    return storage[held_index].reshape(self.shape)
 
 
 @lowering(aten.unfold.default)
