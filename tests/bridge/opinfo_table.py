@@ -92,6 +92,8 @@ _HOST_VALUE = (
 )
 
 ENTRY_SKIPS: dict = {
+    # One sample's shape, (1, 2**63 - 1), overflows int32: JAX runs without 64-bit types.
+    ("unravel_index", torch.int64): "a sample needs int64 values beyond int32 (JAX without x64)",
     # Random ops: torch and JAX draw from different generators.
     "bernoulli": _RANDOM,
     "cauchy": _RANDOM,
@@ -268,6 +270,9 @@ TOLERANCES: dict = {
     # zerojax contracts over b and k in fp32 and rounds once. Terms reach ~100 (make_tensor
     # draws from [-9, 9]), where one bf16 ulp is 0.5.
     ("addbmm", torch.bfloat16): (1.6e-2, 0.5),
+    # torch's CPU _trilinear rounds the x1 * weight partial products to bf16 before contracting
+    # with x2; zerojax contracts all three in fp32 and rounds once. Products reach 81.
+    ("nn.functional.bilinear", torch.bfloat16): (1.6e-2, 0.5),
     # torch's CPU slow_conv_transpose accumulates its col2im partial sums in bf16; zerojax
     # accumulates in fp32 (preferred_element_type) and rounds once. Same magnitude argument.
     ("nn.functional.conv_transpose2d", torch.bfloat16): (1.6e-2, 0.5),
