@@ -151,7 +151,7 @@ def timing_table(steps: int) -> str:
     model, (tokens,) = gpt2_bench_model()
     model.eval()  # dropout off: every contender does the same arithmetic
     targets = torch.roll(tokens, -1, dims=1)
-    wrapped = LanguageModelLoss(model)
+    wrapped = LanguageModelLoss(model).eval()
 
     converted = zerojax.convert(wrapped, (tokens, targets))
     jax_tokens, jax_targets = from_torch(tokens), from_torch(targets)

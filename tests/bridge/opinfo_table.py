@@ -190,6 +190,12 @@ _DATA_DEPENDENT_OP = (
 
 # ATen overload (str(op), as it appears in an UnsupportedOpError) -> why zerojax lacks it.
 ATEN_GAPS: dict[str, str] = {
+    # In-place core overloads that a functionalized graph never contains.
+    "aten._native_batch_norm_legit.default": (
+        "updates running stats in place; torch.export's functional graph uses "
+        "_native_batch_norm_legit_functional instead, which is lowered"
+    ),
+    "aten.resize_.default": "resizes a tensor's storage in place; JAX arrays are immutable",
     # Linear algebra.
     "aten._linalg_det.default": _LINALG,
     "aten._linalg_eigh.default": _LINALG,
