@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
@@ -20,6 +19,17 @@ class Lambda(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
+
+
+class Each(torch.nn.Module):
+    """Apply the i-th module to the i-th input: many cases in one export and one compile."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(modules)
+
+    def forward(self, *inputs):
+        return [layer(x) for layer, x in zip(self.layers, inputs, strict=True)]
 
 
 def run_both(fn_or_module, *args, jit: bool = True, **kwargs):

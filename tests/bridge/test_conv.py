@@ -12,22 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from tests.bridge.parity import check, check_grad
+from tests.bridge.parity import Each, check, check_grad
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 aten = torch.ops.aten
-
-
-class Each(nn.Module):
-    """Apply the i-th module to the i-th input: many convolutions in one export and compile."""
-
-    def __init__(self, *modules):
-        super().__init__()
-        self.layers = nn.ModuleList(modules)
-
-    def forward(self, *inputs):
-        return [layer(x) for layer, x in zip(self.layers, inputs, strict=True)]
 
 
 def test_convolution():

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import zerojax
-from tests.bridge.parity import check, check_grad
+from tests.bridge.parity import Each, check, check_grad
 from zerojax.bridge.dtypes import from_torch, to_torch
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
@@ -34,17 +34,6 @@ def randomized(module: nn.Module) -> nn.Module:
             elif name.endswith("running_var"):
                 buffer.uniform_(0.5, 2.0)
     return module
-
-
-class Each(nn.Module):
-    """Apply the i-th module to the i-th input: several norms in one export and compile."""
-
-    def __init__(self, *modules):
-        super().__init__()
-        self.layers = nn.ModuleList(modules)
-
-    def forward(self, *inputs):
-        return [layer(x) for layer, x in zip(self.layers, inputs, strict=True)]
 
 
 # --- layer norm ----------------------------------------------------------------------------------
@@ -187,7 +176,9 @@ def test_native_layer_norm_backward_matches_torch():
     grad = torch.randn(3, 4, 6)
     args = (grad, x, [6], mean, rstd, w, b, [True, True, True])
     expected = torch.ops.aten.native_layer_norm_backward(*args)
-    for got, want in zip(_direct(torch.ops.aten.native_layer_norm_backward.default, *args), expected):
+    for got, want in zip(
+        _direct(torch.ops.aten.native_layer_norm_backward.default, *args), expected
+    ):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
