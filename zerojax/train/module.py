@@ -134,7 +134,7 @@ class ZeroModule(torch.nn.Module):
         )
         if loss_path is not None:
             return self._fused(converted, jax_args, jax_kwargs, loss_path, tensor_inputs)
-        return self._general(converted, jax_args, jax_kwargs, flat, tensor_positions)
+        return self._general(converted, args, jax_args, jax_kwargs)
 
     def _fused_loss_path(self, converted, jax_args, jax_kwargs):
         if self._engine.fused is False:
@@ -187,18 +187,21 @@ class ZeroModule(torch.nn.Module):
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
-    def _general(self, converted, jax_args, jax_kwargs, flat, tensor_positions):
+    def _general(self, converted, args, jax_args, jax_kwargs):
         engine = self._engine
-        differentiable = tuple(
-            bool(flat[i].requires_grad and flat[i].is_floating_point()) for i in tensor_positions
+        # Input gradients flow back for top-level positional tensors; nested or keyword inputs
+        # are treated as constants.
+        flat_positional = not jax_kwargs and not any(
+            isinstance(a, (list, tuple, dict)) for a in args
         )
-        jax_flat_args = [a for a in torch_pytree.tree_leaves(jax_args)]
-        if len(jax_flat_args) != len(jax_args) or jax_kwargs:
-            differentiable = tuple(False for _ in jax_args)  # nested inputs: no input grads
-            tensor_inputs = []
-        else:
-            differentiable = differentiable[: len(jax_args)]
-            tensor_inputs = [flat[i] for i in tensor_positions]
+        differentiable = tuple(
+            flat_positional
+            and isinstance(a, torch.Tensor)
+            and a.requires_grad
+            and a.is_floating_point()
+            for a in args
+        )
+        tensor_inputs = [a for a, d in zip(args, differentiable, strict=True) if d]
         outputs, pullback = engine.forward(
             converted, tuple(jax_args), jax_kwargs, differentiable=differentiable
         )
@@ -212,10 +215,7 @@ class ZeroModule(torch.nn.Module):
                 for leaf, grad in zip(leaves, grad_leaves, strict=True)
             ]
             cotangents = jax.tree.unflatten(treedef, cotangents)
-            input_grads = iter(engine.backward(converted, pullback, cotangents))
-            return [to_torch(next(input_grads)) if d else None for d in differentiable] + [None] * (
-                len(tensor_inputs) - len(differentiable)
-            )
+            return [to_torch(g) for g in engine.backward(converted, pullback, cotangents)]
 
         torch_leaves = _JaxCall.apply(
             lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
