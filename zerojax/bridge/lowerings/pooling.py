@@ -243,6 +243,11 @@ def _linear_backward(forward, grad_output, self):
     return vjp(grad_output.astype(compute))[0]
 
 
+def _avg_pool_backward(num_dims, grad_output, self, *pool_args):
+    """avg_pool is linear in its input: its backward is the VJP of the forward."""
+    return _linear_backward(lambda x: _avg_pool(x, num_dims, *pool_args), grad_output, self)
+
+
 @lowering(aten.avg_pool2d_backward.default)
 def lower_avg_pool2d_backward_default(
     ctx,
@@ -255,12 +260,17 @@ def lower_avg_pool2d_backward_default(
     count_include_pad,
     divisor_override,
 ):
-    def forward(x):
-        return _avg_pool(
-            x, 2, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-        )
-
-    return _linear_backward(forward, grad_output, self)
+    return _avg_pool_backward(
+        2,
+        grad_output,
+        self,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+    )
 
 
 @lowering(aten.avg_pool3d_backward.default)
@@ -275,12 +285,17 @@ def lower_avg_pool3d_backward_default(
     count_include_pad,
     divisor_override,
 ):
-    def forward(x):
-        return _avg_pool(
-            x, 3, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
-        )
-
-    return _linear_backward(forward, grad_output, self)
+    return _avg_pool_backward(
+        3,
+        grad_output,
+        self,
+        kernel_size,
+        stride,
+        padding,
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+    )
 
 
 def _adaptive_windows(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
