@@ -1,0 +1,54 @@
+"""On-disk layout of a zerojax checkpoint: the one contract between saving, restoring and the
+`zerojax ckpt` tools.
+
+A checkpoint directory holds one Orbax step directory per saved step; Orbax writes each into a
+temporary directory and renames it when every item is committed, so a step directory that
+exists is complete. Inside a step directory each item is its own Orbax item:
+
+    DIR/
+      <step>/
+        model/        PyTreeSave  {state_dict name: array} -- parameters (in the master dtype
+                                  when the precision policy keeps fp32 master weights) and
+                                  buffers, flat, keyed by torch's names (tied aliases appear once,
+                                  under the canonical name; `meta.parameters[...]["tied_to"]`
+                                  lists the others)
+        optimizer/    PyTreeSave  the engine's optimizer state tree (absent after `ckpt import`)
+        train_state/  PyTreeSave  {"rng": uint32 key data, "loss_scale": {...}} (absent after
+                                  `ckpt import`)
+        meta/         JsonSave    see `Meta` below
+        zerojax_manifest.json     size and crc32 of every file, written after Orbax commits
+
+Orbax keys may contain dots: a flat dict {"h.0.attn.weight": ...} is stored leaf by leaf and
+can be restored one leaf at a time with `PyTreeRestore(..., partial_restore=True)`.
+"""
+
+from __future__ import annotations
+
+FORMAT = "zerojax-checkpoint/1"
+"""`meta["format"]`; readers refuse any other value."""
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+TRAIN_STATE = "train_state"
+META = "meta"
+ITEMS = (MODEL, OPTIMIZER, TRAIN_STATE, META)
+
+MANIFEST = "zerojax_manifest.json"
+"""{"files": {relative path: {"size": int, "crc32": int}}} for every file under the step
+directory except itself."""
+
+# `meta` keys (JSON):
+#   format      FORMAT
+#   step        int, the step number the directory is named after
+#   config      dataclasses.asdict(zerojax.Config) of the saving run, or None after import
+#   parameters  {state_dict name: {"shape": [int], "dtype": torch dtype name without "torch."
+#                ("float32", "bfloat16", "int64", ...), "stored_dtype": dtype on disk (numpy
+#                name), "kind": "parameter" | "buffer", "tied_to": canonical name or None}}
+#                in the module's state_dict order; tied aliases have "tied_to" set and no array
+#                in `model/`
+#   optimizer   {"type": torch optimizer class name, "param_groups": [...torch's
+#                param_groups minus "params"...]} or None
+#   scheduler   the LR scheduler's state_dict() or None
+#   engine      {"num_calls": int, "skipped_steps": int}
+#   torch_rng   torch.get_rng_state() as a list of ints (so user-side torch randomness resumes)
+#   extra       the user's JSON-serialisable dict
