@@ -75,7 +75,7 @@ BAD_CONFIGS = [
         {"zero_sage": 3},
         (
             "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
-            "zero, rules, inputs, precision, kernels, checkpoint, train, devices, optimizer"
+            "zero, rules, inputs, precision, kernels, checkpoint, train, devices, runtime, optimizer"
         ),
     ),
     (
@@ -147,7 +147,7 @@ BAD_CONFIGS = [
     ),
     (
         {"kernels": {"attention": "flash"}},
-        "kernels.attention='flash': allowed: auto, pallas, reference",
+        "kernels.attention='flash': allowed: auto, pallas, xla, off",
     ),
     ({"checkpoint": {"max_to_keep": 0}}, "checkpoint.max_to_keep=0: expected an integer >= 1"),
     ({"train": {"gradient_clipping": -1.0}}, "train.gradient_clipping=-1.0: expected a number > 0"),
@@ -461,7 +461,7 @@ DEEPSPEED_BAD = [
         {"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
         (
             "zerojax.zero_stage: unknown key; allowed keys: mesh, rules, inputs, kernels, checkpoint, "
-            "devices"
+            "devices, runtime"
         ),
     ),
 ]

@@ -64,7 +64,7 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert", "sequence")
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PLATFORMS = ("cpu", "gpu", "tpu")
-KERNEL_IMPLEMENTATIONS = ("auto", "pallas", "reference")
+KERNEL_IMPLEMENTATIONS = ("auto", "pallas", "xla", "off")
 OPTIMIZER_TYPES = ("adam", "adamw", "sgd", "adagrad", "lamb", "lion")
 
 # Default 0.1: past that, the per-device memory the ZeRO stage promises is off by more than 10%.
@@ -201,17 +201,17 @@ class PrecisionConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KernelsConfig:
     attention: str = "auto"
-    """Attention implementation: auto (Pallas where supported, else reference), pallas,
-    reference (plain jnp)."""
+    """Scaled-dot-product attention: auto (the Pallas kernel on GPU, its XLA reference
+    elsewhere), pallas, xla, or off (no substitution: the bridge's plain lowering)."""
 
     norm: str = "auto"
-    """LayerNorm / RMSNorm implementation (same choices)."""
+    """LayerNorm and the RMSNorm pattern (same choices)."""
 
     optimizer: str = "auto"
-    """Fused optimizer update implementation (same choices)."""
+    """Fused AdamW update on each shard (same choices)."""
 
     loss: str = "auto"
-    """Fused linear + cross-entropy implementation (same choices)."""
+    """Fused linear + cross-entropy, vocabulary-chunked (same choices)."""
 
     interpret: bool = False
     """Run Pallas kernels in interpret mode (for CPU tests)."""
@@ -230,6 +230,19 @@ class CheckpointConfig:
 
     async_save: bool = True
     """Write in the background; the step blocks only to copy arrays off the device."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RuntimeConfig:
+    compilation_cache_dir: str | None = "~/.cache/zerojax/jax"
+    """JAX's persistent compilation cache, so a restarted job skips recompiling; None
+    disables it."""
+
+    effective_time_log: str | None = None
+    """Append effective-training-time events as JSON lines to this file; None: no file."""
+
+    report_effective_time: bool = True
+    """Print where the run's time went (init, compile, checkpoints, steps) at exit."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,6 +313,9 @@ class Config:
 
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     """Platform and simulated CPU device count."""
+
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    """Compilation cache and effective-training-time reporting."""
 
     optimizer: OptimizerConfig | None = None
     """Optimizer named by the config (DeepSpeed `optimizer`); None: use the torch optimizer."""
@@ -758,6 +774,25 @@ def _parse_checkpoint(raw: Any) -> CheckpointConfig:
     return CheckpointConfig(**kwargs)
 
 
+def _parse_runtime(raw: Any) -> RuntimeConfig:
+    raw = _mapping("runtime", raw)
+    _check_keys(
+        "runtime", raw, ("compilation_cache_dir", "effective_time_log", "report_effective_time")
+    )
+    kwargs = {}
+    for key in ("compilation_cache_dir", "effective_time_log"):
+        if key in raw:
+            value = raw[key]
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _error(f"runtime.{key}", value, "expected a path string or null")
+            kwargs[key] = value
+    if "report_effective_time" in raw:
+        kwargs["report_effective_time"] = _bool(
+            "runtime.report_effective_time", raw["report_effective_time"]
+        )
+    return RuntimeConfig(**kwargs)
+
+
 _TRAIN_KEYS = (
     "gradient_accumulation_steps",
     "gradient_clipping",
@@ -872,6 +907,7 @@ _TOP_LEVEL = (
     "checkpoint",
     "train",
     "devices",
+    "runtime",
     "optimizer",
 )
 
@@ -907,6 +943,7 @@ def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: st
         train=_parse_train(
             raw.get("train"), config.data_parallel_size, deepspeed=fmt == "deepspeed"
         ),
+        runtime=_parse_runtime(raw.get("runtime")),
         optimizer=_parse_optimizer(raw.get("optimizer")),
     )
 
@@ -1136,7 +1173,11 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
         raw["optimizer"] = {"type": kind, "params": params}
 
     native = _mapping("zerojax", ds.get("zerojax"))
-    _check_keys("zerojax", native, ("mesh", "rules", "inputs", "kernels", "checkpoint", "devices"))
+    _check_keys(
+        "zerojax",
+        native,
+        ("mesh", "rules", "inputs", "kernels", "checkpoint", "devices", "runtime"),
+    )
     raw.update(native)
     return raw
 

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from zerojax.bridge.convert import Converted, state_arrays
 from zerojax.config import Config
 from zerojax.sharding import make_mesh, make_sharding_plan
-from zerojax.train import optimizers
+from zerojax.train import effective_time, optimizers
 from zerojax.train.precision import (
     PrecisionPolicy,
     initial_loss_scale_state,
@@ -154,9 +154,10 @@ class Engine:
             args, kwargs = torch_pytree.tree_map_only(
                 torch.Tensor, torch.Tensor.detach, (args, kwargs)
             )
-            self._converted[train] = Converted(
-                self.traced_module, args, kwargs, train=train, read_values=False
-            )
+            with effective_time.LEDGER.measure("trace_compile", source="torch.export"):
+                self._converted[train] = Converted(
+                    self.traced_module, args, kwargs, train=train, read_values=False
+                )
         return self._converted[train]
 
     @property
@@ -390,9 +391,7 @@ class Engine:
                     for key, value in new_state.items():
                         if isinstance(value, dict) and n in value:
                             value[n] = opt_state[key][n]
-            keep = lambda new, old: jax.tree.map(
-                lambda a, b: jnp.where(finite, a, b), new, old
-            )
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
             new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
             if master is not None:
                 new_master = new_weights

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from zerojax.config import Config, load_config
-from zerojax.train import clipping
+from zerojax.train import clipping, effective_time
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule, release_parameters
 from zerojax.train.optimizer_shim import ZeroOptimizer
@@ -36,7 +36,9 @@ def initialize(
     fused program (as happens automatically when the model returns a scalar or `.loss`);
     `fused=False` turns that off. `seed` seeds dropout (default: drawn from torch's RNG).
     After this call the torch parameters hold no memory; read state with
-    `model.state_dict()`, which gathers it.
+    `model.state_dict()`, which gathers it. The config's `runtime` section turns on JAX's
+    persistent compilation cache and the effective-training-time report (see
+    `zerojax.train.effective_time`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() takes a torch.nn.Module, got {type(model).__name__}")
@@ -44,14 +46,19 @@ def initialize(
         config = {"mesh": {"data": -1}}
     if not isinstance(config, Config):
         config = load_config(config)
-    engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)
-    wrapped_optimizer = None
-    if optimizer is not None:
-        _check_optimizer_covers_model(model, optimizer)
-        wrapped_optimizer = ZeroOptimizer(optimizer, engine)
-    wrapped = ZeroModule(model, engine)
-    release_parameters(model, engine)
-    clipping.install()
+    runtime = config.runtime
+    effective_time.enable_compilation_cache(runtime.compilation_cache_dir)
+    ledger = effective_time.LEDGER
+    ledger.begin(log_path=runtime.effective_time_log, report_at_exit=runtime.report_effective_time)
+    with ledger.measure("init", model=type(model).__name__):
+        engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)
+        wrapped_optimizer = None
+        if optimizer is not None:
+            _check_optimizer_covers_model(model, optimizer)
+            wrapped_optimizer = ZeroOptimizer(optimizer, engine)
+        wrapped = ZeroModule(model, engine)
+        release_parameters(model, engine)
+        clipping.install()
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         engine.converted(model.training, args, {})

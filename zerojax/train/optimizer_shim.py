@@ -12,7 +12,7 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from zerojax.train import optimizers
+from zerojax.train import effective_time, optimizers
 from zerojax.train.engine import Engine
 
 
@@ -53,6 +53,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer._opt_called = True
         hyper = optimizers.hyper_from_torch(self._optimizer, self._engine.optimizer_spec)
         self._engine.step(hyper)
+        effective_time.LEDGER.step_done()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._engine.zero_grad()

@@ -1,0 +1,90 @@
+"""Effective-training-time ledger and the persistent compilation cache, in fresh processes.
+
+Run: .venv/bin/python -m pytest -q tests/train/test_effective_time.py
+Each run of the script below is a new process, as a restarted job is: the second one must find
+its programs in the compilation cache instead of compiling them again.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zerojax.train.effective_time import CATEGORIES, EffectiveTimeLedger
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax, torch, zerojax
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None
+    )
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    config = {
+        "mesh": {"fsdp": 8},
+        "zero": {"stage": 3},
+        "runtime": {"compilation_cache_dir": sys.argv[1], "effective_time_log": sys.argv[2]},
+    }
+    model, optimizer = zerojax.initialize(net, torch.optim.AdamW(net.parameters()), config)
+    for _ in range(3):
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    print(json.dumps({"cache_hits": len(hits)}))
+    """
+)
+
+
+def _run(tmp_path: Path) -> tuple[dict, list[dict], str]:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    log = tmp_path / "effective_time.jsonl"
+    log.unlink(missing_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "cache"), str(log)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    return json.loads(done.stdout.strip().splitlines()[-1]), events, done.stderr
+
+
+@pytest.mark.multidevice
+def test_restarted_process_reuses_compiled_programs_and_reports_time(tmp_path):
+    first, events, stderr = _run(tmp_path)
+    assert first["cache_hits"] == 0
+    assert any((tmp_path / "cache").iterdir())
+    summary = events[-1]
+    assert summary["event"] == "summary" and summary["optimizer_steps"] == 3
+    for name in CATEGORIES:
+        assert summary[name] >= 0.0
+    assert summary["init"] > 0 and summary["trace_compile"] > 0 and summary["productive"] > 0
+    # Every category is part of the same wall clock.
+    assert sum(summary[name] for name in CATEGORIES) <= summary["wall"] + 1e-3
+    assert {e["event"] for e in events[:-1]} <= set(CATEGORIES)
+    assert "zerojax effective training time (3 optimizer steps)" in stderr
+
+    second, _, _ = _run(tmp_path)
+    assert second["cache_hits"] > 0
+
+
+def test_ledger_counts_blocks_and_ignores_compiles_inside_them():
+    ledger = EffectiveTimeLedger()
+    ledger.start = 0.0
+    with ledger.measure("checkpoint_restore"):
+        ledger._on_jax_event("/jax/core/compile/backend_compile_duration", 5.0)
+    assert ledger.seconds["trace_compile"] == 0.0
+    assert ledger.seconds["checkpoint_restore"] > 0.0
+    ledger._on_jax_event("/jax/core/compile/backend_compile_duration", 2.0)
+    ledger._on_jax_event("/jax/some/other_event", 7.0)
+    assert ledger.seconds["trace_compile"] == 2.0

@@ -1,0 +1,175 @@
+"""Effective training time: where a run's wall-clock time went.
+
+Meta's Effective Training Time accounting counts everything that is not a productive training
+step as lost: initialisation, tracing and compiling, blocking on checkpoint saves, restoring.
+zerojax records each of these as it happens, in one ledger per process:
+
+    init                 zerojax.initialize (placing the sharded state)
+    trace_compile        torch.export capture + JAX tracing, lowering and XLA compilation
+                         (or loading from the persistent compilation cache), from JAX's own
+                         monitoring events
+    checkpoint_blocking  the part of a checkpoint save the training loop waits for
+    checkpoint_restore   restoring a checkpoint
+    productive           the rest of the time between `initialize` and the last optimizer step
+
+At exit the summary is printed to stderr (`runtime.report_effective_time`) and, with
+`runtime.effective_time_log`, every event and the summary are appended to a JSON-lines file.
+
+>>> with zerojax.train.effective_time.LEDGER.measure("checkpoint_restore"):
+...     checkpointer.restore()
+>>> zerojax.effective_time()["productive_fraction"]
+0.93
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+
+CATEGORIES = ("init", "trace_compile", "checkpoint_blocking", "checkpoint_restore", "productive")
+_LOST = CATEGORIES[:-1]
+
+# JAX's durations for tracing to a jaxpr, lowering it and compiling it (a persistent-cache hit
+# skips the backend compile but still traces and lowers).
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+class EffectiveTimeLedger:
+    """Seconds per category since the first `initialize` of this process."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.seconds = dict.fromkeys(_LOST, 0.0)
+        self.optimizer_steps = 0
+        self.last_step_end: float | None = None
+        self.lost_before_last_step = 0.0
+        self.log_path: Path | None = None
+        self.report_at_exit = False
+        self._lock = threading.Lock()
+        self._depth = 0  # >0 while a measure() block runs: compile events inside belong to it
+        self._listening = False
+
+    def begin(self, *, log_path: str | None, report_at_exit: bool) -> None:
+        """Start the clock (first call only) and hook JAX's compile events and the exit report."""
+        if self.start is None:
+            self.start = time.perf_counter()
+        if log_path is not None:
+            self.log_path = Path(os.path.expanduser(log_path))
+        self.report_at_exit = self.report_at_exit or report_at_exit
+        if not self._listening:
+            jax.monitoring.register_event_duration_secs_listener(self._on_jax_event)
+            atexit.register(self._at_exit)
+            self._listening = True
+
+    def _on_jax_event(self, event: str, duration: float, **_) -> None:
+        if event in _COMPILE_EVENTS and self._depth == 0 and self.start is not None:
+            self.add("trace_compile", duration, source=event.rsplit("/", 1)[-1])
+
+    def add(self, category: str, seconds: float, **fields) -> None:
+        assert category in _LOST, category
+        with self._lock:
+            self.seconds[category] += seconds
+        self._log({"event": category, "seconds": round(seconds, 6), **fields})
+
+    @contextlib.contextmanager
+    def measure(self, category: str, **fields):
+        """Time a block as `category`; JAX compiles inside it are not counted twice."""
+        begin = time.perf_counter()
+        with self._lock:
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+            self.add(category, time.perf_counter() - begin, **fields)
+
+    def step_done(self) -> None:
+        """Called after each optimizer step: productive time runs up to the last one."""
+        self.optimizer_steps += 1
+        self.last_step_end = time.perf_counter()
+        with self._lock:
+            self.lost_before_last_step = sum(self.seconds.values())
+
+    def summary(self) -> dict:
+        """{"wall": s, "<category>": s, ..., "productive_fraction": f, "optimizer_steps": n}."""
+        now = time.perf_counter()
+        start = self.start if self.start is not None else now
+        wall = now - start
+        # Productive time ends at the last optimizer step; what follows (a final save,
+        # evaluation, shutdown) and what was lost before it are not training.
+        until_last_step = (self.last_step_end or start) - start
+        productive = max(until_last_step - self.lost_before_last_step, 0.0)
+        result = {"wall": round(wall, 3)}
+        result.update({k: round(v, 3) for k, v in self.seconds.items()})
+        result["productive"] = round(productive, 3)
+        result["productive_fraction"] = round(productive / wall, 4) if wall > 0 else 0.0
+        result["optimizer_steps"] = self.optimizer_steps
+        return result
+
+    def report(self) -> str:
+        summary = self.summary()
+        wall = summary["wall"] or 1.0
+        lines = [f"zerojax effective training time ({summary['optimizer_steps']} optimizer steps)"]
+        for name in CATEGORIES:
+            seconds = summary[name]
+            lines.append(f"  {name:<20} {seconds:9.2f} s  {100 * seconds / wall:5.1f} %")
+        lines.append(f"  {'wall':<20} {summary['wall']:9.2f} s")
+        return "\n".join(lines)
+
+    def _log(self, record: dict) -> None:
+        if self.log_path is None:
+            return
+        record = {"time": round(time.time(), 3), **record}
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self._lock, self.log_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a metrics file must never stop training
+            print(f"zerojax: cannot write {self.log_path}: {exc}", file=sys.stderr)
+            self.log_path = None
+
+    def _at_exit(self) -> None:
+        if self.start is None:
+            return
+        self._log({"event": "summary", **self.summary()})
+        if self.report_at_exit:
+            print(self.report(), file=sys.stderr)
+
+
+LEDGER = EffectiveTimeLedger()
+
+
+def effective_time() -> dict:
+    """This process's effective-training-time summary so far (see the module docstring)."""
+    return LEDGER.summary()
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Point JAX's persistent compilation cache at `directory` (None leaves JAX's setting)."""
+    if directory is None:
+        return
+    path = os.path.abspath(os.path.expanduser(directory))
+    if jax.config.jax_compilation_cache_dir == path:
+        return
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Every program of a training run is worth keeping: a restart then skips all compiles.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    # JAX decides once per process whether the cache is in use; a process that compiled
+    # something before this call must re-decide.
+    from jax._src import compilation_cache
+
+    compilation_cache.reset_cache()
