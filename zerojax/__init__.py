@@ -1,15 +1,30 @@
 """zerojax: an ordinary PyTorch model and training loop as one sharded JAX/XLA program."""
 
 from zerojax.bridge import CaptureError, Converted, UnsupportedOpError, convert
+from zerojax.ckpt import (
+    CheckpointCorruptedError,
+    Checkpointer,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from zerojax.config import Config, ConfigError, ConfigWarning, load_config
 from zerojax.sharding import ReplicatedParam, ShardingPlan, make_mesh, make_sharding_plan
 from zerojax.sharding.memory import memory_report
 from zerojax.sharding.step import make_train_step
 from zerojax.train import initialize
+from zerojax.train.effective_time import effective_time
 
 __version__ = "0.1.0"
 __all__ = [
     "CaptureError",
+    "CheckpointCorruptedError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "Checkpointer",
     "Config",
     "ConfigError",
     "ConfigWarning",
@@ -18,10 +33,13 @@ __all__ = [
     "ShardingPlan",
     "UnsupportedOpError",
     "convert",
+    "effective_time",
     "initialize",
     "load_config",
     "make_mesh",
     "make_sharding_plan",
     "make_train_step",
     "memory_report",
+    "restore_checkpoint",
+    "save_checkpoint",
 ]

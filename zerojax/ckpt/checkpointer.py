@@ -1,0 +1,521 @@
+"""Save and restore the full training state of a wrapped model, onto any mesh.
+
+    >>> model, optimizer = zerojax.initialize(model, optimizer, config="zero3.yaml")
+    >>> ckpt = Checkpointer("runs/gpt", model, optimizer, scheduler=scheduler)
+    >>> start = ckpt.restore().step + 1 if ckpt.latest_step() is not None else 0
+    >>> for step in range(start, num_steps):
+    ...     train_one_step()
+    ...     ckpt.save(step, extra={"epoch": epoch})   # every save_interval_steps, in the background
+    >>> ckpt.close()                                     # waits for the last save
+
+What a step holds (`zerojax.ckpt.layout`): weights (fp32 master weights when the precision
+policy keeps them) and buffers under torch state_dict names, the optimizer state, the torch
+optimizer's param-group hyperparameters, the LR scheduler's state_dict, the fp16 loss scale,
+the dropout RNG key and call count, torch's RNG state, the config of the saving run and the
+user's `extra` dict. Restoring reads every array straight into the *current* engine's
+shardings and dtypes, so a run saved on 8-way ZeRO-3 resumes on a 4x2 data x fsdp ZeRO-1 mesh,
+or in bf16 with fp32 master weights; with the same config it resumes bit for bit.
+
+Concurrency contract:
+
+- One writer per directory: one `Checkpointer` (one per process on multi-host, all calling
+  `save` with the same steps) saves into a directory at a time. Its first `save` deletes
+  temporary step directories left by a writer that died (`<step>.orbax-checkpoint-tmp*`);
+  a Checkpointer that only restores never deletes anything.
+- `save` is asynchronous by default: it returns once the arrays are copied off the device, so
+  training may go on (and donate/overwrite those arrays) right away. The files are written by
+  a background thread; a step directory appears under its final name only when every item is
+  committed (Orbax renames it), so a crash mid-save leaves the previous steps intact and the
+  partial one invisible. The manifest (sizes and crc32s) is written just after the commit.
+- `save` waits for the previous save to finish before starting another; `wait`, `restore`,
+  `close` and leaving a `with` block wait too. Call a Checkpointer from one thread.
+- Readers (another process restoring or `zerojax ckpt inspect`) may run while a writer
+  saves: they only ever see committed steps. A step deleted by `max_to_keep` while being read
+  fails with CheckpointCorruptedError.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import threading
+from collections.abc import Mapping
+from typing import Any, Self
+
+import jax
+import orbax.checkpoint as ocp
+
+from zerojax.ckpt import layout
+from zerojax.ckpt import training_state as ts
+from zerojax.ckpt.errors import (
+    CheckpointCorruptedError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+)
+from zerojax.ckpt.manifest import verify_manifest, write_manifest
+from zerojax.train.effective_time import LEDGER
+
+__all__ = ["Checkpointer", "RestoredState", "restore_checkpoint", "save_checkpoint"]
+
+log = logging.getLogger("zerojax")
+
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+_UNSET: Any = object()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RestoredState:
+    """What `restore` hands back besides the state it wrote into the model and optimizer."""
+
+    step: int
+    """The step restored."""
+    extra: dict
+    """The `extra` dict given to `save` ({} if none)."""
+    config_at_save: dict | None
+    """`dataclasses.asdict(config)` of the run that saved (None for an imported checkpoint)."""
+
+
+def _handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {
+        layout.MODEL: ocp.PyTreeCheckpointHandler(),
+        layout.OPTIMIZER: ocp.PyTreeCheckpointHandler(),
+        layout.TRAIN_STATE: ocp.PyTreeCheckpointHandler(),
+        layout.META: ocp.JsonCheckpointHandler(),
+    }
+
+
+class Checkpointer:
+    """Periodic, asynchronous checkpoints of one wrapped model (+ optimizer, LR scheduler).
+
+    >>> with Checkpointer("runs/gpt", model, optimizer, scheduler=sched, max_to_keep=2) as ckpt:
+    ...     ckpt.save(100, extra={"data_position": 12800})
+    ...     state = ckpt.restore()            # latest complete step
+    ...     state.step, state.extra["data_position"]
+    (100, 12800)
+
+    `model` and `optimizer` are what `zerojax.initialize` returned. `directory`,
+    `max_to_keep` (None keeps all), `async_save` and `save_interval_steps` (0: save whenever
+    `save` is called) default to the model's `config.checkpoint`. Without a model the
+    Checkpointer can only list steps.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        model: Any = None,
+        optimizer: Any = None,
+        *,
+        scheduler: Any = None,
+        max_to_keep: int | None = _UNSET,
+        async_save: bool = _UNSET,
+        save_interval_steps: int = _UNSET,
+    ) -> None:
+        self._engine = ts.engine_of(model) if model is not None else None
+        self._optimizer = (
+            ts.torch_optimizer_of(optimizer, self._engine) if optimizer is not None else None
+        )
+        self._scheduler = scheduler
+        defaults = self._engine.config.checkpoint if self._engine is not None else None
+        if directory is None:
+            directory = defaults.directory if defaults is not None else None
+        if directory is None:
+            raise ValueError(
+                "Checkpointer: no directory; pass one (Checkpointer('runs/x', model, ...)) or "
+                "set checkpoint.directory in the zerojax config"
+            )
+        self.directory = os.path.abspath(os.fspath(directory))
+        pick = lambda given, field, fallback: (
+            given if given is not _UNSET else getattr(defaults, field, fallback)
+        )
+        self.max_to_keep = pick(max_to_keep, "max_to_keep", 3)
+        self.async_save = bool(pick(async_save, "async_save", True))
+        self.save_interval_steps = int(pick(save_interval_steps, "save_interval_steps", 0))
+        if self.max_to_keep is not None and self.max_to_keep < 1:
+            raise ValueError(f"Checkpointer: max_to_keep={self.max_to_keep}; use >= 1 or None")
+        if self.save_interval_steps < 0:
+            raise ValueError(
+                f"Checkpointer: save_interval_steps={self.save_interval_steps}; use >= 0 "
+                f"(0 saves whenever save() is called)"
+            )
+        self._manager: ocp.CheckpointManager | None = None
+        self._cleaned = False
+        self._pending: int | None = None  # step whose manifest is still to be written
+        self._manifest_thread: threading.Thread | None = None
+        self._manifest_error: BaseException | None = None
+
+    # --- Orbax ------------------------------------------------------------------------------
+
+    def _mgr(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.max_to_keep,
+                enable_async_checkpointing=self.async_save,
+                # The interval is ours (save() decides); Orbax saves whatever it is given.
+                save_interval_steps=1,
+                create=True,
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, item_handlers=_handlers(), options=options
+            )
+        return self._manager
+
+    def step_dir(self, step: int) -> str:
+        """The directory of one committed step."""
+        return os.path.join(self.directory, str(step))
+
+    # --- listing ----------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Every committed step in the directory, ascending. Partial saves are not listed, nor
+        is a save still in flight until it commits (`wait()` first to include it)."""
+        if not os.path.isdir(self.directory):
+            return []
+        if self._manager is None:
+            # Read the directory without creating a manager (which would create files).
+            return sorted(
+                int(n)
+                for n in os.listdir(self.directory)
+                if n.isdigit() and os.path.isdir(os.path.join(self.directory, n))
+            )
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # --- saving -----------------------------------------------------------------------------
+
+    def save(self, step: int, *, extra: dict | None = None, force: bool = False) -> bool:
+        """Save the training state as `step`; returns whether it saved.
+
+        Skipped (False) unless `force` or `step` is a multiple of `save_interval_steps` (0:
+        always saves). Asynchronous by default: returns once the arrays are staged to host
+        memory; the files are written in the background (see the module's concurrency
+        contract). `extra` is any JSON-serialisable dict, handed back by `restore`.
+
+        >>> ckpt.save(step, extra={"epoch": 3, "data_rng": generator.get_state()})
+        """
+        engine = self._require_model("save")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Checkpointer.save: step={step!r}; use an int >= 0")
+        if not force and self.save_interval_steps and step % self.save_interval_steps:
+            return False
+        meta = ts.build_meta(engine, self._optimizer, self._scheduler, step=step, extra=extra)
+        # What the training loop waits for: the previous save's commit (if still running) and
+        # the copy of the arrays off the device.
+        with LEDGER.measure("checkpoint_blocking", step=step):
+            self._save(engine, step, meta)
+        return True
+
+    def _save(self, engine, step: int, meta: dict) -> None:
+        self._finish_pending()
+        if step in self.all_steps():
+            raise CheckpointError(
+                f"step {step} already exists at {self.step_dir(step)}; save under a new step "
+                f"number or delete that directory first"
+            )
+        if not self._cleaned:
+            self._clean_partial_saves()
+        items = ts.gather_items(engine, with_optimizer=self._optimizer is not None)
+        args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}
+        args[layout.META] = ocp.args.JsonSave(meta)
+        self._mgr().save(step, args=ocp.args.Composite(**args), force=True)
+        self._pending = step
+        if self.async_save:
+            self._manifest_thread = threading.Thread(
+                target=self._write_manifest_when_committed,
+                args=(step,),
+                name=f"zerojax-manifest-{step}",
+                daemon=True,
+            )
+            self._manifest_thread.start()
+        else:
+            self._finish_pending()
+
+    def _write_manifest_when_committed(self, step: int) -> None:
+        try:
+            self._mgr().wait_until_finished()
+            self._write_manifest(step)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the next wait()/save()
+            self._manifest_error = e
+
+    def _write_manifest(self, step: int) -> None:
+        if jax.process_index() == 0 and os.path.isdir(self.step_dir(step)):
+            write_manifest(self.step_dir(step))
+
+    def _finish_pending(self) -> None:
+        """Wait for the in-flight save, write its manifest, and re-raise a background error."""
+        if self._manifest_thread is not None:
+            self._manifest_thread.join()
+            self._manifest_thread = None
+        elif self._pending is not None:
+            self._mgr().wait_until_finished()
+            self._write_manifest(self._pending)
+        self._pending = None
+        if self._manifest_error is not None:
+            error, self._manifest_error = self._manifest_error, None
+            raise CheckpointError(f"background checkpoint save failed: {error}") from error
+
+    def _clean_partial_saves(self) -> None:
+        """Remove step directories a dead writer left half-written (never listed as steps)."""
+        self._cleaned = True
+        if not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if _TMP_MARKER in name:
+                log.warning("zerojax: removing partial checkpoint %s", name)
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until the last save is committed and its manifest written."""
+        if self._pending is None and self._manifest_error is None:
+            return
+        with LEDGER.measure("checkpoint_blocking"):
+            self._finish_pending()
+
+    def close(self) -> None:
+        """Wait for the last save, then release Orbax's threads."""
+        try:
+            self._finish_pending()
+        finally:
+            if self._manager is not None:
+                self._manager.close()
+                self._manager = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- restoring --------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, *, load_optimizer: bool = True) -> RestoredState:
+        """Load a step (default: the latest committed one) into the model, optimizer and
+        scheduler given at construction, on the *current* mesh, ZeRO stage and precision.
+
+        Raises CheckpointNotFoundError (no such step), CheckpointMismatchError (parameters or
+        optimizer state differ; every difference listed), CheckpointCorruptedError (a damaged
+        file, named). `load_optimizer=False` loads weights, buffers and RNG only (fine-tuning
+        with a different optimizer). A checkpoint made by `zerojax ckpt import` has weights
+        only: the optimizer state stays as it is.
+
+        >>> state = ckpt.restore()
+        >>> start_step = state.step + 1
+        """
+        engine = self._require_model("restore")
+        self.wait()
+        with LEDGER.measure("checkpoint_restore", step=step):
+            return self._restore(engine, step, load_optimizer)
+
+    def _restore(self, engine, step: int | None, load_optimizer: bool) -> RestoredState:
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointNotFoundError(f"no complete checkpoint in {self.directory}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointNotFoundError(
+                f"step {step} not found in {self.directory}; available steps: {steps}"
+            )
+        step_dir = self.step_dir(step)
+        verify_manifest(step_dir)
+        mgr = self._mgr()
+        meta = self._read(step, {layout.META: ocp.args.JsonRestore()})[layout.META]
+        ts.check_format(meta)
+
+        differences = ts.parameter_differences(meta["parameters"], ts.parameter_table(engine))
+        if differences:
+            raise CheckpointMismatchError(
+                f"checkpoint {step_dir} does not fit the current model "
+                f"({len(differences)} difference{'s' * (len(differences) > 1)}):",
+                differences,
+            )
+        has = lambda item: os.path.isdir(os.path.join(step_dir, item))
+        with_optimizer = (
+            load_optimizer
+            and self._optimizer is not None
+            and engine.opt_state is not None
+            and has(layout.OPTIMIZER)
+        )
+        if with_optimizer:
+            self._check_optimizer(mgr, step, step_dir, meta)
+
+        model_abstract, model_args, source = ts.model_target(engine, meta["parameters"])
+        args = {
+            layout.MODEL: ocp.args.PyTreeRestore(
+                model_abstract, restore_args=model_args, partial_restore=True
+            )
+        }
+        if with_optimizer:
+            abstract, restore_args = ts.optimizer_target(engine)
+            args[layout.OPTIMIZER] = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
+        if has(layout.TRAIN_STATE):
+            saved_scale = self._saved_loss_scale(mgr, step)
+            abstract, restore_args = ts.train_state_target(engine, saved_loss_scale=saved_scale)
+            args[layout.TRAIN_STATE] = ocp.args.PyTreeRestore(
+                abstract, restore_args=restore_args, partial_restore=True
+            )
+        restored = self._read(step, args)
+
+        ts.apply_model(engine, restored[layout.MODEL], source)
+        if with_optimizer:
+            engine.opt_state = restored[layout.OPTIMIZER]
+            ts.apply_param_groups(self._optimizer, meta["optimizer"])
+            if self._scheduler is not None and meta.get("scheduler") is not None:
+                self._scheduler.load_state_dict(meta["scheduler"])
+        if layout.TRAIN_STATE in args:
+            ts.apply_train_state(engine, restored[layout.TRAIN_STATE], meta["engine"])
+        if meta.get("torch_rng") is not None:
+            import torch
+
+            torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+        return RestoredState(
+            step=step, extra=dict(meta.get("extra") or {}), config_at_save=meta.get("config")
+        )
+
+    def _check_optimizer(self, mgr, step: int, step_dir: str, meta: Mapping) -> None:
+        saved = meta.get("optimizer") or {}
+        current = type(self._optimizer).__name__
+        hint = (
+            "; pass load_optimizer=False to restore the weights only and start the optimizer "
+            "state fresh"
+        )
+        if saved.get("type") not in (None, current):
+            raise CheckpointMismatchError(
+                f"checkpoint {step_dir} holds {saved.get('type')} state, the current optimizer "
+                f"is {current}{hint}"
+            )
+        groups = len(saved.get("param_groups") or [])
+        if groups != len(self._optimizer.param_groups):
+            raise CheckpointMismatchError(
+                f"checkpoint {step_dir} has {groups} param groups, the current optimizer "
+                f"{len(self._optimizer.param_groups)}{hint}"
+            )
+        try:
+            metadata = mgr.item_metadata(step)[layout.OPTIMIZER]
+            tree = getattr(metadata, "tree", metadata)
+        except Exception as e:  # any reader failure here means a damaged file
+            raise self._corrupted(step_dir, e) from e
+        differences = ts.optimizer_differences(tree, self._engine.opt_state)
+        if differences:
+            raise CheckpointMismatchError(
+                f"checkpoint {step_dir}: the optimizer state does not fit the current "
+                f"{current}{hint}:",
+                differences,
+            )
+
+    def _saved_loss_scale(self, mgr, step: int) -> bool:
+        try:
+            metadata = mgr.item_metadata(step)[layout.TRAIN_STATE]
+        except Exception as e:
+            raise self._corrupted(self.step_dir(step), e) from e
+        tree = getattr(metadata, "tree", metadata) or {}
+        return "loss_scale" in tree
+
+    def _read(self, step: int, args: dict) -> Any:
+        try:
+            return self._mgr().restore(step, args=ocp.args.Composite(**args))
+        except CheckpointError:
+            raise
+        except Exception as e:  # tensorstore/Orbax errors: wrap, never leak
+            raise self._corrupted(self.step_dir(step), e) from e
+
+    @staticmethod
+    def _corrupted(step_dir: str, error: BaseException) -> CheckpointCorruptedError:
+        message = str(error)
+        # Tensorstore names the file it failed on among other paths; prefer an existing file.
+        found = re.findall(re.escape(step_dir) + r"[^\s'\"\]\)\\]*", message)
+        files = [p for p in found if os.path.isfile(p)]
+        path = files[0] if files else (found[0] if found else step_dir)
+        first_line = message.strip().splitlines()[0] if message.strip() else ""
+        return CheckpointCorruptedError(
+            f"checkpoint {step_dir} cannot be read ({path}): {type(error).__name__}: "
+            f"{first_line[:500]}",
+            path=path,
+        )
+
+    def _require_model(self, what: str):
+        if self._engine is None:
+            raise ValueError(
+                f"Checkpointer.{what} needs the model: Checkpointer(directory, model, optimizer)"
+            )
+        return self._engine
+
+
+# --------------------------------------------------------------------------- one-shot functions
+
+_in_flight: list[Checkpointer] = []
+
+
+def _wait_all() -> None:
+    while _in_flight:
+        _in_flight.pop().close()
+
+
+atexit.register(_wait_all)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    step: int,
+    scheduler: Any = None,
+    extra: dict | None = None,
+    async_save: bool = False,
+) -> None:
+    """Save one step without keeping a Checkpointer; no older step is deleted.
+
+    >>> save_checkpoint("runs/gpt", model, optimizer, step=1000, scheduler=sched)
+
+    With `async_save=True` it returns once the arrays are staged; the next save_checkpoint /
+    restore_checkpoint call, or the interpreter's exit, waits for the write.
+    """
+    _wait_all()
+    ckpt = Checkpointer(
+        directory,
+        model,
+        optimizer,
+        scheduler=scheduler,
+        max_to_keep=None,
+        async_save=async_save,
+        save_interval_steps=0,
+    )
+    try:
+        ckpt.save(step, extra=extra, force=True)
+    except BaseException:
+        ckpt.close()
+        raise
+    if async_save:
+        _in_flight.append(ckpt)
+    else:
+        ckpt.close()
+
+
+def restore_checkpoint(
+    directory: str | os.PathLike,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    scheduler: Any = None,
+    step: int | None = None,
+) -> RestoredState:
+    """Restore one step (default: the latest) into the model, optimizer and scheduler.
+
+    >>> state = restore_checkpoint("runs/gpt", model, optimizer, scheduler=sched)
+    """
+    _wait_all()
+    ckpt = Checkpointer(directory, model, optimizer, scheduler=scheduler, max_to_keep=None)
+    try:
+        return ckpt.restore(step)
+    finally:
+        ckpt.close()

@@ -1,0 +1,389 @@
+"""The Engine's training state as checkpoint items, and abstract targets to restore it into.
+
+Saving reads the engine (`gather_items`, `build_meta`); restoring compares the checkpoint's
+`meta` with the current model (`parameter_differences`, `optimizer_differences`), builds
+`jax.ShapeDtypeStruct` targets carrying the *current* engine's shardings and dtypes
+(`model_target`, `optimizer_target`, `train_state_target`) so that Orbax reads each shard
+straight onto the current mesh, and writes the result back (`apply_*`). The item names and
+meta keys are those of `zerojax.ckpt.layout`.
+
+    >>> items = gather_items(engine)              # {"model": {...}, "optimizer": ..., ...}
+    >>> target, args = model_target(engine, meta["parameters"])
+    >>> apply_model(engine, restored_model, meta["parameters"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import torch
+
+from zerojax.ckpt import layout
+from zerojax.ckpt.errors import CheckpointError
+
+# --------------------------------------------------------------------------- reaching the engine
+
+
+def engine_of(model: Any):
+    """The Engine behind the ZeroModule returned by `zerojax.initialize`."""
+    engine = getattr(model, "_engine", None)
+    if engine is None or not hasattr(engine, "plan"):
+        raise TypeError(
+            f"zerojax checkpointing needs the model returned by zerojax.initialize (a ZeroModule),"
+            f" got {type(model).__name__}"
+        )
+    return engine
+
+
+def torch_optimizer_of(optimizer: Any, engine) -> torch.optim.Optimizer | None:
+    """The user's torch optimizer behind the ZeroOptimizer (its param_groups hold the lr etc.)."""
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "_optimizer", None)
+    if inner is None or getattr(optimizer, "_engine", None) is not engine:
+        raise TypeError(
+            f"zerojax checkpointing needs the optimizer returned by zerojax.initialize together "
+            f"with the model it came with, got {type(optimizer).__name__}"
+        )
+    return inner
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def to_json(value: Any, where: str) -> Any:
+    """`value` as plain JSON types (tensors/arrays -> numbers or lists, tuples -> lists);
+    raises CheckpointError naming `where` (e.g. `extra['batch']`) for anything else."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value
+    if isinstance(value, torch.Tensor | np.ndarray | np.generic):
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+        return np.asarray(array).tolist()
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str | int):
+                raise CheckpointError(
+                    f"{where}: key {k!r} of type {type(k).__name__} cannot be stored as JSON; "
+                    f"use str or int keys"
+                )
+            out[str(k) if isinstance(k, str) else k] = to_json(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, list | tuple):
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    raise CheckpointError(
+        f"{where} = {value!r} (type {type(value).__name__}) is not JSON-serialisable; checkpoint "
+        f"metadata holds only numbers, strings, bools, None, lists, dicts and tensors/arrays"
+    )
+
+
+def config_as_json(config: Any) -> Any:
+    """`dataclasses.asdict(config)` in JSON types; values JSON cannot hold become their repr."""
+    raw = dataclasses.asdict(config)
+    return json.loads(json.dumps(raw, default=repr))
+
+
+# --------------------------------------------------------------------------- meta
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _weights(engine) -> dict[str, jax.Array]:
+    """Canonical name -> the array the optimizer updates (master when the policy has it)."""
+    weights = dict(engine.params)
+    if engine.master is not None:
+        weights.update(engine.master)
+    return weights
+
+
+def parameter_table(engine) -> dict[str, dict]:
+    """`meta["parameters"]` of the current model (see layout.py), in state_dict order."""
+    weights = _weights(engine)
+    param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
+    table = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        canonical = engine.alias.get(name, name)
+        source = weights.get(canonical)
+        if source is None:
+            source = engine.buffers[canonical]
+        table[name] = {
+            "shape": list(tensor.shape),
+            "dtype": _torch_dtype_name(tensor.dtype),
+            "stored_dtype": np.dtype(source.dtype).name,
+            "kind": "parameter" if name in param_names else "buffer",
+            "tied_to": canonical if canonical != name else None,
+        }
+    return table
+
+
+def optimizer_meta(torch_optimizer: torch.optim.Optimizer | None) -> dict | None:
+    """`meta["optimizer"]`: the class name and every param group's options but `params`."""
+    if torch_optimizer is None:
+        return None
+    groups = [
+        to_json({k: v for k, v in group.items() if k != "params"}, f"param_groups[{i}]")
+        for i, group in enumerate(torch_optimizer.param_groups)
+    ]
+    return {"type": type(torch_optimizer).__name__, "param_groups": groups}
+
+
+def build_meta(
+    engine,
+    torch_optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    *,
+    step: int,
+    extra: dict | None,
+) -> dict:
+    """The `meta` item of one step (layout.py lists its keys)."""
+    if extra is not None and not isinstance(extra, Mapping):
+        raise CheckpointError(f"extra must be a dict, got {type(extra).__name__}")
+    extra_json = {}
+    for key, value in (extra or {}).items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"extra: key {key!r} must be a str")
+        extra_json[key] = to_json(value, f"extra[{key!r}]")
+        try:
+            json.dumps(extra_json[key], allow_nan=True)
+        except (TypeError, ValueError) as e:  # pragma: no cover - to_json already checked
+            raise CheckpointError(f"extra[{key!r}] is not JSON-serialisable: {e}") from e
+    return {
+        "format": layout.FORMAT,
+        "step": int(step),
+        "config": config_as_json(engine.config),
+        "parameters": parameter_table(engine),
+        "optimizer": optimizer_meta(torch_optimizer),
+        "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "scheduler"),
+        "engine": {"num_calls": int(engine.num_calls), "skipped_steps": int(engine.skipped_steps)},
+        "torch_rng": torch.get_rng_state().tolist(),
+        "extra": extra_json,
+    }
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def gather_items(engine, *, with_optimizer: bool) -> dict[str, Any]:
+    """The array items of one step: `model`, `optimizer` (if attached and wanted),
+    `train_state`. Arrays stay on device: Orbax copies them to host when saving."""
+    weights = _weights(engine)
+    model = {}
+    for name in engine.module.state_dict(keep_vars=True):
+        canonical = engine.alias.get(name, name)
+        if canonical != name:
+            continue  # a tied alias: stored once, under its canonical name
+        model[name] = weights[canonical] if canonical in weights else engine.buffers[canonical]
+    items: dict[str, Any] = {layout.MODEL: model}
+    if with_optimizer and engine.opt_state is not None:
+        items[layout.OPTIMIZER] = engine.opt_state
+    train_state: dict[str, Any] = {"rng": jax.random.key_data(engine.rng)}
+    if engine.loss_scale is not None:
+        train_state["loss_scale"] = engine.loss_scale
+    items[layout.TRAIN_STATE] = train_state
+    return items
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def parameter_differences(saved: Mapping[str, dict], current: Mapping[str, dict]) -> list[str]:
+    """One line per state_dict entry that is missing, unexpected, or differs in shape or torch
+    dtype between the checkpoint (`saved`) and the current model. Storage dtypes (precision
+    policy) may differ: restoring casts them."""
+    differences = []
+    for name, entry in current.items():
+        if name not in saved:
+            differences.append(
+                f"{name}: missing from the checkpoint (current {entry['kind']} "
+                f"{tuple(entry['shape'])} {entry['dtype']})"
+            )
+            continue
+        was = saved[name]
+        if list(was["shape"]) != list(entry["shape"]):
+            differences.append(
+                f"{name}: shape saved {tuple(was['shape'])} vs current {tuple(entry['shape'])}"
+            )
+        if was["dtype"] != entry["dtype"]:
+            differences.append(f"{name}: dtype saved {was['dtype']} vs current {entry['dtype']}")
+    for name, was in saved.items():
+        if name not in current:
+            differences.append(
+                f"{name}: unexpected, in the checkpoint ({was['kind']} {tuple(was['shape'])} "
+                f"{was['dtype']}) but not in the current model"
+            )
+    return differences
+
+
+def _paths(tree) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
+
+
+def optimizer_differences(saved_tree, current_tree) -> list[str]:
+    """Lines naming every optimizer-state leaf that is missing, unexpected or reshaped."""
+    saved, current = _paths(saved_tree), _paths(current_tree)
+    differences = [f"state{p}: missing from the checkpoint" for p in current if p not in saved]
+    differences += [
+        f"state{p}: in the checkpoint, not in the current optimizer"
+        for p in saved
+        if p not in current
+    ]
+    differences += [
+        f"state{p}: shape saved {saved[p]} vs current {current[p]}"
+        for p in current
+        if p in saved and saved[p] != current[p]
+    ]
+    return differences
+
+
+# --------------------------------------------------------------------------- restore targets
+
+
+def _abstract(shape, dtype, sharding) -> tuple[jax.ShapeDtypeStruct, ocp.ArrayRestoreArgs]:
+    struct = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+    # dtype here makes Orbax cast while reading (fp32 on disk -> bf16 params, and back).
+    return struct, ocp.ArrayRestoreArgs(sharding=sharding, dtype=dtype)
+
+
+def _stored_key(name: str, saved: Mapping[str, dict], stored: set[str]) -> str:
+    if name in stored:
+        return name
+    tied = saved.get(name, {}).get("tied_to")
+    if tied in stored:
+        return tied
+    raise CheckpointError(f"{name}: no array for it in the checkpoint's model item")
+
+
+def model_target(engine, saved: Mapping[str, dict]) -> tuple[dict, dict, dict[str, str]]:
+    """(abstract tree, restore args, current canonical name -> stored key) for the `model` item.
+
+    Each weight is read in the dtype and sharding the current run keeps its updated copy in
+    (fp32 master weights on `plan.master_weights` when the policy has them, else the params on
+    `plan.params`); buffers replicated in their current dtype."""
+    stored = {n for n, e in saved.items() if e.get("tied_to") is None}
+    abstract, args, source = {}, {}, {}
+    for name in engine.params:
+        if engine.master is not None and name in engine.master:
+            dtype, sharding = engine.master[name].dtype, engine.plan.master_weights[name]
+        else:
+            dtype, sharding = engine.params[name].dtype, engine.plan.params[name]
+        key = _stored_key(name, saved, stored)
+        source[name] = key
+        if key not in abstract:
+            abstract[key], args[key] = _abstract(engine.plan.shapes[name], dtype, sharding)
+    state_dict_names = set(engine.module.state_dict(keep_vars=True))
+    for name, value in engine.buffers.items():
+        if name not in state_dict_names:
+            continue  # non-persistent buffers are not part of a checkpoint, as in torch
+        key = _stored_key(name, saved, stored)
+        source[name] = key
+        if key not in abstract:
+            abstract[key], args[key] = _abstract(value.shape, value.dtype, engine.replicated)
+    return abstract, args, source
+
+
+def apply_model(engine, restored: Mapping[str, jax.Array], source: Mapping[str, str]) -> None:
+    """Write restored weights into the engine: master, then params = master cast to the param
+    dtype (exactly what the optimizer step does), or the params directly; then buffers."""
+    for name, key in source.items():
+        value = restored[key]
+        if name in engine.params:
+            if engine.master is not None and name in engine.master:
+                master = _placed(value, engine.master[name].dtype, engine.plan.master_weights[name])
+                engine.master[name] = master
+                engine.params[name] = _placed(
+                    master, engine.params[name].dtype, engine.plan.params[name]
+                )
+            else:
+                engine.params[name] = _placed(
+                    value, engine.params[name].dtype, engine.plan.params[name]
+                )
+        else:
+            engine.buffers[name] = _placed(value, engine.buffers[name].dtype, engine.replicated)
+
+
+def _placed(value: jax.Array, dtype, sharding) -> jax.Array:
+    if value.dtype != dtype:
+        value = value.astype(dtype)
+    if value.sharding != sharding:
+        value = jax.device_put(value, sharding)
+    return value
+
+
+def optimizer_target(engine) -> tuple[Any, Any]:
+    """Abstract optimizer-state tree with the current leaves' shapes, dtypes and shardings."""
+    pairs = jax.tree.map(lambda x: _abstract(x.shape, x.dtype, x.sharding), engine.opt_state)
+    is_pair = lambda x: (
+        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], jax.ShapeDtypeStruct)
+    )
+    abstract = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+    args = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+    return abstract, args
+
+
+def train_state_target(engine, *, saved_loss_scale: bool) -> tuple[dict, dict]:
+    """`train_state` target: the rng key data to host numpy (it is re-wrapped into a key on the
+    default device, as `jax.random.key` made it), the loss scale replicated when both the
+    checkpoint and the current policy have one."""
+    data = jax.random.key_data(engine.rng)
+    abstract: dict[str, Any] = {"rng": jax.ShapeDtypeStruct(data.shape, data.dtype)}
+    args: dict[str, Any] = {"rng": ocp.RestoreArgs(restore_type=np.ndarray)}
+    if saved_loss_scale and engine.loss_scale is not None:
+        pairs = {
+            k: _abstract(v.shape, v.dtype, engine.replicated) for k, v in engine.loss_scale.items()
+        }
+        abstract["loss_scale"] = {k: p[0] for k, p in pairs.items()}
+        args["loss_scale"] = {k: p[1] for k, p in pairs.items()}
+    return abstract, args
+
+
+def apply_train_state(engine, restored: Mapping[str, Any], engine_meta: Mapping) -> None:
+    data = jnp.asarray(restored["rng"])
+    engine.rng = jax.random.wrap_key_data(data, impl=jax.random.key_impl(engine.rng))
+    if "loss_scale" in restored:
+        engine.loss_scale = dict(restored["loss_scale"])
+    engine.num_calls = int(engine_meta["num_calls"])
+    engine.skipped_steps = int(engine_meta["skipped_steps"])
+
+
+def apply_param_groups(torch_optimizer: torch.optim.Optimizer, saved: Mapping) -> None:
+    """Restore the numeric hyperparameters (lr, betas, weight decay, initial_lr, ...) of every
+    param group. Boolean/None options are compile-time choices of the current run and stay."""
+    groups = torch_optimizer.param_groups
+    for group, was in zip(groups, saved["param_groups"], strict=True):
+        for key, value in was.items():
+            current = group.get(key)
+            if key not in group:
+                group[key] = tuple(value) if isinstance(value, list) else value
+            elif isinstance(current, bool) or current is None:
+                continue
+            elif isinstance(current, torch.Tensor):
+                current.fill_(value)
+            elif isinstance(current, tuple):
+                group[key] = tuple(value)
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                group[key] = value
+
+
+def check_format(meta: Mapping) -> None:
+    """Refuse a meta item of another format (a torch or foreign Orbax checkpoint)."""
+    if not isinstance(meta, Mapping) or meta.get("format") != layout.FORMAT:
+        found = meta.get("format") if isinstance(meta, Mapping) else type(meta).__name__
+        raise CheckpointError(
+            f"not a zerojax checkpoint: meta format {found!r}, expected {layout.FORMAT!r}"
+        )
