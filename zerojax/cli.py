@@ -1,6 +1,9 @@
 """The `zerojax` command.
 
     zerojax plan --config mesh.yaml MODULE:FACTORY [--plot FILE.png] [--describe]
+    zerojax ckpt inspect DIR [--step S] [--json]
+    zerojax ckpt export DIR [--step S] --format safetensors|torch OUT [--dtype D] [--quiet]
+    zerojax ckpt import FILE DIR [--step S]
 
 `plan` converts the model FACTORY builds, places its training state the way the config says,
 and prints per-device bytes of params, gradients, optimizer state and master weights measured
@@ -15,6 +18,11 @@ bench/architectures.py:gpt2_bench_model`.
 
 `devices.num_cpu_devices` in the config is applied before JAX starts its backends, so an 8-way
 mesh can be rehearsed on a laptop.
+
+`ckpt` reads and converts checkpoints (`zerojax.ckpt`): `inspect` lists steps and, for one
+step, every entry's shape, dtypes and bytes from metadata alone; `export` writes the model as
+one safetensors or torch file, streaming one tensor at a time; `import` turns a torch or
+safetensors state_dict into a checkpoint step any mesh can restore.
 """
 
 from __future__ import annotations
@@ -123,6 +131,108 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ckpt_inspect(opts: argparse.Namespace) -> int:
+    import json
+
+    from zerojax.ckpt.inspect import describe_checkpoint, format_description
+    from zerojax.ckpt.manifest import verify_manifest
+
+    info = describe_checkpoint(opts.directory, opts.step)
+    if opts.verify:
+        verify_manifest(os.path.join(info["directory"], str(info["step"])))
+    if opts.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_description(info))
+        if opts.verify:
+            print("manifest verified: every file has its saved size and crc32")
+    return 0
+
+
+def _cmd_ckpt_export(opts: argparse.Namespace) -> int:
+    from zerojax.ckpt.export import (
+        export_checkpoint,
+        progress_stream,
+        return_large_frees_to_os,
+    )
+
+    return_large_frees_to_os()  # peak memory near the largest tensor, not a few of them
+    out = export_checkpoint(
+        opts.directory,
+        opts.out,
+        format=opts.format,
+        step=opts.step,
+        dtype=opts.dtype,
+        progress=progress_stream(opts.quiet),
+    )
+    if not opts.quiet:
+        print(f"wrote {out} ({os.path.getsize(out):,} bytes)")
+    return 0
+
+
+def _cmd_ckpt_import(opts: argparse.Namespace) -> int:
+    from zerojax.ckpt.import_weights import import_weights
+
+    step_dir = import_weights(opts.file, opts.directory, step=opts.step)
+    print(f"imported {opts.file} as {step_dir}")
+    return 0
+
+
+def _add_ckpt_commands(commands) -> None:
+    from zerojax.ckpt.export import EXPORT_DTYPES, FORMATS
+
+    ckpt = commands.add_parser(
+        "ckpt",
+        help="inspect, export and import checkpoints",
+        description="Inspect a checkpoint directory, export its model as one torch or "
+        "safetensors file, or import such a file as a checkpoint step.",
+    )
+    tools = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    inspect = tools.add_parser(
+        "inspect",
+        help="steps, entries, dtypes and bytes of a checkpoint (metadata only)",
+        description="List the committed steps (and ignored partial saves) of DIR, then one "
+        "step's state_dict entries with shapes, torch and stored dtypes and bytes, the "
+        "optimizer state, engine counters, extra and the saving run's config.",
+    )
+    inspect.add_argument("directory", metavar="DIR", help="checkpoint directory")
+    inspect.add_argument("--step", type=int, help="step to describe (default: the latest)")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument(
+        "--verify", action="store_true", help="also check every file against the manifest"
+    )
+    inspect.set_defaults(run=_cmd_ckpt_inspect, name="ckpt inspect")
+
+    export = tools.add_parser(
+        "export",
+        help="the model as one safetensors or torch file, one tensor in memory at a time",
+        description="Write every state_dict entry of a step's model (tied aliases included, "
+        "torch dtypes restored) to OUT, streaming one tensor at a time.",
+    )
+    export.add_argument("directory", metavar="DIR", help="checkpoint directory")
+    export.add_argument("out", metavar="OUT", help="output file (written atomically)")
+    export.add_argument("--step", type=int, help="step to export (default: the latest)")
+    export.add_argument(
+        "--format", choices=FORMATS, help="default: from OUT's suffix (.safetensors, .pt)"
+    )
+    export.add_argument(
+        "--dtype", choices=EXPORT_DTYPES, help="cast floating-point entries to this dtype"
+    )
+    export.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    export.set_defaults(run=_cmd_ckpt_export, name="ckpt export")
+
+    imp = tools.add_parser(
+        "import",
+        help="a torch/safetensors state_dict file as a checkpoint step",
+        description="Write the state_dict in FILE (torch .pt/.pth/.bin or .safetensors) as "
+        "step S of checkpoint DIR (model and meta only), restorable onto any mesh.",
+    )
+    imp.add_argument("file", metavar="FILE", help="torch state_dict or .safetensors file")
+    imp.add_argument("directory", metavar="DIR", help="checkpoint directory (created)")
+    imp.add_argument("--step", type=int, default=0, help="step number to write (default 0)")
+    imp.set_defaults(run=_cmd_ckpt_import, name="ckpt import")
+
+
 def plot_stages(reports: dict, path: str | os.PathLike, *, title: str = "") -> None:
     """Stacked bars of measured per-device bytes by component, one bar per ZeRO stage, with the
     formula total marked on each bar."""
@@ -182,17 +292,33 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", metavar="FILE.png", help="stacked bars for ZeRO stages 0-3")
     plan.add_argument("--describe", action="store_true", help="also print every param's specs")
     plan.set_defaults(run=_cmd_plan)
+    _add_ckpt_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = _parser().parse_args(argv)
+    if opts.command == "ckpt" and "JAX_PLATFORMS" not in os.environ:
+        # The ckpt tools read and write host memory only: without this, Orbax would start JAX
+        # on a GPU (claiming most of its memory) on a machine that may be training.
+        import jax
+
+        try:
+            jax.config.update("jax_platforms", "cpu")
+        except RuntimeError:  # backends already up (called in-process): nothing to avoid
+            pass
+    from zerojax.ckpt.errors import CheckpointError
     from zerojax.config import ConfigError
 
+    user_errors: tuple[type[Exception], ...] = (CLIError, ConfigError, CheckpointError)
+    if opts.command == "ckpt":
+        # The ckpt tools raise ValueError for bad files and arguments, each message naming
+        # the file and the fix; a traceback would add nothing.
+        user_errors += (ValueError,)
     try:
         return opts.run(opts)
-    except (CLIError, ConfigError) as exc:
-        print(f"zerojax {opts.command}: error: {exc}", file=sys.stderr)
+    except user_errors as exc:
+        print(f"zerojax {getattr(opts, 'name', opts.command)}: error: {exc}", file=sys.stderr)
         return 2
 
 

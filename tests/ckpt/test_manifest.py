@@ -1,0 +1,114 @@
+"""The step manifest: sizes and crc32s that name a damaged checkpoint file.
+
+Run: .venv/bin/python -m pytest -q tests/ckpt/test_manifest.py -p no:cacheprovider
+Why: a checkpoint copied halfway, truncated by a full disk or edited by hand must fail with
+the file's name and what differs, before any restore or export reads garbage; a step without
+a manifest (older or foreign) must still be readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from zerojax.ckpt import layout
+from zerojax.ckpt.errors import CheckpointCorruptedError, CheckpointError
+from zerojax.ckpt.manifest import file_crc32, verify_manifest, write_manifest
+
+
+@pytest.fixture
+def step_dir(tmp_path):
+    """A step-like tree of random files, one larger than the 1 MB read chunk."""
+    rng = np.random.default_rng()
+    root = tmp_path / "7"
+    (root / "model" / "ocdbt.process_0" / "d").mkdir(parents=True)
+    (root / "meta").mkdir()
+    files = {
+        "model/_METADATA": rng.bytes(300),
+        "model/ocdbt.process_0/d/abc": rng.bytes(3 * 2**20 + 17),
+        "meta/metadata": b'{"format": "zerojax-checkpoint/1"}',
+        "empty_file": b"",
+    }
+    for rel, data in files.items():
+        (root / rel).write_bytes(data)
+    return root, files
+
+
+def test_manifest_records_every_file_size_and_crc32(step_dir):
+    root, files = step_dir
+    write_manifest(root)
+    manifest = json.loads((root / layout.MANIFEST).read_text())
+    assert set(manifest["files"]) == set(files)  # not itself
+    for rel, data in files.items():
+        assert manifest["files"][rel] == {"size": len(data), "crc32": zlib.crc32(data)}
+    assert file_crc32(root / "model/ocdbt.process_0/d/abc") == zlib.crc32(
+        files["model/ocdbt.process_0/d/abc"]
+    )
+    assert sorted(os.listdir(root)) == sorted(["model", "meta", "empty_file", layout.MANIFEST])
+    verify_manifest(root)  # intact: no error
+    write_manifest(root)  # rewriting is idempotent and does not list the manifest
+    assert json.loads((root / layout.MANIFEST).read_text()) == manifest
+
+
+def test_truncated_file_is_named_with_both_sizes(step_dir):
+    root, files = step_dir
+    write_manifest(root)
+    big = root / "model/ocdbt.process_0/d/abc"
+    size = len(files["model/ocdbt.process_0/d/abc"])
+    with open(big, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(CheckpointCorruptedError, match="truncated") as info:
+        verify_manifest(root)
+    assert str(big) in str(info.value)
+    assert f"size {size - 1000} bytes vs {size}" in str(info.value)
+    assert info.value.path == str(big)
+    assert isinstance(info.value, CheckpointError)
+
+
+def test_changed_byte_same_size_is_a_crc_mismatch(step_dir):
+    root, _ = step_dir
+    write_manifest(root)
+    target = root / "model/_METADATA"
+    data = bytearray(target.read_bytes())
+    data[150] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointCorruptedError, match=r"changed since it was saved: crc32"
+    ) as info:
+        verify_manifest(root)
+    assert info.value.path == str(target)
+
+
+def test_missing_and_grown_files(step_dir):
+    root, _ = step_dir
+    write_manifest(root)
+    with open(root / "meta/metadata", "ab") as f:
+        f.write(b" ")
+    with pytest.raises(CheckpointCorruptedError, match=r"meta/metadata' is grown"):
+        verify_manifest(root)
+    write_manifest(root)
+    (root / "empty_file").unlink()
+    with pytest.raises(CheckpointCorruptedError, match=r"empty_file' is missing"):
+        verify_manifest(root)
+
+
+def test_no_manifest_is_accepted_and_damaged_manifest_is_not(step_dir):
+    root, _ = step_dir
+    verify_manifest(root)  # a step without a manifest: nothing to check
+    write_manifest(root)
+    (root / layout.MANIFEST).write_text('{"files": ')  # cut short
+    with pytest.raises(CheckpointCorruptedError, match="manifest .* is unreadable"):
+        verify_manifest(root)
+    # Files added after the manifest (not listed) are not corruption.
+    write_manifest(root)
+    (root / "later.txt").write_text("x")
+    verify_manifest(root)
+
+
+def test_write_manifest_needs_a_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        write_manifest(tmp_path / "nope")
