@@ -216,6 +216,12 @@ class KernelsConfig:
     interpret: bool = False
     """Run Pallas kernels in interpret mode (for CPU tests)."""
 
+    def choice(self, family: str) -> tuple[str, bool] | None:
+        """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",
+        "loss"); None when the config turns it off."""
+        implementation = getattr(self, family)
+        return None if implementation == "off" else (implementation, self.interpret)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:

@@ -51,12 +51,18 @@ class Converted:
         """Names that share another entry's array: alias name -> canonical name in `params`."""
         return {name: to for name, to in self.alias.items() if name != to}
 
-    def apply(self, params, buffers, *args, rng=None, float_dtype=None, **kwargs):
-        """Run the module as JAX: (outputs, new_buffers); see the class docstring."""
+    def apply(self, params, buffers, *args, rng=None, float_dtype=None, kernels=None, **kwargs):
+        """Run the module as JAX: (outputs, new_buffers); see the class docstring.
+
+        `kernels` (a `zerojax.config.KernelsConfig`) picks the fused kernels the bridge
+        substitutes; None uses the defaults (Pallas on GPU, their XLA references elsewhere).
+        """
         program, in_spec, out_spec = self._program_for(args, kwargs, reason="new input shapes")
         leaves = torch_pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
         tensors = [_as_jax(leaf) for leaf in leaves if _is_array(leaf)]
-        outputs, new_buffers = program(params, buffers, tensors, rng, float_dtype=float_dtype)
+        outputs, new_buffers = program(
+            params, buffers, tensors, rng, float_dtype=float_dtype, kernels=kernels
+        )
         return torch_pytree.tree_unflatten(outputs, out_spec), new_buffers
 
     __call__ = apply

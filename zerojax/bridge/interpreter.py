@@ -21,9 +21,11 @@ import numpy as np
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
+from zerojax.bridge import fusion
 from zerojax.bridge.dtypes import from_torch
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.registry import LoweringContext, get_lowering
+from zerojax.config import KernelsConfig
 
 # Placement and layout arguments mean nothing to a JAX value (no per-op device, no strides).
 _LAYOUT_KWARGS = ("device", "layout", "pin_memory", "memory_format", "non_blocking")
@@ -45,6 +47,9 @@ _PYTHON_FUNCTIONS = {
     operator.gt,
     operator.ge,
 }
+
+# Kernel families found as multi-op patterns (SDPA and LayerNorm are single ATen ops).
+_PATTERN_FAMILIES = ("norm", "loss")
 
 RANDOM_OPS_NEED_RNG = "pass rng=jax.random.key(seed) to apply() (a fresh key per step)"
 
@@ -98,6 +103,16 @@ class GraphFunction:
         self.num_user_inputs = sum(kind == InputKind.USER_INPUT for kind, _ in self.inputs)
         self.random_sites: dict[torch.fx.Node, int] = {}
         self._check_supported()
+        # One rewritten graph per set of enabled pattern kernels (see fusion.py).
+        self._graphs: dict[frozenset[str], torch.fx.Graph] = {frozenset(): self.graph}
+
+    def graph_for(self, kernels: KernelsConfig | None) -> torch.fx.Graph:
+        """The graph to run: patterns of the kernel families `kernels` enables fused."""
+        kernels = kernels if kernels is not None else KernelsConfig()
+        families = frozenset(f for f in _PATTERN_FAMILIES if getattr(kernels, f) != "off")
+        if families not in self._graphs:
+            self._graphs[families] = fusion.rewrite(self.graph, families)
+        return self._graphs[families]
 
     def _check_supported(self) -> None:
         missing: dict[str, torch.fx.Node] = {}
@@ -128,15 +143,17 @@ class GraphFunction:
         user_inputs: list,
         rng: jax.Array | None,
         float_dtype=None,
+        kernels: KernelsConfig | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
                 f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "
                 f"got {len(user_inputs)}"
             )
+        graph = self.graph_for(kernels)
         env: dict[torch.fx.Node, object] = {}
         feed = iter(user_inputs)
-        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for node, (kind, name) in zip(placeholders, self.inputs, strict=True):
             if kind == InputKind.PARAMETER:
                 env[node] = _lookup(params, name, "parameter", self.model_name)
@@ -148,7 +165,7 @@ class GraphFunction:
                 env[node] = next(feed)
 
         site_counter = iter(range(1 << 30))
-        for node in self.graph.nodes:
+        for node in graph.nodes:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
@@ -165,8 +182,10 @@ class GraphFunction:
                 train=self.train,
                 rng_for_site=_site_rng(rng, site_counter, node, self.model_name),
                 float_dtype=float_dtype,
+                kernels=kernels,
             )
-            lowering = get_lowering(node.target)
+            fused = isinstance(node.target, fusion.FusedOp)
+            lowering = node.target if fused else get_lowering(node.target)
             try:
                 value = lowering(ctx, *args, **kwargs)
             except Exception as error:

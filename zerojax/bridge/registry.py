@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from zerojax.bridge.dtypes import to_jax_dtype
+from zerojax.config import KernelsConfig
 
 Lowering = Callable[..., Any]
 
@@ -86,6 +87,12 @@ class LoweringContext:
     train: bool
     rng_for_site: Callable[[], jax.Array]
     float_dtype: np.dtype | None = None  # compute-dtype override for float results (policy)
+    kernels: KernelsConfig | None = None  # which fused kernels to use; None: the defaults
+
+    def kernel(self, family: str) -> tuple[str, bool] | None:
+        """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",
+        "loss") as the config chooses it; None when the config turns it off."""
+        return (self.kernels if self.kernels is not None else KernelsConfig()).choice(family)
 
     @property
     def out_meta(self):

@@ -198,6 +198,7 @@ class Engine:
             *args,
             rng=rng,
             float_dtype=self.policy.compute_override,
+            kernels=self.config.kernels,
             **kwargs,
         )
         outputs = jax.tree.map(
@@ -367,6 +368,7 @@ class Engine:
             raise RuntimeError("zerojax: no optimizer attached; pass one to zerojax.initialize")
         loss_scale_config = policy.loss_scale
         param_shardings = {n: self.plan.params[n] for n in self.params}
+        adam_kernel = self._fused_adam_update() if spec.family == "adam" else None
 
         def step(params, master, opt_state, grads, hyper, loss_scale, clip):
             scale = loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
@@ -381,7 +383,7 @@ class Engine:
                 if n in weights
             }
             new_weights, new_state = optimizers.apply_update(
-                spec, weights, full_grads, opt_state, hyper
+                spec, weights, full_grads, opt_state, hyper, adam_kernel=adam_kernel
             )
             # torch skips parameters whose .grad is None (frozen after initialize, or cleared
             # one by one): no decay, no moment update.
@@ -413,6 +415,40 @@ class Engine:
             return new_params, new_master, new_state, new_loss_scale, finite
 
         return jax.jit(step, static_argnums=(6,), donate_argnums=(0, 1, 2))
+
+    def _fused_adam_update(self):
+        """The fused AdamW kernel applied shard by shard (config `kernels.optimizer`), or None.
+
+        Each weight, its gradient and moments are updated where the optimizer state lives
+        (the ZeRO shards): the update is elementwise, so no collective is needed.
+        """
+        choice = self.config.kernels.choice("optimizer")
+        if choice is None:
+            return None
+        from zerojax.pallas_kernels.adamw import adamw_update_sharded
+
+        implementation, interpret = choice
+
+        def update(group, hyper, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+            specs = {n: self.plan.opt_state.get(n, self.replicated).spec for n in weights}
+            results = adamw_update_sharded(
+                weights,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                hyper,
+                mesh=self.mesh,
+                specs=specs,
+                implementation=implementation,
+                interpret=interpret,
+                max_exp_avg_sqs=max_exp_avg_sqs,
+                maximize=group.maximize,
+                decoupled_weight_decay=group.decoupled_weight_decay,
+            )
+            weights, exp_avgs, exp_avg_sqs = results[:3]
+            return weights, exp_avgs, exp_avg_sqs, results[3] if len(results) > 3 else None
+
+        return update
 
     # --- state_dict ------------------------------------------------------------------------
 

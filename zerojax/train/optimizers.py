@@ -44,7 +44,7 @@ as in torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -544,8 +544,16 @@ def apply_update(
     grads: Mapping[str, jax.Array],
     state: Mapping[str, Any],
     hyper: Mapping[str, Any],
+    *,
+    adam_kernel: Callable | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     """One `optimizer.step()`: returns `(new_params, new_state)`; pure and jit-able.
+
+    `adam_kernel(group, hyper, params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq)` (dicts by
+    name; `hyper` holds the group's scalars and its new `step`) replaces the per-parameter
+    Adam/AdamW arithmetic for each group, e.g. with the fused kernel of
+    `zerojax.pallas_kernels.adamw`; it returns the four updated dicts (the last None without
+    amsgrad).
 
     `params` may hold more entries than the optimizer's (they pass through unchanged), `grads`
     needs one per trainable parameter, `state` comes from `init_state` or
@@ -567,6 +575,22 @@ def apply_update(
             step_size_neg, bc2_sqrt = step_sizes_neg[index], bc2_sqrts[index]
             # A zero XLA cannot prove to be zero (the step count is never negative).
             zero_bits = step >> 31
+        if spec.family == "adam" and adam_kernel is not None:
+            names = group.trainable_names
+            results = adam_kernel(
+                group,
+                dict(h, step=new_steps[index]),
+                {n: params[n] for n in names},
+                {n: grads[n] for n in names},
+                {n: state["exp_avg"][n] for n in names},
+                {n: state["exp_avg_sq"][n] for n in names},
+                {n: state["max_exp_avg_sq"][n] for n in names} if group.amsgrad else None,
+            )
+            new_params.update(results[0])
+            for key, value in zip(_STATE_KEYS["adam"], results[1:], strict=True):
+                if value is not None:
+                    new_state[key].update(value)
+            continue
         for n in group.trainable_names:
             p, g = params[n].astype(f32), grads[n].astype(f32)
             if spec.family == "adam":

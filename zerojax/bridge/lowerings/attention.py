@@ -1,7 +1,8 @@
 """Lowerings: scaled_dot_product_attention, kept whole by capture (see capture.KEPT_WHOLE).
 
 torch's decomposition of SDPA produces bad strides (pytorch#141107) and would scatter the op
-into a dozen nodes; kept whole it is one call the bridge can route to a fused kernel.
+into a dozen nodes; kept whole it is one call the bridge routes to the flash-attention kernel
+(zerojax.pallas_kernels.flash_attention) unless the config's `kernels.attention` is "off".
 """
 
 import math
@@ -80,17 +81,54 @@ def _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
 @lowering(aten.scaled_dot_product_attention.default)
 def lower_scaled_dot_product_attention(
-    ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+    ctx,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    *,
+    scale=None,
     enable_gqa=False,
 ):
-    out, _ = _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return out
+    """Routed to the flash-attention kernel (config `kernels.attention`), else the reference."""
+    choice = ctx.kernel("attention")
+    # The kernel takes SDPA's usual [batch, heads, seq, head_dim]; other ranks stay here.
+    if choice is None or query.ndim != 4 or key.ndim != 4:
+        out, _ = _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return out
+    from zerojax.pallas_kernels.flash_attention import flash_attention
+
+    implementation, interpret = choice
+    # The kernel serves grouped-query heads itself; torch only allows them with enable_gqa.
+    return flash_attention(
+        query,
+        key,
+        value,
+        mask=attn_mask,
+        causal=is_causal,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_rng=ctx.rng_key() if dropout_p > 0.0 else None,
+        implementation=implementation,
+        interpret=interpret,
+    )
 
 
 @lowering(aten._scaled_dot_product_attention_math.default)
 def lower_scaled_dot_product_attention_math(
-    ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, dropout_mask=None,
-    *, scale=None, enable_gqa=False,
+    ctx,
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    dropout_mask=None,
+    *,
+    scale=None,
+    enable_gqa=False,
 ):
     """(output, attention weights); an explicit dropout_mask replaces the random draw."""
     if dropout_mask is not None:
@@ -98,9 +136,7 @@ def lower_scaled_dot_product_attention_math(
             "aten._scaled_dot_product_attention_math with an explicit dropout_mask is not "
             "supported; call F.scaled_dot_product_attention with dropout_p instead"
         )
-    out, weights = _sdpa(
-        ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
+    out, weights = _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return out, weights
 
 

@@ -46,12 +46,25 @@ def _affine(out, weight, bias, shape):
 
 @lowering(aten.native_layer_norm.default)
 def lower_native_layer_norm_default(ctx, input, normalized_shape, weight, bias, eps):
-    """(out, mean, rstd) over the trailing len(normalized_shape) dims; stats keep those dims."""
+    """(out, mean, rstd) over the trailing len(normalized_shape) dims; stats keep those dims.
+
+    Over the last dim, `out` comes from the layer-norm kernel (config `kernels.norm`); mean and
+    rstd are recomputed here and vanish from the program when nothing reads them.
+    """
     x = input.astype(_compute_dtype(input))
     axes = tuple(range(input.ndim - len(normalized_shape), input.ndim))
     mean, var, centered = _moments(x, axes)
     rstd = lax.rsqrt(var + eps)
-    out = _affine(centered * rstd, weight, bias, tuple(normalized_shape))
+    choice = ctx.kernel("norm")
+    if choice is not None and len(normalized_shape) == 1:
+        from zerojax.pallas_kernels.layer_norm import layer_norm
+
+        implementation, interpret = choice
+        out = layer_norm(
+            input, weight, bias, eps=eps, implementation=implementation, interpret=interpret
+        )
+    else:
+        out = _affine(centered * rstd, weight, bias, tuple(normalized_shape))
     return out, mean, rstd
 
 

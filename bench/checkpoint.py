@@ -1,0 +1,472 @@
+"""Checkpoint benchmark: zerojax's async save and restore vs torch.save and torch DCP, and the
+peak memory of `zerojax ckpt export`.
+
+One training state (a GPT-2, ~36M params by default: fp32 weights + AdamW exp_avg and
+exp_avg_sq, ~430 MB) taken after one optimizer step, so the moments are non-zero:
+
+- zerojax: `zerojax.initialize(model, AdamW, {"mesh": {"fsdp": 8}, "zero": {"stage": 3}})` on 8
+  simulated CPU devices, one `Checkpointer` (max_to_keep=None) saving one new step directory per
+  repeat. Blocking = `Checkpointer.save` returning (arrays staged to host memory, the files are
+  written by a background thread); total = until `wait()` returns (Orbax commit + manifest).
+  Restore = `Checkpointer.restore(step)` into the same engine, manifest crc32 check included,
+  until `jax.block_until_ready` on the params and optimizer state.
+- torch.save / torch.load(weights_only=True, map_location="cpu") of `{"model":
+  model.state_dict(), "optimizer": optimizer.state_dict()}` of the same GPT-2 + AdamW in plain
+  torch, after the same step; save is blocking, so blocking = total.
+- torch.distributed.checkpoint (DCP), single process (`no_dist=True`, no process group):
+  `dcp.save` / `dcp.load` (in place, into the live state_dict) of the same dict, and
+  `dcp.async_save` (blocking = the call returning, total = its future's result); its default
+  stager copies every tensor into staging memory before returning, so on CPU its blocking time
+  is a full copy of the state.
+
+Every save writes a fresh directory under --dir (same disk for everyone); each contender gets
+one untimed warm-up save and restore, then the repeats run interleaved (repeat 1 of every
+contender, then repeat 2, ...) so that load from other processes spreads over all of them.
+Reported: medians. Restores read files the save just wrote, i.e. from the page cache. Bytes on
+disk: Orbax compresses its chunks (zstd), DCP stores the tied wte/lm_head matrix twice.
+
+Then `zerojax ckpt export DIR --format safetensors|torch OUT` runs in a subprocess on the
+zerojax checkpoint, under /usr/bin/time -v (or, without it, a wrapper printing ru_maxrss), and
+its peak RSS is compared with a baseline process that only imports jax, zerojax and the export
+module's dependencies and starts the JAX backend: export streams one tensor at a time, so
+(peak - baseline) should stay near the largest tensor, not the model.
+
+Run: .venv/bin/python bench/checkpoint.py [--repeats 5] [--dir /tmp/somewhere] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax
+
+# 8 simulated devices for the fsdp=8 mesh; the config flag (not XLA_FLAGS) so that the export
+# subprocesses below run on the plain 1-device CPU backend a user's `zerojax ckpt export` gets.
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+
+import zerojax
+from bench.architectures import GPT2, GPT2Config
+from zerojax.ckpt import Checkpointer
+from zerojax.ckpt.manifest import verify_manifest
+
+# DCP warns on every call that it "assumes" a single process, though no_dist=True says so.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+ZEROJAX_MESH = {"mesh": {"fsdp": 8}, "zero": {"stage": 3}}
+ZEROJAX_CONFIG = {
+    **ZEROJAX_MESH,
+    "runtime": {"report_effective_time": False},  # no ledger report mixed into the tables
+}
+LR = 1e-3
+
+
+# --- the training state ------------------------------------------------------------------------
+
+
+def gpt2_config(quick: bool) -> GPT2Config:
+    if quick:
+        return GPT2Config(vocab_size=1024, max_seq_len=64, width=128, num_layers=2, num_heads=4)
+    # 10 x 12 x 512^2 (blocks) + 8192 x 512 (tied wte/lm_head) ~ 36M params ~ 430 MB of state.
+    return GPT2Config(vocab_size=8192, max_seq_len=64, width=512, num_layers=10, num_heads=8)
+
+
+def one_step(model, optimizer, tokens, targets) -> float:
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.item())
+
+
+def build_states(quick: bool):
+    """The torch model + AdamW and the zerojax engine, both from the same seed, after one step."""
+    config = gpt2_config(quick)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (2, config.max_seq_len))
+    targets = torch.roll(tokens, -1, dims=1)
+
+    def fresh():
+        torch.manual_seed(1)
+        model = GPT2(config)
+        model.eval()  # dropout off: both sides do the same arithmetic
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    torch_model, torch_opt = fresh()
+    torch_loss = one_step(torch_model, torch_opt, tokens, targets)
+
+    model, optimizer = fresh()
+    model, optimizer = zerojax.initialize(model, optimizer, config=ZEROJAX_CONFIG)
+    zerojax_loss = one_step(model, optimizer, tokens, targets)
+    engine = model.engine
+    jax.block_until_ready((engine.params, engine.opt_state))
+    return config, (torch_model, torch_opt, torch_loss), (model, optimizer, zerojax_loss)
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def dir_bytes(path: str | os.PathLike) -> int:
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+# --- contenders: save(i) -> (blocking s, total s, path); restore(i) -> s -----------------------
+
+
+class ZerojaxContender:
+    name = "zerojax async (Orbax)"
+
+    def __init__(self, root: Path, model, optimizer):
+        self.engine = model.engine
+        self.ckpt = Checkpointer(root / "zerojax", model, optimizer, max_to_keep=None)
+        self.manifest_seconds: list[float] = []
+        """verify_manifest alone, after each timed restore: how much of a restore it is."""
+
+    def save(self, i: int):
+        start = time.perf_counter()
+        self.ckpt.save(i, force=True)
+        blocking = time.perf_counter() - start
+        self.ckpt.wait()
+        return blocking, time.perf_counter() - start, self.ckpt.step_dir(i)
+
+    def restore(self, i: int) -> float:
+        def run():
+            self.ckpt.restore(i)
+            jax.block_until_ready((self.engine.params, self.engine.opt_state))
+
+        seconds = timed(run)[0]
+        self.manifest_seconds.append(timed(lambda: verify_manifest(self.ckpt.step_dir(i)))[0])
+        return seconds
+
+    def check(self, i: int) -> None:
+        """Zero the params, restore, compare with the values before: a restore that did nothing
+        would fail here (the check is untimed)."""
+        before = {k: np.asarray(v) for k, v in self.engine.params.items()}
+        self.engine.params = {
+            k: jax.device_put(np.zeros(v.shape, v.dtype), v.sharding)
+            for k, v in self.engine.params.items()
+        }
+        self.ckpt.restore(i)
+        for k, v in before.items():
+            if not np.array_equal(np.asarray(self.engine.params[k]), v):
+                raise AssertionError(f"zerojax restore: {k} differs from what was saved")
+
+
+class TorchSaveContender:
+    name = "torch.save"
+
+    def __init__(self, root: Path, model, optimizer):
+        self.root, self.model, self.optimizer = root / "torch_save", model, optimizer
+
+    def state(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def path(self, i: int) -> Path:
+        return self.root / str(i) / "state.pt"
+
+    def save(self, i: int):
+        self.path(i).parent.mkdir(parents=True)
+        seconds, _ = timed(lambda: torch.save(self.state(), self.path(i)))
+        return seconds, seconds, self.path(i).parent
+
+    def restore(self, i: int) -> float:
+        return timed(lambda: torch.load(self.path(i), weights_only=True, map_location="cpu"))[0]
+
+    def check(self, i: int) -> None:
+        loaded = torch.load(self.path(i), weights_only=True, map_location="cpu")
+        for k, v in self.model.state_dict().items():
+            if not torch.equal(loaded["model"][k], v):
+                raise AssertionError(f"torch.load: {k} differs from what was saved")
+
+
+class DcpContender(TorchSaveContender):
+    name = "torch DCP"
+    is_async = False
+
+    def __init__(self, root: Path, model, optimizer):
+        super().__init__(root, model, optimizer)
+        self.root = root / ("dcp_async" if self.is_async else "dcp")
+
+    def path(self, i: int) -> Path:
+        return self.root / str(i)
+
+    def save(self, i: int):
+        state = self.state()
+        start = time.perf_counter()
+        if self.is_async:
+            future = dcp.async_save(state, checkpoint_id=self.path(i), no_dist=True)
+            blocking = time.perf_counter() - start
+            future.result()
+        else:
+            dcp.save(state, checkpoint_id=self.path(i), no_dist=True)
+            blocking = time.perf_counter() - start
+        return blocking, time.perf_counter() - start, self.path(i)
+
+    def restore(self, i: int) -> float:
+        # In place, into the live model's and optimizer's tensors: DCP's way to resume.
+        return timed(lambda: dcp.load(self.state(), checkpoint_id=self.path(i), no_dist=True))[0]
+
+    def check(self, i: int) -> None:
+        target = {
+            "model": {k: torch.zeros_like(v) for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+        }
+        dcp.load(target, checkpoint_id=self.path(i), no_dist=True)
+        for k, v in self.model.state_dict().items():
+            if not torch.equal(target["model"][k], v):
+                raise AssertionError(f"dcp.load: {k} differs from what was saved")
+
+
+class DcpAsyncContender(DcpContender):
+    name = "torch DCP async_save"
+    is_async = True
+
+
+def measure(contenders: list, repeats: int) -> dict:
+    """{name: {"blocking": [s], "total": [s], "restore": [s], "bytes": int}}; a contender that
+    fails is reported with its error and dropped."""
+    results = {c.name: {"blocking": [], "total": [], "restore": [], "bytes": 0} for c in contenders}
+    alive = []
+    for c in contenders:
+        print(f"  warm-up + check: {c.name} ...", file=sys.stderr, flush=True)
+        try:
+            c.save(0)
+            c.restore(0)
+            c.check(0)
+            alive.append(c)
+        except Exception as exc:  # noqa: BLE001 (one broken contender must not hide the rest)
+            message = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            print(f"  {c.name} skipped: {message}", file=sys.stderr)
+            results[c.name] = {"error": message}
+    for i in range(1, repeats + 1):
+        print(f"  repeat {i}/{repeats} ...", file=sys.stderr, flush=True)
+        for c in alive:
+            blocking, total, path = c.save(i)
+            r = results[c.name]
+            r["blocking"].append(blocking)
+            r["total"].append(total)
+            r["bytes"] = dir_bytes(path)
+            r["restore"].append(c.restore(i))
+    return results
+
+
+def results_table(results: dict) -> str:
+    base = results["torch.save"]
+
+    def med(r: dict, key: str) -> float:
+        return statistics.median(r[key])
+
+    def ratio(r: dict, key: str) -> str:
+        return f"{med(r, key) / med(base, key):.2f}x" if "error" not in base else "-"
+
+    lines = [
+        (
+            "| format | blocking save (ms) | total save (ms) | restore (ms) | bytes on disk "
+            "| blocking vs torch.save | total vs torch.save | restore vs torch.load |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | skipped: {r['error']} | | | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {med(r, 'blocking') * 1e3:.0f} | {med(r, 'total') * 1e3:.0f} "
+            f"| {med(r, 'restore') * 1e3:.0f} | {r['bytes']:,} | {ratio(r, 'blocking')} "
+            f"| {ratio(r, 'total')} | {ratio(r, 'restore')} |"
+        )
+    return "\n".join(lines)
+
+
+# --- export peak RSS -----------------------------------------------------------------------------
+
+_BASELINE = (
+    "import jax, zerojax, zerojax.cli, zerojax.ckpt.export, orbax.checkpoint, torch; jax.devices()"
+)
+_WRAPPER = (
+    "import resource, sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
+    "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr); "
+    "sys.exit(rc)"
+)
+
+
+def peak_rss(argv: list[str]) -> tuple[int, float]:
+    """(peak RSS in bytes, wall seconds) of one child process running `argv`."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if os.path.exists("/usr/bin/time"):
+        command, pattern = (
+            ["/usr/bin/time", "-v", *argv],
+            r"Maximum resident set size \(kbytes\): (\d+)",
+        )
+    else:
+        command, pattern = argv, r"PEAK_RSS_KB (\d+)"
+    start = time.perf_counter()
+    out = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, check=False)
+    wall = time.perf_counter() - start
+    if out.returncode:
+        raise RuntimeError(f"{shlex.join(command)} failed:\n{out.stderr[-2000:]}")
+    found = re.search(pattern, out.stderr)
+    if not found:
+        raise RuntimeError(f"no peak RSS in the output of {shlex.join(command)}")
+    return int(found.group(1)) * 1024, wall
+
+
+def export_table(checkpoint_dir: Path, out_dir: Path, torch_model) -> str:
+    python = sys.executable
+
+    def cli(*args: str) -> list[str]:
+        if os.path.exists("/usr/bin/time"):
+            return [python, "-m", "zerojax.cli", *args]
+        return [python, "-c", _WRAPPER, *args]  # prints its own ru_maxrss
+
+    def mb(n: int) -> str:
+        return f"{n / 2**20:.1f}"
+
+    state = torch_model.state_dict()
+    unique = {t.untyped_storage().data_ptr(): t for t in state.values()}
+    model_bytes = sum(t.nbytes for t in unique.values())
+    largest = max(state.items(), key=lambda kv: kv[1].nbytes)
+    baseline, baseline_wall = peak_rss([python, "-c", _BASELINE])
+    lines = [
+        (
+            "| export | peak RSS (MiB) | baseline RSS (MiB) | peak - baseline (MiB) | model (MiB) "
+            "| largest tensor (MiB) | (peak - baseline) / largest | output file (MiB) | wall (s) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fmt, suffix in (("safetensors", "safetensors"), ("torch", "pt")):
+        out = out_dir / f"model.{suffix}"
+        argv = cli("ckpt", "export", str(checkpoint_dir), "--format", fmt, str(out), "--quiet")
+        print(f"  export {fmt} ...", file=sys.stderr, flush=True)
+        try:
+            peak, wall = peak_rss(argv)
+        except Exception as exc:  # noqa: BLE001 (report, keep the rest of the output)
+            first = str(exc).strip().splitlines()
+            lines.append(f"| {fmt} | failed: {first[-1][:150] if first else exc} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {fmt} | {mb(peak)} | {mb(baseline)} | {mb(peak - baseline)} | {mb(model_bytes)} "
+            f"| {mb(largest[1].nbytes)} | {(peak - baseline) / largest[1].nbytes:.2f} "
+            f"| {mb(out.stat().st_size)} | {wall:.1f} |"
+        )
+    how = "/usr/bin/time -v" if os.path.exists("/usr/bin/time") else "ru_maxrss at exit"
+    return "\n".join(lines) + (
+        f"\n\nPeak RSS by {how} of `python -m zerojax.cli ckpt export {checkpoint_dir} --format "
+        f"FMT OUT --quiet` (1 CPU device, XLA_FLAGS unset). Baseline: a process running "
+        f"`{_BASELINE}` (no checkpoint read; {baseline_wall:.1f} s). Model = the state_dict's "
+        f"tensors, tied weights once; largest tensor = {largest[0]} "
+        f"{tuple(largest[1].shape)} {str(largest[1].dtype).removeprefix('torch.')}."
+    )
+
+
+# --- main ------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed saves/restores each")
+    parser.add_argument(
+        "--dir", help="where the checkpoints go (default: a new temp dir under /tmp, deleted)"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    parser.add_argument("--skip-export", action="store_true")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: a 2-layer width-128 GPT-2, 2 repeats"
+    )
+    options = parser.parse_args()
+    repeats = 2 if options.quick and "--repeats" not in sys.argv else options.repeats
+    python = (
+        os.path.relpath(sys.executable)
+        if sys.executable.startswith(os.getcwd())
+        else sys.executable
+    )
+    print(f"Command: {shlex.join([python, *sys.argv])}")
+    load_start = os.getloadavg()
+    jax.numpy.zeros(())  # start the JAX backend before torch starts its threads
+
+    print("  building the training states ...", file=sys.stderr, flush=True)
+    config, (t_model, t_opt, t_loss), (z_model, z_opt, z_loss) = build_states(options.quick)
+    engine = z_model.engine
+    num_params = sum(p.numel() for p in t_model.parameters())
+    state_bytes = tree_bytes((engine.params, engine.buffers, engine.opt_state))
+
+    root = Path(options.dir or tempfile.mkdtemp(prefix="zerojax-bench-ckpt-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        contenders = [
+            ZerojaxContender(root, z_model, z_opt),
+            TorchSaveContender(root, t_model, t_opt),
+            DcpContender(root, t_model, t_opt),
+            DcpAsyncContender(root, t_model, t_opt),
+        ]
+        results = measure(contenders, repeats)
+        contenders[0].ckpt.close()
+        export = None
+        if not options.skip_export:
+            out_dir = root / "export"
+            out_dir.mkdir(exist_ok=True)
+            export = export_table(root / "zerojax", out_dir, t_model)
+    finally:
+        if not options.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    load_end = os.getloadavg()
+
+    print(
+        f"\n## Checkpoint save / restore (GPT-2 {config.num_layers} layers, width "
+        f"{config.width}, vocabulary {config.vocab_size}: {num_params / 1e6:.1f}M params, "
+        f"{state_bytes / 2**20:.0f} MiB of fp32 weights + AdamW state)\n"
+    )
+    print(results_table(results))
+    print(
+        f"\nMedians of {repeats} saves and restores each (after one untimed warm-up), interleaved; "
+        f"first-step loss torch {t_loss:.5f}, zerojax {z_loss:.5f}. zerojax on 8 simulated CPU "
+        f"devices, config {ZEROJAX_MESH}; its restore includes the manifest crc32 check "
+        f"(alone: {statistics.median(contenders[0].manifest_seconds) * 1e3:.0f} ms). "
+        f"Ratios: contender time / torch.save (torch.load for restores), lower is faster. "
+        f"Checkpoints under {root} ({'kept' if options.keep else 'deleted after'}); restores "
+        f"read from the page cache. {os.cpu_count()} CPUs, {torch.get_num_threads()} torch "
+        f"threads; torch {torch.__version__}, jax {jax.__version__}."
+    )
+    if export is not None:
+        print("\n## `zerojax ckpt export` peak memory\n")
+        print(export)
+    print(
+        "\nLoad average (1/5/15 min) at start: "
+        + " / ".join(f"{x:.2f}" for x in load_start)
+        + "; at end: "
+        + " / ".join(f"{x:.2f}" for x in load_end)
+        + " (other processes share the CPUs)."
+    )
+
+
+if __name__ == "__main__":
+    main()

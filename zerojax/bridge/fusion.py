@@ -1,0 +1,222 @@
+"""Graph rewrites that route multi-op patterns of the traced graph to one fused kernel.
+
+Two patterns have no ATen op of their own after decomposition, so the bridge finds them in the
+FX graph and replaces their last node with a call of a fused op (SDPA and LayerNorm are single
+ATen ops; their lowerings pick the kernel themselves):
+
+- **RMSNorm**, as Hugging Face Llama-style modules write it and torch.export decomposes it:
+  `[x.to(f32)] -> pow(2) -> mean(-1, keepdim) -> add(eps) -> rsqrt -> mul(x) -> [.to(dtype)]
+  -> mul(weight)`  =>  `rms_norm(x, weight, eps)`.
+- **Linear + cross-entropy**: `mm(h, W.T)` / `addmm(b, h, W.T)` -> views -> `_log_softmax(dim=1)`
+  -> `gather(target)` -> `squeeze` -> `neg`, the per-token loss that `F.cross_entropy`'s
+  decomposition masks and reduces  =>  `linear_cross_entropy(h, W, b, target, reduction="none")`,
+  computed in vocabulary chunks. The masking and reduction nodes stay as they are.
+
+A match requires every intermediate node to be used only inside the pattern (metadata asserts
+aside), so nothing the rest of the graph reads disappears. Rewriting works on a copy of the
+graph: the exported program stays as torch produced it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerojax.bridge.registry import LoweringContext
+
+aten = torch.ops.aten
+
+_ASSERTS = (aten._assert_tensor_metadata.default,)
+# Ops that keep values and element order: logits may pass through them between mm and softmax.
+_VALUE_PRESERVING = (
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.clone.default,
+    aten.alias.default,
+)
+
+
+class FusedOp:
+    """An FX call target that is its own lowering: `op(ctx, *args)` -> jax value(s)."""
+
+    def __init__(self, name: str, kernel_family: str, lower):
+        self.__name__ = self.__qualname__ = name
+        self.kernel_family = kernel_family
+        self._lower = lower
+
+    def __call__(self, ctx: LoweringContext, *args):
+        return self._lower(ctx, *args)
+
+    def __repr__(self) -> str:
+        return f"zerojax.{self.__name__}"
+
+
+def _lower_rms_norm(ctx: LoweringContext, x, weight, eps):
+    from zerojax.pallas_kernels.rms_norm import rms_norm
+
+    implementation, interpret = ctx.kernel("norm")
+    return rms_norm(x, weight, eps=eps, implementation=implementation, interpret=interpret)
+
+
+def _lower_linear_cross_entropy(ctx: LoweringContext, hidden, weight, bias, target, ignore_index):
+    from zerojax.pallas_kernels.linear_cross_entropy import linear_cross_entropy
+
+    implementation, interpret = ctx.kernel("loss")
+    return linear_cross_entropy(
+        hidden,
+        weight,
+        target,
+        bias=bias,
+        ignore_index=ignore_index,
+        reduction="none",
+        implementation=implementation,
+        interpret=interpret,
+    )
+
+
+rms_norm_op = FusedOp("rms_norm", "norm", _lower_rms_norm)
+linear_cross_entropy_op = FusedOp("linear_cross_entropy", "loss", _lower_linear_cross_entropy)
+FUSED_OPS = (rms_norm_op, linear_cross_entropy_op)
+
+
+def rewrite(graph: torch.fx.Graph, families: frozenset[str]) -> torch.fx.Graph:
+    """A copy of `graph` with the patterns of the enabled kernel `families` ("norm", "loss")
+    replaced by fused ops."""
+    copy = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    copy.output(copy.graph_copy(graph, env))
+    for node in list(copy.nodes):
+        if node.op == "call_function" and node.target in _ASSERTS:
+            copy.erase_node(node)
+    for node in list(copy.nodes):
+        if node.op != "call_function":
+            continue
+        if "norm" in families and node.target == aten.mul.Tensor:
+            _fuse_rms_norm(copy, node)
+        elif "loss" in families and node.target == aten.neg.default:
+            _fuse_linear_cross_entropy(copy, node)
+    copy.eliminate_dead_code()
+    return copy
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _only_used_by(node: torch.fx.Node, user: torch.fx.Node) -> bool:
+    return set(node.users) == {user}
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _replace(graph: torch.fx.Graph, last: torch.fx.Node, op: FusedOp, args: tuple) -> None:
+    with graph.inserting_before(last):
+        fused = graph.call_function(op, args)
+    fused.meta = dict(last.meta)
+    last.replace_all_uses_with(fused)
+    graph.erase_node(last)
+
+
+def _fuse_rms_norm(graph: torch.fx.Graph, final: torch.fx.Node) -> None:
+    for weight, normed in (final.args, final.args[::-1]):
+        cast = None
+        if _is(normed, aten._to_copy.default):
+            cast, normed = normed, normed.args[0]
+        if not _is(normed, aten.mul.Tensor):
+            continue
+        a, b = normed.args
+        x, rsqrt = (a, b) if _is(b, aten.rsqrt.default) else (b, a)
+        if not _is(rsqrt, aten.rsqrt.default):
+            continue
+        add = rsqrt.args[0]
+        if not (_is(add, aten.add.Tensor) and isinstance(add.args[1], float)):
+            continue
+        mean = add.args[0]
+        if not _is(mean, aten.mean.dim) or not _is(mean.args[0], aten.pow.Tensor_Scalar):
+            continue
+        power = mean.args[0]
+        x_shape, weight_shape = _shape(x), _shape(weight)
+        if (
+            power.args[0] is not x
+            or power.args[1] != 2
+            or x_shape is None
+            or list(mean.args[1]) not in ([-1], [len(x_shape) - 1])
+            or not (len(mean.args) > 2 and mean.args[2])
+            or weight_shape != x_shape[-1:]
+        ):
+            continue
+        chain = [power, mean, add, rsqrt, normed] + ([cast] if cast is not None else [])
+        users = [mean, add, rsqrt, normed] + ([cast] if cast is not None else []) + [final]
+        if not all(_only_used_by(n, u) for n, u in zip(chain, users, strict=True)):
+            continue
+        source = x
+        if _is(x, aten._to_copy.default) and set(x.users) == {power, normed}:
+            source = x.args[0]  # the fp32 upcast happens inside the kernel
+        _replace(graph, final, rms_norm_op, (source, weight, add.args[1]))
+        return
+
+
+def _fuse_linear_cross_entropy(graph: torch.fx.Graph, neg: torch.fx.Node) -> None:
+    squeeze = neg.args[0]
+    if not (_is(squeeze, aten.squeeze.dims, aten.squeeze.dim) and _only_used_by(squeeze, neg)):
+        return
+    gather = squeeze.args[0]
+    if not (_is(gather, aten.gather.default) and gather.args[1] == 1):
+        return
+    log_softmax = gather.args[0]
+    if not (
+        _is(log_softmax, aten._log_softmax.default)
+        and log_softmax.args[1] in (1, -1)
+        and _only_used_by(log_softmax, gather)
+        and _only_used_by(gather, squeeze)
+    ):
+        return
+    target, ignore_index = _target_of(gather.args[2])
+    if target is None:
+        return
+    logits = log_softmax.args[0]
+    tokens_vocab = _shape(logits)
+    if tokens_vocab is None or len(tokens_vocab) != 2:
+        return
+    while _is(logits, *_VALUE_PRESERVING):
+        logits = logits.args[0]
+    if _is(logits, aten.mm.default):
+        hidden, transposed = logits.args
+        bias = None
+    elif _is(logits, aten.addmm.default) and logits.args[3:] == () and not logits.kwargs:
+        bias, hidden, transposed = logits.args
+        if _shape(bias) != tokens_vocab[1:]:
+            return
+    else:
+        return
+    if (
+        not (_is(transposed, aten.permute.default, aten.t.default))
+        or _shape(logits) != tokens_vocab
+    ):
+        return
+    if transposed.target == aten.permute.default and list(transposed.args[1]) != [1, 0]:
+        return
+    weight = transposed.args[0]
+    if _shape(weight) != (tokens_vocab[1], _shape(hidden)[1]):
+        return
+    _replace(graph, neg, linear_cross_entropy_op, (hidden, weight, bias, target, ignore_index))
+
+
+def _target_of(index: torch.fx.Node) -> tuple[torch.fx.Node | None, int]:
+    """`unsqueeze(where(ne(t, ignore), t, 0), 1)` -> (t, ignore); (None, 0) if not that shape.
+
+    F.cross_entropy's decomposition replaces ignored targets by 0 before the gather; the fused
+    op takes the raw targets and the ignore_index instead (ignored tokens give 0 loss).
+    """
+    if not (_is(index, aten.unsqueeze.default) and index.args[1] in (1, -1)):
+        return None, 0
+    where = index.args[0]
+    if not _is(where, aten.where.self, aten.where.ScalarOther):
+        return None, 0
+    condition, target = where.args[0], where.args[1]
+    if _is(condition, aten.ne.Scalar) and condition.args[0] is target:
+        return target, int(condition.args[1])
+    return None, 0
