@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-train lint clean
+.PHONY: demo test test-all bench bench-train bench-ckpt bench-kernels lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ bench: $(BENCH_VENV)/.installed
 # Train step (forward + backward + AdamW): zerojax vs PyTorch eager / torch.compile, fp32 and bf16.
 bench-train: $(STAMP)
 	$(PY) bench/train_step.py
+
+bench-ckpt: $(STAMP)
+	$(PY) bench/checkpoint.py
+
+bench-kernels: $(STAMP)
+	$(PY) bench/kernels.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples
