@@ -29,9 +29,9 @@ import torch.utils._pytree as torch_pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zerojax  # noqa: E402
-from bench.architectures import ARCHITECTURES, gpt2_bench_model, scalar_loss  # noqa: E402
-from zerojax.bridge.dtypes import from_torch  # noqa: E402
+import zerojax
+from bench.architectures import ARCHITECTURES, gpt2_bench_model, scalar_loss
+from zerojax.bridge.dtypes import from_torch
 
 
 def relative_error(got, want) -> float:
@@ -85,7 +85,7 @@ def import_problem(peer: str) -> str | None:
         return None
     try:
         __import__(peer)
-    except Exception as error:  # a peer may fail with anything on import (version skew)
+    except Exception as error:  # noqa: BLE001 - a peer may fail with anything on import (version skew)
         return f"import fails: {type(error).__name__}: {str(error).splitlines()[0][:70]}"
     return None
 
@@ -109,7 +109,7 @@ def coverage_table() -> str:
                 ok = err <= 1e-4
                 converted[peer] += ok
                 cells.append(f"{'yes' if ok else 'WRONG'} (err {err:.1e})")
-            except Exception as error:  # report any failure of any converter as a table cell
+            except Exception as error:  # noqa: BLE001 - report any failure of any converter as a table cell
                 line = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 cells.append(f"fails: {type(error).__name__}: {line[:60]}")
                 if peer == "zerojax":
@@ -162,7 +162,7 @@ def timing_table(steps: int) -> str:
     )
 
     def zerojax_step():
-        loss, grads = grad_step(converted.params)
+        _loss, grads = grad_step(converted.params)
         jax.block_until_ready(grads)
 
     def eager_step():

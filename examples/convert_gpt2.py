@@ -63,7 +63,7 @@ def main():
     print(f"gradients: worst relative error {worst[0]:.2e} ({worst[1]})")
 
     def jax_step():
-        (loss, _), grads = step(converted.params, jax_tokens)
+        (_loss, _), grads = step(converted.params, jax_tokens)
         jax.block_until_ready(grads)
 
     def torch_step():

@@ -7,11 +7,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import logging  # noqa: E402
+import logging
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import jax
+import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)

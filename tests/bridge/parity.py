@@ -68,7 +68,7 @@ def assert_close(expected, got, *, rtol=1.3e-6, atol=1e-5, what=""):
             rtol=rtol,
             atol=atol,
             equal_nan=True,
-            msg=lambda m: f"{what}[{i}]: {m}",
+            msg=lambda m, i=i: f"{what}[{i}]: {m}",
         )
 
 

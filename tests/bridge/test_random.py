@@ -33,7 +33,7 @@ def test_dropout_scales_kept_values_and_drops_about_p():
 
 def test_dropout_same_key_same_mask_new_key_new_mask():
     x = torch.rand(64, 64) + 0.5
-    fn = lambda x: F.dropout(x, 0.5, training=True)  # noqa: E731
+    fn = lambda x: F.dropout(x, 0.5, training=True)
     np.testing.assert_array_equal(run(fn, x, key=3), run(fn, x, key=3))
     assert not np.array_equal(run(fn, x, key=3), run(fn, x, key=4))
 

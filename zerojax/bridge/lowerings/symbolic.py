@@ -14,7 +14,7 @@ aten = torch.ops.aten
 @lowering(aten._assert_tensor_metadata.default)
 def lower_assert_tensor_metadata(ctx, a, size=None, stride=None, dtype=None, **_placement):
     """Export's check of an input's metadata; shapes are static here, so it holds by tracing."""
-    return None
+    return
 
 
 @lowering(aten._assert_scalar.default)
@@ -79,4 +79,4 @@ def lower_assert_async(ctx, self, assert_msg=None):
     The value is only known when the compiled program runs, and a jitted XLA program cannot
     raise, so the check is dropped: the converted function does not enforce it.
     """
-    return None
+    return
