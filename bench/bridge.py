@@ -116,9 +116,11 @@ def coverage_table() -> str:
                     traceback.print_exc()
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     header = "| model | " + " | ".join(PEERS) + " |\n|---|" + "---|" * len(PEERS)
-    total = "| **converted** | " + " | ".join(
-        f"**{converted[p]}/{len(ARCHITECTURES)}**" for p in PEERS
-    ) + " |"
+    total = (
+        "| **converted** | "
+        + " | ".join(f"**{converted[p]}/{len(ARCHITECTURES)}**" for p in PEERS)
+        + " |"
+    )
     notes = "\n".join(f"- {peer}: {problem}" for peer, problem in problems.items() if problem)
     return "\n".join([header, *rows, total]) + ("\n\n" + notes if notes else "")
 
@@ -186,9 +188,11 @@ def timing_table(steps: int) -> str:
         lines.append(f"| {name} | {ms:.1f} | {ms / zerojax_ms:.2f}x |")
     loss_jax = float(grad_step(converted.params)[0])
     loss_torch = wrapped(tokens, targets).item()
-    lines.append(f"\nloss: zerojax {loss_jax:.6f}, torch {loss_torch:.6f}; {steps} timed steps each; "
-                 f"{torch.get_num_threads()} torch threads, jax {jax.__version__} on "
-                 f"{jax.devices()[0].platform}")
+    lines.append(
+        f"\nloss: zerojax {loss_jax:.6f}, torch {loss_torch:.6f}; {steps} timed steps each; "
+        f"{torch.get_num_threads()} torch threads, jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}"
+    )
     return "\n".join(lines)
 
 

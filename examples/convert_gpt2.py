@@ -30,8 +30,8 @@ def median_seconds(fn, steps=10):
 def main():
     torch.manual_seed(0)
     config = GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=256,
-                        use_cache=False)
+        n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=256, use_cache=False
+    )
     model = GPT2LMHeadModel(config).eval()
     tokens = torch.randint(0, config.vocab_size, (8, 128))
     num_params = sum(p.numel() for p in model.parameters())
@@ -39,8 +39,10 @@ def main():
 
     start = time.perf_counter()
     converted = zerojax.convert(model, (tokens,), {"labels": tokens})
-    print(f"converted in {time.perf_counter() - start:.1f} s: {len(converted.params)} parameter "
-          f"arrays (tied: {converted.tied})")
+    print(
+        f"converted in {time.perf_counter() - start:.1f} s: {len(converted.params)} parameter "
+        f"arrays (tied: {converted.tied})"
+    )
 
     def loss_fn(params, tokens):
         output, _ = converted.apply(params, converted.buffers, tokens, labels=tokens)
@@ -56,7 +58,13 @@ def main():
     print(f"loss: zerojax {float(loss):.6f}  torch {output.loss.item():.6f}")
     print(f"logits max abs error: {logits_err:.2e}")
     worst = max(
-        (float(jnp.linalg.norm(grads[name] - from_torch(p.grad)) / jnp.linalg.norm(from_torch(p.grad))), name)
+        (
+            float(
+                jnp.linalg.norm(grads[name] - from_torch(p.grad))
+                / jnp.linalg.norm(from_torch(p.grad))
+            ),
+            name,
+        )
         for name, p in model.named_parameters()
         if name in grads
     )
@@ -71,8 +79,10 @@ def main():
         model(tokens, labels=tokens).loss.backward()
 
     jax_time, torch_time = median_seconds(jax_step), median_seconds(torch_step)
-    print(f"forward+backward step: zerojax (jit) {jax_time * 1e3:.1f} ms, "
-          f"PyTorch eager {torch_time * 1e3:.1f} ms  -> {torch_time / jax_time:.2f}x")
+    print(
+        f"forward+backward step: zerojax (jit) {jax_time * 1e3:.1f} ms, "
+        f"PyTorch eager {torch_time * 1e3:.1f} ms  -> {torch_time / jax_time:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -49,9 +49,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint"
-    )
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     return parser.parse_args()
 
 

@@ -528,8 +528,6 @@ def check_entry(entry: str, dtype: torch.dtype, *, all_samples: bool) -> None:
 # Tests
 
 
-
-
 def test_tables_name_real_entries():
     """Every key in the skip/tolerance tables names an OpInfo entry (catches typos/renames)."""
     keys = [*table.ENTRY_SKIPS, *table.TOLERANCES, *table.SHAPE_ONLY, *table.TIED_INDEX_OUTPUTS]

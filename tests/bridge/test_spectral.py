@@ -64,5 +64,7 @@ def test_torch_fft_functions():
 def test_inverse_and_hermitian_ffts_through_conj_and_complex_views():
     x = torch.randn(4, 8)
     check(lambda x: torch.view_as_real(torch.fft.ifft(torch.fft.fft(x))), x, rtol=1e-5, atol=1e-5)
-    check(lambda x: torch.fft.hfft(torch.view_as_complex(x.reshape(4, 4, 2))), x, rtol=1e-5, atol=1e-5)
+    check(
+        lambda x: torch.fft.hfft(torch.view_as_complex(x.reshape(4, 4, 2))), x, rtol=1e-5, atol=1e-5
+    )
     check(lambda x: torch.view_as_real(torch.fft.ihfft(x).resolve_conj()), x, rtol=1e-5, atol=1e-5)

@@ -385,7 +385,10 @@ def memory_report(
             notes.append("the compiled step updates params directly (master weights not in it)")
     else:
         grads = _float_cast(
-            {n: jax.device_put(np.zeros(p.shape, p.dtype), plan.grads[n]) for n, p in params.items()},
+            {
+                n: jax.device_put(np.zeros(p.shape, p.dtype), plan.grads[n])
+                for n, p in params.items()
+            },
             precision.grad_reduce_dtype,
         )
         notes.append("gradients placed per the plan; the step was not run")
