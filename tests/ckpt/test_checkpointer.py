@@ -401,3 +401,72 @@ def test_partial_tmp_dirs_are_not_steps_and_a_writer_cleans_them(tmp_path):
     with Checkpointer(tmp_path, model, opt) as writer:
         writer.save(2)
     assert not partial.exists() and (tmp_path / "2").is_dir()
+
+
+class WithEmpty(nn.Module):
+    """A zero-size parameter and buffer: Orbax cannot store them ("Cannot save arrays with
+    zero size"), so checkpoints keep their shape in meta only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.nothing = nn.Parameter(torch.zeros(0, 4))
+        self.register_buffer("no_tokens", torch.zeros(0, dtype=torch.int64))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def make_with_empty(config=ZERO3, seed=0):
+    torch.manual_seed(seed)
+    net = WithEmpty()
+    return zerojax.initialize(net, torch.optim.AdamW(net.parameters()), config=config, seed=seed)
+
+
+@pytest.mark.parametrize("read", ["host", "host-in-batches", "orbax-sharded"])
+def test_zero_size_parameter_and_buffer_round_trip_onto_another_mesh(tmp_path, monkeypatch, read):
+    # The three ways `restore` reads arrays: whole to host then device_put (one process), the
+    # same a few bytes at a time, and Orbax reading each shard (several processes).
+    from zerojax.ckpt import checkpointer
+
+    monkeypatch.setattr(checkpointer, "_HOST_READ", read != "orbax-sharded")
+    if read == "host-in-batches":
+        monkeypatch.setattr(checkpointer, "_HOST_BATCH_BYTES", 200)
+    model, opt = make_with_empty()
+    scramble(model)
+    saved = host(model)
+    assert saved["params"]["nothing"].shape == (0, 4)
+    with Checkpointer(tmp_path, model, opt) as ckpt:
+        ckpt.save(3)
+    stored = ocp.PyTreeCheckpointHandler().metadata(tmp_path / "3" / layout.MODEL).tree
+    assert set(stored) == {"fc.weight", "fc.bias"}  # the empty ones are in meta only
+
+    other, other_opt = make_with_empty({"mesh": {"data": 4, "fsdp": 2}, "zero": {"stage": 1}}, 5)
+    assert not np.array_equal(host(other)["params"]["fc.weight"], saved["params"]["fc.weight"])
+    assert Checkpointer(tmp_path, other, other_opt).restore().step == 3
+    assert_state_equal(host(other), saved)
+    engine = other.engine
+    assert engine.params["nothing"].sharding == engine.plan.params["nothing"]
+    assert engine.opt_state["exp_avg"]["nothing"].shape == (0, 4)
+    assert engine.params["fc.weight"].sharding == engine.plan.params["fc.weight"]
+    assert engine.opt_state["exp_avg"]["fc.weight"].sharding == engine.plan.opt_state["fc.weight"]
+    for name, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[name], value), name
+
+
+def test_imported_state_dict_with_a_zero_size_tensor_restores(tmp_path):
+    from zerojax.ckpt.import_weights import import_weights
+
+    torch.manual_seed(7)
+    source = WithEmpty()
+    source.fc.weight.data.normal_()
+    torch.save(source.state_dict(), tmp_path / "w.pt")
+    import_weights(tmp_path / "w.pt", tmp_path / "ckpt")
+    model, opt = make_with_empty(seed=1)
+    fresh = jax.tree.map(np.asarray, model.engine.opt_state)
+    assert Checkpointer(tmp_path / "ckpt", model, opt).restore().step == 0
+    for name, value in source.state_dict().items():
+        got = model.state_dict()[name]
+        assert got.shape == value.shape and got.dtype == value.dtype, name
+        assert torch.equal(got, value), name
+    jax.tree.map(np.testing.assert_array_equal, host(model)["opt"], fresh)

@@ -11,7 +11,9 @@ exists is complete. Inside a step directory each item is its own Orbax item:
                                   when the precision policy keeps fp32 master weights) and
                                   buffers, flat, keyed by torch's names (tied aliases appear once,
                                   under the canonical name; `meta.parameters[...]["tied_to"]`
-                                  lists the others)
+                                  lists the others); zero-size arrays are not stored
+                                  (Orbax refuses them): `meta.parameters` gives their shape
+                                  and restoring recreates them
         optimizer/    PyTreeSave  the engine's optimizer state tree (absent after `ckpt import`)
         train_state/  PyTreeSave  {"rng": uint32 key data, "loss_scale": {...}} (absent after
                                   `ckpt import`)

@@ -178,9 +178,25 @@ def build_meta(
 # --------------------------------------------------------------------------- gathering
 
 
+def is_empty(leaf: Any) -> bool:
+    """A zero-element array: Orbax refuses to store one ("Cannot save arrays with zero
+    size"), so checkpoints leave them out and restoring recreates them from their shape."""
+    return getattr(leaf, "size", 1) == 0
+
+
+def without_empty(tree: Any) -> Any:
+    """`tree` without its zero-size arrays, dropped from the dicts that hold them (the engine's
+    trees are dicts of arrays; a zero-size array elsewhere is kept and Orbax names it)."""
+    if isinstance(tree, dict):
+        return {k: without_empty(v) for k, v in tree.items() if not is_empty(v)}
+    return tree
+
+
 def gather_items(engine, *, with_optimizer: bool) -> dict[str, Any]:
     """The array items of one step: `model`, `optimizer` (if attached and wanted),
-    `train_state`. Arrays stay on device: Orbax copies them to host when saving."""
+    `train_state`. Arrays stay on device: Orbax copies them to host when saving. Zero-size
+    arrays are left out (`is_empty`); `meta.parameters` and the current optimizer state give
+    their shapes back on restore."""
     weights = _weights(engine)
     model = {}
     for name in engine.module.state_dict(keep_vars=True):
@@ -188,9 +204,9 @@ def gather_items(engine, *, with_optimizer: bool) -> dict[str, Any]:
         if canonical != name:
             continue  # a tied alias: stored once, under its canonical name
         model[name] = weights[canonical] if canonical in weights else engine.buffers[canonical]
-    items: dict[str, Any] = {layout.MODEL: model}
+    items: dict[str, Any] = {layout.MODEL: without_empty(model)}
     if with_optimizer and engine.opt_state is not None:
-        items[layout.OPTIMIZER] = engine.opt_state
+        items[layout.OPTIMIZER] = without_empty(engine.opt_state)
     train_state: dict[str, Any] = {"rng": jax.random.key_data(engine.rng)}
     if engine.loss_scale is not None:
         train_state["loss_scale"] = engine.loss_scale
@@ -229,24 +245,28 @@ def parameter_differences(saved: Mapping[str, dict], current: Mapping[str, dict]
     return differences
 
 
-def _paths(tree) -> dict[str, tuple]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path): tuple(getattr(leaf, "shape", ())) for path, leaf in leaves}
+def path_key(path: tuple) -> tuple[str, ...]:
+    """A jax key path as the tuple of strings Orbax records per leaf in its tree metadata
+    (dict keys and sequence indices alike as str)."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def optimizer_differences(saved_tree, current_tree) -> list[str]:
-    """Lines naming every optimizer-state leaf that is missing, unexpected or reshaped."""
-    saved, current = _paths(saved_tree), _paths(current_tree)
-    differences = [f"state{p}: missing from the checkpoint" for p in current if p not in saved]
-    differences += [
-        f"state{p}: in the checkpoint, not in the current optimizer"
-        for p in saved
-        if p not in current
+def optimizer_differences(saved_paths: set[tuple[str, ...]], current_tree) -> list[str]:
+    """Lines naming every optimizer-state leaf that is missing from the checkpoint or in it but
+    not in the current state. `saved_paths`: the checkpoint's leaves as `path_key` tuples.
+    Zero-size leaves are never stored, so they are not expected in the checkpoint."""
+    leaves = jax.tree_util.tree_flatten_with_path(current_tree)[0]
+    current = {path_key(p): jax.tree_util.keystr(p) for p, leaf in leaves if not is_empty(leaf)}
+    every = {path_key(p) for p, _ in leaves}
+    differences = [
+        f"state{shown}: missing from the checkpoint"
+        for key, shown in current.items()
+        if key not in saved_paths
     ]
     differences += [
-        f"state{p}: shape saved {saved[p]} vs current {current[p]}"
-        for p in current
-        if p in saved and saved[p] != current[p]
+        f"state{''.join(f'[{k!r}]' for k in key)}: in the checkpoint, not in the current optimizer"
+        for key in sorted(saved_paths)
+        if key not in every
     ]
     return differences
 
