@@ -425,9 +425,12 @@ class Engine:
         choice = self.config.kernels.choice("optimizer")
         if choice is None:
             return None
-        from zerojax.pallas_kernels.adamw import adamw_update_sharded
-
         implementation, interpret = choice
+        if implementation == "auto" and not interpret and jax.default_backend() != "gpu":
+            # Off GPU, "auto" means the XLA reference, which is apply_update's own arithmetic
+            # (bitwise): the per-shard wrapper would only add compile time (~2.5 s here).
+            return None
+        from zerojax.pallas_kernels.adamw import adamw_update_sharded
 
         def update(group, hyper, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
             specs = {n: self.plan.opt_state.get(n, self.replicated).spec for n in weights}
