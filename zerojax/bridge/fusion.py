@@ -7,13 +7,16 @@ ATen ops; their lowerings pick the kernel themselves):
 - **RMSNorm**, as Hugging Face Llama-style modules write it and torch.export decomposes it:
   `[x.to(f32)] -> pow(2) -> mean(-1, keepdim) -> add(eps) -> rsqrt -> mul(x) -> [.to(dtype)]
   -> mul(weight)`  =>  `rms_norm(x, weight, eps)`.
-- **Linear + cross-entropy**: `mm(h, W.T)` / `addmm(b, h, W.T)` -> views -> `_log_softmax(dim=1)`
-  -> `gather(target)` -> `squeeze` -> `neg`, the per-token loss that `F.cross_entropy`'s
-  decomposition masks and reduces  =>  `linear_cross_entropy(h, W, b, target, reduction="none")`,
-  computed in vocabulary chunks. The masking and reduction nodes stay as they are.
+- **Linear + cross-entropy**: `mm(h, W.T)` / `addmm(b, h, W.T)` -> views, fp32 casts ->
+  `_log_softmax(dim=1)` -> `gather(target)` -> `squeeze` -> `neg`, the per-token loss that
+  `F.cross_entropy`'s decomposition masks and reduces  =>  `linear_cross_entropy(h, W, b,
+  target, reduction="none")`, computed in vocabulary chunks. The masking and reduction nodes
+  stay as they are.
 
-A match requires every intermediate node to be used only inside the pattern (metadata asserts
-aside), so nothing the rest of the graph reads disappears. Rewriting works on a copy of the
+A node the rewrite removes must be used only inside its pattern (metadata asserts aside), so
+nothing the rest of the graph reads disappears. The projection is not removed: when the model
+also returns its logits (Hugging Face models do), they are still computed for that output, and
+only the loss and its gradient come from the chunked kernel. Rewriting works on a copy of the
 graph: the exported program stays as torch produced it.
 """
 
@@ -181,7 +184,7 @@ def _fuse_linear_cross_entropy(graph: torch.fx.Graph, neg: torch.fx.Node) -> Non
     tokens_vocab = _shape(logits)
     if tokens_vocab is None or len(tokens_vocab) != 2:
         return
-    while _is(logits, *_VALUE_PRESERVING):
+    while _is(logits, *_VALUE_PRESERVING) or _is_float32_cast(logits):
         logits = logits.args[0]
     if _is(logits, aten.mm.default):
         hidden, transposed = logits.args
@@ -199,10 +202,19 @@ def _fuse_linear_cross_entropy(graph: torch.fx.Graph, neg: torch.fx.Node) -> Non
         return
     if transposed.target == aten.permute.default and list(transposed.args[1]) != [1, 0]:
         return
-    weight = transposed.args[0]
-    if _shape(weight) != (tokens_vocab[1], _shape(hidden)[1]):
+    weight, hidden_shape = transposed.args[0], _shape(hidden)
+    if hidden_shape is None or _shape(weight) != (tokens_vocab[1], hidden_shape[1]):
         return
     _replace(graph, neg, linear_cross_entropy_op, (hidden, weight, bias, target, ignore_index))
+
+
+def _is_float32_cast(node) -> bool:
+    """`logits.float()` (Hugging Face upcasts before the loss): the fused op is fp32 anyway."""
+    return (
+        _is(node, aten._to_copy.default)
+        and set(node.kwargs) == {"dtype"}
+        and node.kwargs["dtype"] == torch.float32
+    )
 
 
 def _target_of(index: torch.fx.Node) -> tuple[torch.fx.Node | None, int]:
