@@ -130,41 +130,51 @@ def select_implementation(
     return "pallas" if wants_kernel and unsupported is None else "xla"
 
 
-def _check_param(name: str, param: jax.Array | None, n_features: int) -> None:
-    if param is not None and param.shape != (n_features,):
-        raise ValueError(
-            f"{name}.shape={param.shape} must be ({n_features},), the last dimension of x"
-        )
+def kernel_config(
+    x: jax.Array,
+    implementation: Implementation,
+    interpret: bool,
+    block_config: NormConfig | None,
+    **params: jax.Array | None,
+) -> NormConfig | None:
+    """Validate the operands of a norm and pick its backend: the kernel's ``NormConfig``, or
+    None when the jnp reference should run. Each param must be ``[n_features]`` or None."""
+    unsupported = kernel_unsupported_reason(x, **params)
+    n_features = x.shape[-1] if x.ndim else 0
+    for name, param in params.items():
+        if param is not None and param.shape != (n_features,):
+            raise ValueError(
+                f"{name}.shape={param.shape} must be ({n_features},), the last dimension of x"
+            )
+    if select_implementation(implementation, interpret, unsupported) == "xla":
+        return None
+    config = block_config if block_config is not None else NormConfig.for_features(n_features)
+    config.check_shape(n_features)
+    return config
+
+
+def _forward(x, weight, bias, eps, config, interpret, with_stats):
+    return layer_norm_forward(
+        x,
+        weight,
+        bias,
+        eps=eps,
+        block_rows=config.block_rows,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        with_stats=with_stats,
+        interpret=interpret,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _layer_norm_pallas(x, weight, bias, eps: float, config: NormConfig, interpret: bool):
-    y, _, _ = layer_norm_forward(
-        x,
-        weight,
-        bias,
-        eps=eps,
-        block_rows=config.block_rows,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        with_stats=False,
-        interpret=interpret,
-    )
-    return y
+    # The primal alone (no gradient taken) skips writing the statistics.
+    return _forward(x, weight, bias, eps, config, interpret, with_stats=False)[0]
 
 
 def _layer_norm_pallas_fwd(x, weight, bias, eps, config, interpret):
-    y, mean, rstd = layer_norm_forward(
-        x,
-        weight,
-        bias,
-        eps=eps,
-        block_rows=config.block_rows,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        with_stats=True,
-        interpret=interpret,
-    )
+    y, mean, rstd = _forward(x, weight, bias, eps, config, interpret, with_stats=True)
     return y, (x, weight, bias, mean, rstd)
 
 
@@ -225,14 +235,9 @@ def layer_norm(
     >>> layer_norm(x, jnp.ones(96), jnp.zeros(96), implementation="pallas", interpret=True).shape
     (2, 8, 96)
     """
-    unsupported = kernel_unsupported_reason(x, weight=weight, bias=bias)
-    n_features = x.shape[-1] if x.ndim else 0
-    _check_param("weight", weight, n_features)
-    _check_param("bias", bias, n_features)
-    if select_implementation(implementation, interpret, unsupported) == "xla":
+    config = kernel_config(x, implementation, interpret, block_config, weight=weight, bias=bias)
+    if config is None:
         return layer_norm_reference(x, weight, bias, eps=eps)
-    config = block_config if block_config is not None else NormConfig.for_features(n_features)
-    config.check_shape(n_features)
-    rows = x.reshape(-1, n_features)
+    rows = x.reshape(-1, x.shape[-1])
     y = _layer_norm_pallas(rows, weight, bias, float(eps), config, bool(interpret))
     return y.reshape(x.shape)

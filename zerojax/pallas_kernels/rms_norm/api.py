@@ -13,39 +13,33 @@ import jax
 from zerojax.pallas_kernels.layer_norm.api import (
     Implementation,
     NormConfig,
-    kernel_unsupported_reason,
-    select_implementation,
+    kernel_config,
 )
 from zerojax.pallas_kernels.rms_norm.kernel import rms_norm_backward, rms_norm_forward
 from zerojax.pallas_kernels.rms_norm.reference import rms_norm_reference
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _rms_norm_pallas(x, weight, eps: float, config: NormConfig, interpret: bool):
-    y, _ = rms_norm_forward(
+def _forward(x, weight, eps, config, interpret, with_stats):
+    return rms_norm_forward(
         x,
         weight,
         eps=eps,
         block_rows=config.block_rows,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        with_stats=False,
+        with_stats=with_stats,
         interpret=interpret,
     )
-    return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm_pallas(x, weight, eps: float, config: NormConfig, interpret: bool):
+    # The primal alone (no gradient taken) skips writing rstd.
+    return _forward(x, weight, eps, config, interpret, with_stats=False)[0]
 
 
 def _rms_norm_pallas_fwd(x, weight, eps, config, interpret):
-    y, rstd = rms_norm_forward(
-        x,
-        weight,
-        eps=eps,
-        block_rows=config.block_rows,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        with_stats=True,
-        interpret=interpret,
-    )
+    y, rstd = _forward(x, weight, eps, config, interpret, with_stats=True)
     return y, (x, weight, rstd)
 
 
@@ -102,15 +96,9 @@ def rms_norm(
     >>> rms_norm(x, jax.numpy.ones(96), implementation="pallas", interpret=True).dtype
     dtype('float32')
     """
-    unsupported = kernel_unsupported_reason(x, weight=weight)
-    n_features = x.shape[-1] if x.ndim else 0
-    if weight is not None and weight.shape != (n_features,):
-        raise ValueError(
-            f"weight.shape={weight.shape} must be ({n_features},), the last dimension of x"
-        )
-    if select_implementation(implementation, interpret, unsupported) == "xla":
+    config = kernel_config(x, implementation, interpret, block_config, weight=weight)
+    if config is None:
         return rms_norm_reference(x, weight, eps=eps)
-    config = block_config if block_config is not None else NormConfig.for_features(n_features)
-    config.check_shape(n_features)
-    y = _rms_norm_pallas(x.reshape(-1, n_features), weight, float(eps), config, bool(interpret))
+    rows = x.reshape(-1, x.shape[-1])
+    y = _rms_norm_pallas(rows, weight, float(eps), config, bool(interpret))
     return y.reshape(x.shape)

@@ -1,10 +1,10 @@
 """RMSNorm (Hugging Face Llama order) forward and backward as Pallas kernels for the GPU (Triton)
 lowering.
 
-Same layout as ``layer_norm/kernel.py``: ``x`` is ``[n_rows, n_features]``, a program owns
-``block_rows`` whole rows, the feature block is ``n_features`` rounded up to a power of two with
-masked tails, and the backward program walks ``backward_block_rows`` rows in tiles while it
-accumulates one fp32 partial row of ``dweight`` (summed by the caller; no atomics, deterministic).
+Same layout as ``layer_norm/kernel.py`` (the row tiling of ``layer_norm/rows.py``): a program owns
+``block_rows`` whole rows of ``x [n_rows, n_features]``, and the backward program walks
+``backward_block_rows`` rows in tiles while it accumulates one fp32 partial row of ``dweight``
+(summed afterwards; no atomics, deterministic).
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-
-def _masks(row_start, block_rows: int, n_rows: int, padded: int, n_features: int):
-    """Validity of the rows and columns of one ``[block_rows, padded]`` tile."""
-    row_ok = row_start + jnp.arange(block_rows) < n_rows
-    col_ok = jnp.arange(padded) < n_features
-    return row_ok, col_ok, row_ok[:, None] & col_ok[None, :]
+from zerojax.pallas_kernels.layer_norm.rows import (
+    Block,
+    fold_tiles,
+    load_features,
+    row_tiled_call,
+    tile_masks,
+)
 
 
 def rms_norm_forward_kernel(
@@ -31,7 +32,7 @@ def rms_norm_forward_kernel(
     ``w_ref`` is None without a weight; ``rstd_ref`` is None when no backward pass needs it.
     """
     block_rows, padded = x_ref.shape
-    row_ok, col_ok, mask = _masks(
+    row_ok, col_ok, mask = tile_masks(
         pl.program_id(0) * block_rows, block_rows, n_rows, padded, n_features
     )
     x = plgpu.load(x_ref, mask=mask, other=0.0)
@@ -41,10 +42,9 @@ def rms_norm_forward_kernel(
     # so converted models match their PyTorch outputs bit for bit in bf16.
     y = (xf * rstd[:, None]).astype(x.dtype)
     if w_ref is not None:
-        w = plgpu.load(w_ref, mask=col_ok, other=0.0)
         # The product of two bf16 values rounded once equals a bf16 multiply, so computing in
         # fp32 and casting to the output dtype matches `weight * y` in any dtype combination.
-        y = w.astype(jnp.float32)[None, :] * y.astype(jnp.float32)
+        y = load_features(w_ref, col_ok)[None, :] * y.astype(jnp.float32)
     plgpu.store(o_ref, y.astype(o_ref.dtype), mask=mask)
     if rstd_ref is not None:
         plgpu.store(rstd_ref, rstd, mask=row_ok)
@@ -68,16 +68,10 @@ def rms_norm_backward_kernel(
     ``y`` is a straight-through in autodiff) and ``dw = sum_rows(g * y.astype(x.dtype))``.
     """
     program_rows, padded = x_ref.shape
-    program_start = pl.program_id(0) * program_rows
     col_ok = jnp.arange(padded) < n_features
-    w = None
-    if w_ref is not None:
-        w = plgpu.load(w_ref, mask=col_ok, other=0.0).astype(jnp.float32)
+    w = load_features(w_ref, col_ok)
 
-    def tile(t, dw_acc):
-        start = pl.multiple_of(t * block_rows, block_rows)
-        rows = pl.ds(start, block_rows)
-        row_ok, _, mask = _masks(program_start + start, block_rows, n_rows, padded, n_features)
+    def tile(rows, row_ok, mask, dw_acc):
         x = plgpu.load(x_ref.at[rows, :], mask=mask, other=0.0)
         g = plgpu.load(g_ref.at[rows, :], mask=mask, other=0.0).astype(jnp.float32)
         rstd = plgpu.load(rstd_ref.at[rows], mask=row_ok, other=0.0)
@@ -91,19 +85,16 @@ def rms_norm_backward_kernel(
             dw_acc = dw_acc + jnp.sum(g * y_rounded, axis=0)
         return dw_acc
 
-    dw_acc = lax.fori_loop(0, program_rows // block_rows, tile, jnp.zeros((padded,), jnp.float32))
+    dw_acc = fold_tiles(
+        tile,
+        jnp.zeros((padded,), jnp.float32),
+        program_rows=program_rows,
+        block_rows=block_rows,
+        n_rows=n_rows,
+        n_features=n_features,
+    )
     if dw_ref is not None:
         plgpu.store(dw_ref, dw_acc, mask=col_ok)
-
-
-def _bind(kernel, present: tuple[bool, ...], **statics):
-    """Adapt a kernel with optional refs: pallas_call passes only the refs that exist."""
-
-    def body(*refs):
-        it = iter(refs)
-        kernel(*(next(it) if p else None for p in present), **statics)
-
-    return body
 
 
 def rms_norm_forward(
@@ -120,31 +111,19 @@ def rms_norm_forward(
     """``x [n_rows, n_features]`` -> ``(y, rstd)``; the fp32 ``rstd`` only if ``with_stats``.
 
     ``y.dtype`` is ``result_type(weight, x)`` (``x.dtype`` without a weight)."""
-    n_rows, n_features = x.shape
-    padded = pl.next_power_of_2(n_features)
     out_dtype = x.dtype if weight is None else jnp.result_type(weight, x)
-    row_block = pl.BlockSpec((block_rows, padded), lambda i: (i, 0))
-    operands = [x] + ([weight] if weight is not None else [])
-    in_specs = [row_block] + (
-        [pl.BlockSpec((padded,), lambda i: (0,))] if weight is not None else []
-    )
-    out_shape = [jax.ShapeDtypeStruct(x.shape, out_dtype)]
-    out_specs = [row_block]
-    if with_stats:
-        out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))
-        out_specs.append(pl.BlockSpec((block_rows,), lambda i: (i,)))
-    present = (True, weight is not None, True, with_stats)
-    outs = pl.pallas_call(
-        _bind(rms_norm_forward_kernel, present, n_rows=n_rows, n_features=n_features, eps=eps),
-        grid=(pl.cdiv(n_rows, block_rows),),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    y, rstd = row_tiled_call(
+        rms_norm_forward_kernel,
+        [(x, Block.ROWS), (weight, Block.FEATURES)],
+        [(out_dtype, Block.ROWS), (jnp.float32, Block.STATS) if with_stats else None],
+        rows_per_program=block_rows,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
         name="rms_norm_forward",
-    )(*operands)
-    return outs[0], (outs[1] if with_stats else None)
+        eps=eps,
+    )
+    return y, rstd
 
 
 def rms_norm_backward(
@@ -161,37 +140,18 @@ def rms_norm_backward(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``(dx, dweight)``; ``dweight`` is the fp32 sum of the per-program partials (None without
     a weight; the caller casts it to the weight dtype)."""
-    n_rows, n_features = x.shape
-    padded = pl.next_power_of_2(n_features)
-    n_programs = pl.cdiv(n_rows, backward_block_rows)
-    row_block = pl.BlockSpec((backward_block_rows, padded), lambda i: (i, 0))
-    has_weight = weight is not None
-    operands = [x] + ([weight] if has_weight else []) + [g, rstd]
-    in_specs = [row_block] + ([pl.BlockSpec((padded,), lambda i: (0,))] if has_weight else [])
-    in_specs += [row_block, pl.BlockSpec((backward_block_rows,), lambda i: (i,))]
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
-    out_specs = [row_block]
-    if has_weight:
-        out_shape.append(jax.ShapeDtypeStruct((n_programs, n_features), jnp.float32))
-        out_specs.append(pl.BlockSpec((pl.squeezed, padded), lambda i: (i, 0)))
-    present = (True, has_weight, True, True, True, has_weight)
-    outs = pl.pallas_call(
-        _bind(
-            rms_norm_backward_kernel,
-            present,
-            n_rows=n_rows,
-            n_features=n_features,
-            block_rows=block_rows,
-        ),
-        grid=(n_programs,),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    dx, dweight = row_tiled_call(
+        rms_norm_backward_kernel,
+        [(x, Block.ROWS), (weight, Block.FEATURES), (g, Block.ROWS), (rstd, Block.STATS)],
+        [(x.dtype, Block.ROWS), (jnp.float32, Block.PARTIALS) if weight is not None else None],
+        rows_per_program=backward_block_rows,
+        num_warps=num_warps,
+        num_stages=num_stages,
         interpret=interpret,
         name="rms_norm_backward",
-    )(*operands)
-    return outs[0], (outs[1].sum(axis=0) if has_weight else None)
+        block_rows=block_rows,
+    )
+    return dx, dweight
 
 
 __all__ = [
