@@ -13,7 +13,7 @@ Checkpoints go to the config's `checkpoint.directory` (.cache/checkpoints/gpt2-a
 without it starts that directory afresh). Inspect or export them with `zerojax ckpt`.
 
 Run: make demo   (or .venv/bin/python examples/train_gpt2.py [--config FILE] [--steps N] [--resume])
-About 1 minute on 2 CPU cores; a second run starts faster (persistent compile cache in .cache/).
+About 1.5 minutes on 2 CPU cores; a second run starts faster (persistent compile cache in .cache/).
 At exit zerojax prints where the time went (init, compile, checkpoints, training steps).
 """
 
