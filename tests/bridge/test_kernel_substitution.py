@@ -63,8 +63,8 @@ def gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
-def _tokens(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+def _tokens(seed: int, batch: int = BATCH) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def _loss_jaxpr(model: torch.nn.Module, kernels: KernelsConfig) -> str:
@@ -119,7 +119,7 @@ def test_patterns_found_in_traced_graphs():
         )
 
 
-def _train(factory, kernels: KernelsConfig, steps: int = 3):
+def _train(factory, kernels: KernelsConfig, steps: int = 3, batch: int = BATCH):
     torch.manual_seed(0)
     model = factory()
     # eps well above rounding noise: GPT-2's key bias has a zero true gradient, and Adam would
@@ -140,7 +140,7 @@ def _train(factory, kernels: KernelsConfig, steps: int = 3):
     model, optimizer = zerojax.initialize(model, optimizer, config, seed=0)
     losses = []
     for step in range(steps):
-        x = _tokens(10 + step)
+        x = _tokens(10 + step, batch)
         loss = model(x, labels=x).loss
         loss.backward()
         optimizer.step()
@@ -156,6 +156,27 @@ def test_training_with_pallas_kernels_matches_plain_lowerings(factory):
     """Three ZeRO-3 AdamW steps: every kernel in Pallas interpret mode vs all of them off."""
     losses, state = _train(factory, PALLAS)
     reference_losses, reference_state = _train(factory, OFF)
+    np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=2e-5)
+    for name, value in reference_state.items():
+        np.testing.assert_allclose(state[name], value, rtol=0, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.multidevice
+def test_pallas_kernels_run_per_batch_shard_in_the_engine(monkeypatch):
+    """A batch of 8 on fsdp=8 is split over the devices: each Pallas kernel runs on its own
+    shard under shard_map (XLA cannot partition a Pallas call), with the same numbers."""
+    wrapped = []
+    shard_map = jax.shard_map
+
+    def spy(f, **kwargs):
+        wrapped.append(f.__qualname__)
+        return shard_map(f, **kwargs)
+
+    monkeypatch.setattr(jax, "shard_map", spy)
+    losses, state = _train(llama, PALLAS, steps=2, batch=8)
+    monkeypatch.undo()
+    assert wrapped.count("per_batch_shard.<locals>.local") >= 3  # attention, norms, loss
+    reference_losses, reference_state = _train(llama, OFF, steps=2, batch=8)
     np.testing.assert_allclose(losses, reference_losses, rtol=0, atol=2e-5)
     for name, value in reference_state.items():
         np.testing.assert_allclose(state[name], value, rtol=0, atol=2e-5, err_msg=name)

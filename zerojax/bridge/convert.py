@@ -51,17 +51,35 @@ class Converted:
         """Names that share another entry's array: alias name -> canonical name in `params`."""
         return {name: to for name, to in self.alias.items() if name != to}
 
-    def apply(self, params, buffers, *args, rng=None, float_dtype=None, kernels=None, **kwargs):
+    def apply(
+        self,
+        params,
+        buffers,
+        *args,
+        rng=None,
+        float_dtype=None,
+        kernels=None,
+        batch_mesh=None,
+        **kwargs,
+    ):
         """Run the module as JAX: (outputs, new_buffers); see the class docstring.
 
         `kernels` (a `zerojax.config.KernelsConfig`) picks the fused kernels the bridge
         substitutes; None uses the defaults (Pallas on GPU, their XLA references elsewhere).
+        `batch_mesh=(mesh, batch_axes)` says the batch dim is sharded over those mesh axes, so
+        Pallas kernels run per shard instead of on gathered arrays.
         """
         program, in_spec, out_spec = self._program_for(args, kwargs, reason="new input shapes")
         leaves = torch_pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
         tensors = [_as_jax(leaf) for leaf in leaves if _is_array(leaf)]
         outputs, new_buffers = program(
-            params, buffers, tensors, rng, float_dtype=float_dtype, kernels=kernels
+            params,
+            buffers,
+            tensors,
+            rng,
+            float_dtype=float_dtype,
+            kernels=kernels,
+            batch_mesh=batch_mesh,
         )
         return torch_pytree.tree_unflatten(outputs, out_spec), new_buffers
 

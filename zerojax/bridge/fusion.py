@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from zerojax.bridge.kernel_sharding import per_batch_shard
 from zerojax.bridge.registry import LoweringContext
 
 aten = torch.ops.aten
@@ -58,22 +59,37 @@ def _lower_rms_norm(ctx: LoweringContext, x, weight, eps):
     from zerojax.pallas_kernels.rms_norm import rms_norm
 
     implementation, interpret = ctx.kernel("norm")
-    return rms_norm(x, weight, eps=eps, implementation=implementation, interpret=interpret)
+    return per_batch_shard(
+        ctx,
+        lambda x, weight, axis_index: rms_norm(
+            x, weight, eps=eps, implementation=implementation, interpret=interpret
+        ),
+        (x, weight),
+        (True, False),
+        family="norm",
+    )
 
 
 def _lower_linear_cross_entropy(ctx: LoweringContext, hidden, weight, bias, target, ignore_index):
     from zerojax.pallas_kernels.linear_cross_entropy import linear_cross_entropy
 
     implementation, interpret = ctx.kernel("loss")
-    return linear_cross_entropy(
-        hidden,
-        weight,
-        target,
-        bias=bias,
-        ignore_index=ignore_index,
-        reduction="none",
-        implementation=implementation,
-        interpret=interpret,
+
+    def kernel(hidden, weight, bias, target, *, axis_index):
+        return linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            bias=bias,
+            ignore_index=ignore_index,
+            reduction="none",
+            implementation=implementation,
+            interpret=interpret,
+        )
+
+    # Per token: the token rows split over the batch shards like the batch itself.
+    return per_batch_shard(
+        ctx, kernel, (hidden, weight, bias, target), (True, False, False, True), family="loss"
     )
 
 

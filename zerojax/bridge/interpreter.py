@@ -144,6 +144,7 @@ class GraphFunction:
         rng: jax.Array | None,
         float_dtype=None,
         kernels: KernelsConfig | None = None,
+        batch_mesh: tuple | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
@@ -183,6 +184,7 @@ class GraphFunction:
                 rng_for_site=_site_rng(rng, site_counter, node, self.model_name),
                 float_dtype=float_dtype,
                 kernels=kernels,
+                batch_mesh=batch_mesh,
             )
             fused = isinstance(node.target, fusion.FusedOp)
             lowering = node.target if fused else get_lowering(node.target)

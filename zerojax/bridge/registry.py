@@ -88,6 +88,9 @@ class LoweringContext:
     rng_for_site: Callable[[], jax.Array]
     float_dtype: np.dtype | None = None  # compute-dtype override for float results (policy)
     kernels: KernelsConfig | None = None  # which fused kernels to use; None: the defaults
+    # (mesh, batch axes) when the caller shards the batch: Pallas kernels then run per shard
+    # (see kernel_sharding.py); None runs them on whole arrays.
+    batch_mesh: tuple[Any, tuple[str, ...]] | None = None
 
     def kernel(self, family: str) -> tuple[str, bool] | None:
         """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",

@@ -199,12 +199,20 @@ class Engine:
             rng=rng,
             float_dtype=self.policy.compute_override,
             kernels=self.config.kernels,
+            batch_mesh=self._batch_mesh(),
             **kwargs,
         )
         outputs = jax.tree.map(
             lambda x: x.astype(self.policy.output_dtype) if _is_float(x) else x, outputs
         )
         return outputs, new_buffers
+
+    def _batch_mesh(self) -> tuple | None:
+        """(mesh, batch axes) for the kernels: the axes `shard_input` splits dim 0 over."""
+        axes = self.plan.input_sharding(2).spec[0]
+        if axes is None:
+            return None
+        return self.mesh, tuple(np.atleast_1d(axes).tolist())
 
     def _program(self, kind: str, converted: Converted, **static):
         key = (kind, id(converted), tuple(sorted(static.items())))

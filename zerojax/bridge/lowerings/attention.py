@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from zerojax.bridge.kernel_sharding import per_batch_shard
 from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
@@ -101,18 +102,36 @@ def lower_scaled_dot_product_attention(
     from zerojax.pallas_kernels.flash_attention import flash_attention
 
     implementation, interpret = choice
-    # The kernel serves grouped-query heads itself; torch only allows them with enable_gqa.
-    return flash_attention(
-        query,
-        key,
-        value,
-        mask=attn_mask,
-        causal=is_causal,
-        scale=scale,
-        dropout_p=dropout_p,
-        dropout_rng=ctx.rng_key() if dropout_p > 0.0 else None,
-        implementation=implementation,
-        interpret=interpret,
+    rng = ctx.rng_key() if dropout_p > 0.0 else None
+
+    def kernel(query, key, value, mask, *, axis_index):
+        # One dropout stream per batch shard: the kernel hashes the shard-local batch index.
+        dropout_rng = rng
+        if rng is not None and axis_index is not None:
+            dropout_rng = jax.random.fold_in(rng, axis_index)
+        # The kernel serves grouped-query heads itself; torch only allows them with enable_gqa.
+        return flash_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            causal=is_causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            dropout_rng=dropout_rng,
+            implementation=implementation,
+            interpret=interpret,
+        )
+
+    mask_batched = (
+        attn_mask is not None and attn_mask.ndim == 4 and attn_mask.shape[0] == query.shape[0]
+    )
+    return per_batch_shard(
+        ctx,
+        kernel,
+        (query, key, value, attn_mask),
+        (True, True, True, mask_batched),
+        family="attention",
     )
 
 

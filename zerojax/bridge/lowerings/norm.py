@@ -15,6 +15,7 @@ import torch
 from jax import lax
 
 from zerojax.bridge.dtypes import is_floating
+from zerojax.bridge.kernel_sharding import per_batch_shard
 from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
@@ -60,8 +61,14 @@ def lower_native_layer_norm_default(ctx, input, normalized_shape, weight, bias, 
         from zerojax.pallas_kernels.layer_norm import layer_norm
 
         implementation, interpret = choice
-        out = layer_norm(
-            input, weight, bias, eps=eps, implementation=implementation, interpret=interpret
+        out = per_batch_shard(
+            ctx,
+            lambda x, w, b, axis_index: layer_norm(
+                x, w, b, eps=eps, implementation=implementation, interpret=interpret
+            ),
+            (input, weight, bias),
+            (True, False, False),
+            family="norm",
         )
     else:
         out = _affine(centered * rstd, weight, bias, tuple(normalized_shape))
