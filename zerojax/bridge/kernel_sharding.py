@@ -18,13 +18,14 @@ import jax
 from jax.sharding import PartitionSpec
 
 from zerojax.bridge.registry import LoweringContext
+from zerojax.pallas_kernels.backend import auto_picks_pallas
 
 
 def uses_pallas(implementation: str, interpret: bool) -> bool:
     """Whether a kernel api given these arguments runs its Pallas kernel (its "auto" rule)."""
     if implementation == "pallas":
         return True
-    return implementation == "auto" and (interpret or jax.default_backend() == "gpu")
+    return implementation == "auto" and auto_picks_pallas(interpret)
 
 
 def per_batch_shard(

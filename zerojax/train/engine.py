@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted, state_arrays
 from zerojax.config import Config
+from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import effective_time, optimizers
 from zerojax.train.precision import (
@@ -434,7 +435,7 @@ class Engine:
         if choice is None:
             return None
         implementation, interpret = choice
-        if implementation == "auto" and not interpret and jax.default_backend() != "gpu":
+        if implementation == "auto" and not auto_picks_pallas(interpret):
             # Off GPU, "auto" means the XLA reference, which is apply_update's own arithmetic
             # (bitwise): the per-shard wrapper would only add compile time (~2.5 s here).
             return None

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.pallas_kernels.adamw.kernel import adamw_pallas
 from zerojax.pallas_kernels.adamw.reference import adamw_scalars, adamw_update_reference
+from zerojax.pallas_kernels.backend import auto_picks_pallas
 
 __all__ = ["AdamWConfig", "adamw_update", "adamw_update_sharded"]
 
@@ -73,7 +74,7 @@ def _resolve_implementation(implementation: str, interpret: bool) -> str:
             " 'auto', not 'xla'"
         )
     if implementation == "auto":
-        return "pallas" if interpret or jax.default_backend() == "gpu" else "xla"
+        return "pallas" if auto_picks_pallas(interpret) else "xla"
     return implementation
 
 

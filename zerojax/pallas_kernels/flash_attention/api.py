@@ -15,6 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.pallas_kernels.flash_attention import kernel
 from zerojax.pallas_kernels.flash_attention.reference import (
     dropout_seed,
@@ -296,7 +297,7 @@ def flash_attention(
     use_pallas = implementation == "pallas"
     if implementation == "auto":
         fits = pallas_unsupported_reason(q, k, v, config) is None
-        use_pallas = fits and (interpret or jax.default_backend() == "gpu")
+        use_pallas = fits and auto_picks_pallas(interpret)
     if not use_pallas:
         return flash_attention_reference(
             q,

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.pallas_kernels.layer_norm.kernel import layer_norm_backward, layer_norm_forward
 from zerojax.pallas_kernels.layer_norm.reference import layer_norm_reference
 
@@ -126,8 +127,7 @@ def select_implementation(
         if unsupported is not None:
             raise ValueError(f"implementation='pallas' cannot run: {unsupported}")
         return "pallas"
-    wants_kernel = interpret or jax.default_backend() == "gpu"
-    return "pallas" if wants_kernel and unsupported is None else "xla"
+    return "pallas" if auto_picks_pallas(interpret) and unsupported is None else "xla"
 
 
 def kernel_config(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.pallas_kernels.linear_cross_entropy import kernel
 from zerojax.pallas_kernels.linear_cross_entropy.reference import (
     REDUCTIONS,
@@ -169,7 +170,7 @@ def _choose_implementation(
     if implementation == "pallas":
         config.check_shapes(vocab=vocab, dim=dim)
         return "pallas"
-    if not (interpret or jax.default_backend() == "gpu"):
+    if not auto_picks_pallas(interpret):
         return "xla"
     try:
         config.check_shapes(vocab=vocab, dim=dim)
