@@ -86,7 +86,7 @@ time."""
 class _Background:
     """`fn(*args)` on a daemon thread; `raise_error` joins it and re-raises what it raised."""
 
-    def __init__(self, fn, *args) -> None:
+    def __init__(self, name: str, fn, *args) -> None:
         self._error: BaseException | None = None
 
         def run() -> None:
@@ -95,7 +95,7 @@ class _Background:
             except BaseException as e:  # noqa: BLE001 - re-raised by raise_error
                 self._error = e
 
-        self._thread = threading.Thread(target=run, name="zerojax-verify", daemon=True)
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
 
     def raise_error(self, cause: BaseException | None = None) -> None:
@@ -220,9 +220,8 @@ class Checkpointer:
             )
         self._manager: ocp.CheckpointManager | None = None
         self._cleaned = False
-        self._pending: int | None = None  # step whose manifest is still to be written
-        self._manifest_thread: threading.Thread | None = None
-        self._manifest_error: BaseException | None = None
+        # The in-flight async save: Orbax's commit, then the manifest.
+        self._pending: _Background | None = None
 
     # --- Orbax ------------------------------------------------------------------------------
 
@@ -303,40 +302,27 @@ class Checkpointer:
         args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}
         args[layout.META] = ocp.args.JsonSave(meta)
         self._mgr().save(step, args=ocp.args.Composite(**args), force=True)
-        self._pending = step
         if self.async_save:
-            self._manifest_thread = threading.Thread(
-                target=self._write_manifest_when_committed,
-                args=(step,),
-                name=f"zerojax-manifest-{step}",
-                daemon=True,
-            )
-            self._manifest_thread.start()
+            self._pending = _Background(f"zerojax-manifest-{step}", self._commit, step)
         else:
-            self._finish_pending()
+            self._commit(step)
 
-    def _write_manifest_when_committed(self, step: int) -> None:
-        try:
-            self._mgr().wait_until_finished()
-            self._write_manifest(step)
-        except BaseException as e:  # noqa: BLE001 - surfaced by the next wait()/save()
-            self._manifest_error = e
+    def _commit(self, step: int) -> None:
+        self._mgr().wait_until_finished()
+        self._write_manifest(step)
 
     def _write_manifest(self, step: int) -> None:
         if jax.process_index() == 0 and os.path.isdir(self.step_dir(step)):
             write_manifest(self.step_dir(step))
 
     def _finish_pending(self) -> None:
-        """Wait for the in-flight save, write its manifest, and re-raise a background error."""
-        if self._manifest_thread is not None:
-            self._manifest_thread.join()
-            self._manifest_thread = None
-        elif self._pending is not None:
-            self._mgr().wait_until_finished()
-            self._write_manifest(self._pending)
-        self._pending = None
-        if self._manifest_error is not None:
-            error, self._manifest_error = self._manifest_error, None
+        """Wait for the in-flight save and its manifest; re-raise what failed in the background."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.raise_error()
+        except BaseException as error:
             raise CheckpointError(f"background checkpoint save failed: {error}") from error
 
     def _clean_partial_saves(self) -> None:
@@ -351,7 +337,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the last save is committed and its manifest written."""
-        if self._pending is None and self._manifest_error is None:
+        if self._pending is None:
             return
         with LEDGER.measure("checkpoint_blocking"):
             self._finish_pending()
@@ -405,7 +391,7 @@ class Checkpointer:
         # The crc32 pass over every file runs while Orbax reads them (zlib releases the GIL);
         # nothing read is written into the engine before it passes, and when it fails its
         # error (naming the damaged file) wins over whatever the read raised.
-        check = _Background(verify_manifest, step_dir)
+        check = _Background("zerojax-verify", verify_manifest, step_dir)
         try:
             apply = self._read_step(engine, step, step_dir, load_optimizer)
         except BaseException as error:
