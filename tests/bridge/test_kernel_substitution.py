@@ -103,14 +103,22 @@ def test_kernels_off_leaves_the_plain_lowerings():
     assert "flash_attention" not in text and "linear_cross_entropy" not in text
 
 
+def _fused_names(graph: torch.fx.Graph) -> list[str]:
+    return [n.target.__name__ for n in graph.nodes if isinstance(n.target, fusion.FusedOp)]
+
+
 def test_patterns_found_in_traced_graphs():
     x = _tokens(1)
+    everything = frozenset({"norm", "loss", "loss_with_returned_logits"})
     for model, expected in ((llama(), {"rms_norm": 3}), (gpt2(), {"rms_norm": 0})):
         exported = zerojax.bridge.capture.capture(model, (x,), {"labels": x}, train=True)
-        graph = fusion.rewrite(exported.graph, frozenset({"norm", "loss"}))
-        fused = [n.target.__name__ for n in graph.nodes if isinstance(n.target, fusion.FusedOp)]
+        fused = _fused_names(fusion.rewrite(exported.graph, everything))
         assert fused.count("rms_norm") == expected["rms_norm"]
         assert fused.count("linear_cross_entropy") == 1
+        # Hugging Face models return their logits too: plain "loss" leaves that projection whole
+        # rather than repeat the vocabulary matmul inside the chunked kernel.
+        fused = _fused_names(fusion.rewrite(exported.graph, frozenset({"norm", "loss"})))
+        assert fused.count("linear_cross_entropy") == 0
         # Only the norm family on: the loss pattern stays as torch wrote it.
         graph = fusion.rewrite(exported.graph, frozenset({"norm"}))
         assert not any(
@@ -222,7 +230,16 @@ def test_cross_entropy_of_plain_module_is_fused_and_matches_torch():
     y = torch.randint(0, 300, (4, 8))
     y[0, :3] = 7
     converted = zerojax.convert(head, (h, y))
-    graph = converted._programs[next(iter(converted._programs))][0].graph_for(None)
+    interpreter = converted._programs[next(iter(converted._programs))][0]
+    # The logits feed the loss alone, so the plain "loss" family fuses them; on CPU the default
+    # ("auto") does not substitute at all: whole logits are faster there (fusion.families_for).
+    assert fusion.families_for(KernelsConfig()) == frozenset({"norm"})
+    graph = interpreter.graph_for(KernelsConfig(loss="xla"))
     assert any(n.target is fusion.linear_cross_entropy_op for n in graph.nodes)
-    value, _ = converted.apply(converted.params, converted.buffers, h.numpy(), y.numpy())
+    graph = fusion.rewrite(interpreter.graph, frozenset({"loss"}))
+    assert any(n.target is fusion.linear_cross_entropy_op for n in graph.nodes)
+    kernels = KernelsConfig(loss="xla")
+    value, _ = converted.apply(
+        converted.params, converted.buffers, h.numpy(), y.numpy(), kernels=kernels
+    )
     np.testing.assert_allclose(float(value), head(h, y).item(), rtol=1e-6)

@@ -13,11 +13,19 @@ ATen ops; their lowerings pick the kernel themselves):
   target, reduction="none")`, computed in vocabulary chunks. The masking and reduction nodes
   stay as they are.
 
+When the chunked loss pays: it never holds the [tokens, vocab] logits, their fp32 log-softmax
+or their gradient, at the price of recomputing the vocabulary matmul in the backward pass and
+of chunked matmuls that run slower per FLOP than one large one (measured on CPU: the loss head
+of the GPT-2 bench took 716 ms chunked vs 597 ms unchunked). When the model also returns its
+logits (every Hugging Face CausalLM does), the projection must run whole for that output
+anyway, and the kernel would repeat it: ~89 instead of 72 GFLOP on the bench step. So the
+`"loss"` family fuses only projections whose logits feed the loss alone, and
+`"loss_with_returned_logits"` (asked for explicitly) also those the model returns; `families_for`
+says which a kernels config enables.
+
 A node the rewrite removes must be used only inside its pattern (metadata asserts aside), so
-nothing the rest of the graph reads disappears. The projection is not removed: when the model
-also returns its logits (Hugging Face models do), they are still computed for that output, and
-only the loss and its gradient come from the chunked kernel. Rewriting works on a copy of the
-graph: the exported program stays as torch produced it.
+nothing the rest of the graph reads disappears. Rewriting works on a copy of the graph: the
+exported program stays as torch produced it.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ import torch
 
 from zerojax.bridge.kernel_sharding import per_batch_shard
 from zerojax.bridge.registry import LoweringContext
+from zerojax.config import KernelsConfig
+from zerojax.pallas_kernels.backend import auto_picks_pallas
 
 aten = torch.ops.aten
 
@@ -98,9 +108,29 @@ linear_cross_entropy_op = FusedOp("linear_cross_entropy", "loss", _lower_linear_
 FUSED_OPS = (rms_norm_op, linear_cross_entropy_op)
 
 
+def families_for(kernels: KernelsConfig) -> frozenset[str]:
+    """The pattern families `rewrite` fuses under a kernels config.
+
+    - "norm": unless `kernels.norm` is off.
+    - "loss": with `loss: pallas|xla`, or `auto` where auto runs the Pallas kernel (GPU): there
+      the chunked loss keeps the logits out of device memory. `auto` on CPU computes the loss
+      from whole logits, which is faster there and host memory is not the constraint.
+    - "loss_with_returned_logits": only when `loss` is pallas or xla explicitly (see the module
+      docstring for why `auto` does not repeat the projection).
+    """
+    families = set()
+    if kernels.norm != "off":
+        families.add("norm")
+    if kernels.loss in ("pallas", "xla"):
+        families |= {"loss", "loss_with_returned_logits"}
+    elif kernels.loss == "auto" and auto_picks_pallas(kernels.interpret):
+        families.add("loss")
+    return frozenset(families)
+
+
 def rewrite(graph: torch.fx.Graph, families: frozenset[str]) -> torch.fx.Graph:
-    """A copy of `graph` with the patterns of the enabled kernel `families` ("norm", "loss")
-    replaced by fused ops."""
+    """A copy of `graph` with the patterns of the enabled `families` ("norm", "loss",
+    "loss_with_returned_logits"; see `families_for`) replaced by fused ops."""
     copy = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     copy.output(copy.graph_copy(graph, env))
@@ -113,7 +143,9 @@ def rewrite(graph: torch.fx.Graph, families: frozenset[str]) -> torch.fx.Graph:
         if "norm" in families and node.target == aten.mul.Tensor:
             _fuse_rms_norm(copy, node)
         elif "loss" in families and node.target == aten.neg.default:
-            _fuse_linear_cross_entropy(copy, node)
+            _fuse_linear_cross_entropy(
+                copy, node, with_returned_logits="loss_with_returned_logits" in families
+            )
     copy.eliminate_dead_code()
     return copy
 
@@ -178,7 +210,9 @@ def _fuse_rms_norm(graph: torch.fx.Graph, final: torch.fx.Node) -> None:
         return
 
 
-def _fuse_linear_cross_entropy(graph: torch.fx.Graph, neg: torch.fx.Node) -> None:
+def _fuse_linear_cross_entropy(
+    graph: torch.fx.Graph, neg: torch.fx.Node, *, with_returned_logits: bool
+) -> None:
     squeeze = neg.args[0]
     if not (_is(squeeze, aten.squeeze.dims, aten.squeeze.dim) and _only_used_by(squeeze, neg)):
         return
@@ -200,8 +234,13 @@ def _fuse_linear_cross_entropy(graph: torch.fx.Graph, neg: torch.fx.Node) -> Non
     tokens_vocab = _shape(logits)
     if tokens_vocab is None or len(tokens_vocab) != 2:
         return
+    logits_used_elsewhere = False
     while _is(logits, *_VALUE_PRESERVING) or _is_float32_cast(logits):
+        logits_used_elsewhere |= len(logits.users) > 1
         logits = logits.args[0]
+    logits_used_elsewhere |= len(logits.users) > 1
+    if logits_used_elsewhere and not with_returned_logits:
+        return
     if _is(logits, aten.mm.default):
         hidden, transposed = logits.args
         bias = None

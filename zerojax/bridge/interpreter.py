@@ -48,9 +48,6 @@ _PYTHON_FUNCTIONS = {
     operator.ge,
 }
 
-# Kernel families found as multi-op patterns (SDPA and LayerNorm are single ATen ops).
-_PATTERN_FAMILIES = ("norm", "loss")
-
 RANDOM_OPS_NEED_RNG = "pass rng=jax.random.key(seed) to apply() (a fresh key per step)"
 
 
@@ -109,7 +106,7 @@ class GraphFunction:
     def graph_for(self, kernels: KernelsConfig | None) -> torch.fx.Graph:
         """The graph to run: patterns of the kernel families `kernels` enables fused."""
         kernels = kernels if kernels is not None else KernelsConfig()
-        families = frozenset(f for f in _PATTERN_FAMILIES if getattr(kernels, f) != "off")
+        families = fusion.families_for(kernels)
         if families not in self._graphs:
             self._graphs[families] = fusion.rewrite(self.graph, families)
         return self._graphs[families]
