@@ -31,7 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zerojax.config import Config, ConfigError, ConfigWarning, load_config
+from zerojax.config import Config, ConfigError, ConfigWarning
 from zerojax.sharding.rules import match_rules, rule_partition_spec, to_partition_spec
 
 __all__ = ["ReplicatedParam", "ShardingPlan", "make_sharding_plan", "zero_dims"]
@@ -187,7 +187,7 @@ def _shape_dtype(name: str, value: Any) -> tuple[tuple[int, ...], int]:
 
 def make_sharding_plan(
     params: Mapping[str, Any],
-    config: Config | Mapping | str,
+    config: Config,
     mesh: Mesh | None = None,
 ) -> ShardingPlan:
     """Plan where each parameter, gradient, optimizer-state array and master weight lives.
@@ -201,7 +201,11 @@ def make_sharding_plan(
         >>> plan = make_sharding_plan(converted.params, load_config("examples/zero3.yaml"))
         >>> params = {k: jax.device_put(v, plan.params[k]) for k, v in converted.params.items()}
     """
-    config = load_config(config)
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"make_sharding_plan takes a Config, got {type(config).__name__}; load it once "
+            "with zerojax.load_config(path_or_dict) and pass the result"
+        )
     if mesh is None:
         from zerojax.sharding.mesh import make_mesh
 
