@@ -11,11 +11,11 @@ from zerojax.ckpt import (
     save_checkpoint,
 )
 from zerojax.config import Config, ConfigError, ConfigWarning, load_config
+from zerojax.runtime.effective_time import effective_time
 from zerojax.sharding import ReplicatedParam, ShardingPlan, make_mesh, make_sharding_plan
 from zerojax.sharding.memory import memory_report
 from zerojax.sharding.step import make_train_step
 from zerojax.train import initialize
-from zerojax.train.effective_time import effective_time
 
 __version__ = "0.1.0"
 __all__ = [

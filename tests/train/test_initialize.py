@@ -7,7 +7,7 @@ Why: issue 4's promise is that this loop runs unchanged, as sharded XLA, with to
     out = model(x)
     loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # train.patch_clip_grad_norm: true
     optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
 Each case trains the nanoGPT-style GPT-2 from bench/architectures.py (tied wte/lm_head, dropout
@@ -162,6 +162,9 @@ def trained(case: str) -> Run:
     reference = copy.deepcopy(module)
     optimizer, make_scheduler = make_optimizer(module)
     ref_optimizer, _ = make_optimizer(reference)
+    # The loop is verbatim torch: its torch.nn.utils.clip_grad_norm_ clips on the shards
+    # because the config opts in to the patch.
+    config = {**config, "train": {"patch_clip_grad_norm": True}}
     model, optimizer = zerojax.initialize(module, optimizer, config=config)
     scheduler, ref_scheduler = make_scheduler(optimizer), make_scheduler(ref_optimizer)
 
@@ -315,9 +318,8 @@ def test_clip_grad_norm_clips_on_the_shards_like_torch(norm_type):
     """The norm returned and the clipped gradients both equal torch's."""
     module = MLP()
     reference = copy.deepcopy(module)
-    model, _ = zerojax.initialize(
-        module, torch.optim.SGD(module.parameters(), lr=0.1), config=CASES["zero3"][0]
-    )
+    config = {**CASES["zero3"][0], "train": {"patch_clip_grad_norm": True}}
+    model, _ = zerojax.initialize(module, torch.optim.SGD(module.parameters(), lr=0.1), config)
     x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
     norms = []
     for m in (model, reference):

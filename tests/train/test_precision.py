@@ -57,7 +57,14 @@ class Task:
 
 
 def config(precision, stage=3, **extra):
-    return {"mesh": {"data": -1}, "zero_stage": stage, "precision": precision, **extra}
+    # The patch lets `step` clip both models with torch.nn.utils.clip_grad_norm_.
+    return {
+        "mesh": {"data": -1},
+        "zero_stage": stage,
+        "precision": precision,
+        "train": {"patch_clip_grad_norm": True},
+        **extra,
+    }
 
 
 def setup(precision, **extra):

@@ -65,7 +65,7 @@ from zerojax.ckpt.errors import (
     CheckpointNotFoundError,
 )
 from zerojax.ckpt.manifest import verify_manifest, write_manifest
-from zerojax.train.effective_time import LEDGER
+from zerojax.runtime.effective_time import LEDGER
 
 __all__ = ["Checkpointer", "RestoredState", "restore_checkpoint", "save_checkpoint"]
 

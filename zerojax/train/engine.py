@@ -32,8 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from zerojax.bridge.convert import Converted, state_arrays
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
+from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
-from zerojax.train import effective_time, optimizers
+from zerojax.train import optimizers
 from zerojax.train.precision import (
     PrecisionPolicy,
     initial_loss_scale_state,

@@ -6,10 +6,13 @@ from typing import Any
 
 import torch
 
-from zerojax.config import Config, load_config
-from zerojax.train import clipping, effective_time
+from zerojax.config import Config, apply_devices, load_config
+from zerojax.runtime import effective_time
+from zerojax.runtime.compilation_cache import enable_compilation_cache
+from zerojax.train import clipping
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule, release_parameters
+from zerojax.train.optimizer_config import build_optimizer, check_optimizer_matches_config
 from zerojax.train.optimizer_shim import ZeroOptimizer
 
 
@@ -30,7 +33,12 @@ def initialize(
     >>> loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     `config`: path (YAML/JSON/DeepSpeed JSON), dict or loaded Config; None = one data-parallel
-    axis over all devices, ZeRO stage 0, fp32. `example_inputs` traces now instead of on the
+    axis over all devices, ZeRO stage 0, fp32. Its `devices` section is applied to JAX here if
+    JAX has not started yet (else it must match the running backend). With `optimizer=None`
+    and an `optimizer:` section, the torch optimizer is built from it (and returned, wrapped);
+    a passed optimizer must agree with that section. `train.patch_clip_grad_norm: true` routes
+    `torch.nn.utils.clip_grad_norm_` through zerojax while this model lives; otherwise clip
+    with `model.clip_grad_norm_(max_norm)`. `example_inputs` traces now instead of on the
     first call. `loss_fn(outputs, target)` is traced into the program: call the model as
     `model(*inputs, target)` and it returns the loss, computed forward and backward in one
     fused program (as happens automatically when the model returns a scalar or `.loss`);
@@ -42,23 +50,29 @@ def initialize(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() takes a torch.nn.Module, got {type(model).__name__}")
-    if config is None:
-        config = {"mesh": {"data": -1}}
-    if not isinstance(config, Config):
-        config = load_config(config)
+    # The one load: everything below takes this Config.
+    config = load_config({"mesh": {"data": -1}} if config is None else config)
+    apply_devices(config.devices)  # before anything below starts JAX's backends
+    if config.optimizer is not None:
+        if optimizer is None:
+            optimizer = build_optimizer(config.optimizer, model)
+        else:
+            check_optimizer_matches_config(optimizer, config.optimizer)
     runtime = config.runtime
-    effective_time.enable_compilation_cache(runtime.compilation_cache_dir)
+    enable_compilation_cache(runtime.compilation_cache_dir)
     ledger = effective_time.LEDGER
     ledger.begin(log_path=runtime.effective_time_log, report_at_exit=runtime.report_effective_time)
     with ledger.measure("init", model=type(model).__name__):
         engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)
+        ledger.attach(engine)
         wrapped_optimizer = None
         if optimizer is not None:
             _check_optimizer_covers_model(model, optimizer)
             wrapped_optimizer = ZeroOptimizer(optimizer, engine)
         wrapped = ZeroModule(model, engine)
         release_parameters(model, engine)
-        clipping.install()
+        if config.train.patch_clip_grad_norm:
+            clipping.patch_torch_clip_grad_norm(engine)
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         engine.converted(model.training, args, {})

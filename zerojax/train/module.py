@@ -33,9 +33,10 @@ class GradSnapshot(torch.Tensor):
         if name.endswith("_") and not name.endswith("__"):
             raise RuntimeError(
                 f"zerojax: `{name}` would modify a host copy of a sharded gradient (p.grad), not "
-                f"the gradient itself. Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                f"max_norm) (zerojax runs it on the shards) or set train.gradient_clipping in "
-                f"the config."
+                f"the gradient itself. Clip with model.clip_grad_norm_(max_norm) on the wrapped "
+                f"model (it runs on the shards), or set train.gradient_clipping in the config, or "
+                f"set train.patch_clip_grad_norm: true to have torch.nn.utils.clip_grad_norm_ "
+                f"run on the shards."
             )
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
@@ -226,6 +227,13 @@ class ZeroModule(torch.nn.Module):
         """Drop the accumulated gradients. nn.Module's version would read (gather) every
         `p.grad` first; either way the next backward starts from nothing."""
         self._engine.zero_grad()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the accumulated gradients' global norm to `max_norm`, on the shards (as FSDP's
+        `clip_grad_norm_`); returns the total norm before clipping, as torch's does."""
+        from zerojax.train.clipping import clip_engine_grad_norm_
+
+        return clip_engine_grad_norm_(self._engine, max_norm, norm_type)
 
     # --- torch-format state ----------------------------------------------------------------
 

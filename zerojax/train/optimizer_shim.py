@@ -12,7 +12,8 @@ from collections import OrderedDict, defaultdict
 
 import torch
 
-from zerojax.train import effective_time, optimizers
+from zerojax.runtime import effective_time
+from zerojax.train import optimizers
 from zerojax.train.engine import Engine
 
 

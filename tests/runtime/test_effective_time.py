@@ -5,6 +5,7 @@ Each run of the script below is a new process, as a restarted job is: the second
 its programs in the compilation cache instead of compiling them again.
 """
 
+import gc
 import json
 import os
 import subprocess
@@ -12,9 +13,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from zerojax.train.effective_time import CATEGORIES, EffectiveTimeLedger
+from zerojax.runtime.effective_time import CATEGORIES, EffectiveTimeLedger
 
 SCRIPT = textwrap.dedent(
     """
@@ -29,7 +32,11 @@ SCRIPT = textwrap.dedent(
     config = {
         "mesh": {"fsdp": 8},
         "zero": {"stage": 3},
-        "runtime": {"compilation_cache_dir": sys.argv[1], "effective_time_log": sys.argv[2]},
+        "runtime": {
+            "compilation_cache_dir": sys.argv[1],
+            "effective_time_log": sys.argv[2],
+            "report_effective_time": sys.argv[3] == "report",
+        },
     }
     model, optimizer = zerojax.initialize(net, torch.optim.AdamW(net.parameters()), config)
     for _ in range(3):
@@ -42,12 +49,19 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path) -> tuple[dict, list[dict], str]:
+def _run(tmp_path: Path, report: bool) -> tuple[dict, list[dict], str]:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     log = tmp_path / "effective_time.jsonl"
     log.unlink(missing_ok=True)
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "cache"), str(log)],
+        [
+            sys.executable,
+            "-c",
+            SCRIPT,
+            str(tmp_path / "cache"),
+            str(log),
+            "report" if report else "quiet",
+        ],
         check=False,
         capture_output=True,
         text=True,
@@ -61,7 +75,7 @@ def _run(tmp_path: Path) -> tuple[dict, list[dict], str]:
 
 @pytest.mark.multidevice
 def test_restarted_process_reuses_compiled_programs_and_reports_time(tmp_path):
-    first, events, stderr = _run(tmp_path)
+    first, events, stderr = _run(tmp_path, report=True)
     assert first["cache_hits"] == 0
     assert any((tmp_path / "cache").iterdir())
     summary = events[-1]
@@ -74,8 +88,9 @@ def test_restarted_process_reuses_compiled_programs_and_reports_time(tmp_path):
     assert {e["event"] for e in events[:-1]} <= set(CATEGORIES)
     assert "zerojax effective training time (3 optimizer steps)" in stderr
 
-    second, _, _ = _run(tmp_path)
+    second, _, stderr = _run(tmp_path, report=False)
     assert second["cache_hits"] > 0
+    assert "zerojax effective training time" not in stderr  # the report is opt-in
 
 
 def test_ledger_counts_blocks_and_ignores_compiles_inside_them():
@@ -88,3 +103,23 @@ def test_ledger_counts_blocks_and_ignores_compiles_inside_them():
     ledger._on_jax_event("/jax/core/compile/backend_compile_duration", 2.0)
     ledger._on_jax_event("/jax/some/other_event", 7.0)
     assert ledger.seconds["trace_compile"] == 2.0
+
+
+def test_compile_listener_lives_as_long_as_an_engine():
+    """Compile time is counted while an attached engine is alive, and JAX's listener is
+    removed once the last one is collected (nothing left hooked into JAX)."""
+
+    class Engine:  # any object that can be weakly referenced stands in for an engine
+        pass
+
+    ledger = EffectiveTimeLedger()
+    ledger.begin(log_path=None, report_at_exit=False)
+    engine = Engine()
+    ledger.attach(engine)
+    jax.jit(lambda x: x * 3.0 + 1.0).lower(jnp.ones(7)).compile()  # a program not cached yet
+    counted = ledger.seconds["trace_compile"]
+    assert counted > 0.0
+    del engine
+    gc.collect()
+    jax.jit(lambda x: x * 5.0 - 2.0).lower(jnp.ones(9)).compile()
+    assert ledger.seconds["trace_compile"] == counted

@@ -14,8 +14,14 @@ zerojax records each of these as it happens, in one ledger per process:
 
 At exit the summary is printed to stderr (`runtime.report_effective_time`) and, with
 `runtime.effective_time_log`, every event and the summary are appended to a JSON-lines file.
+Only a config that asks for either registers the exit hook. JAX's compile events are listened
+to while an engine is alive (`attach`): the listener is removed when the last one is collected.
 
->>> with zerojax.train.effective_time.LEDGER.measure("checkpoint_restore"):
+The ledger is one per process on purpose: it accounts for the process's wall clock, which
+engines and checkpointers share. It lives here, below `train` and `ckpt`, which both report
+to it.
+
+>>> with zerojax.runtime.effective_time.LEDGER.measure("checkpoint_restore"):
 ...     checkpointer.restore()
 >>> zerojax.effective_time()["productive_fraction"]
 0.93
@@ -30,6 +36,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import jax
@@ -59,19 +66,34 @@ class EffectiveTimeLedger:
         self.report_at_exit = False
         self._lock = threading.Lock()
         self._depth = 0  # >0 while a measure() block runs: compile events inside belong to it
-        self._listening = False
+        self._num_engines = 0  # alive engines: JAX's compile events are listened to while > 0
+        self._exit_hook = False
 
     def begin(self, *, log_path: str | None, report_at_exit: bool) -> None:
-        """Start the clock (first call only) and hook JAX's compile events and the exit report."""
+        """Start the clock (first call only); register the exit report only if it is asked
+        for (a report, or a log file to append the summary to)."""
         if self.start is None:
             self.start = time.perf_counter()
         if log_path is not None:
             self.log_path = Path(os.path.expanduser(log_path))
         self.report_at_exit = self.report_at_exit or report_at_exit
-        if not self._listening:
-            jax.monitoring.register_event_duration_secs_listener(self._on_jax_event)
+        if (self.report_at_exit or self.log_path is not None) and not self._exit_hook:
             atexit.register(self._at_exit)
-            self._listening = True
+            self._exit_hook = True
+
+    def attach(self, engine: object) -> None:
+        """Count JAX's compile time while `engine` is alive (listener removed after the last)."""
+        with self._lock:
+            if self._num_engines == 0:
+                jax.monitoring.register_event_duration_secs_listener(self._on_jax_event)
+            self._num_engines += 1
+        weakref.finalize(engine, self._detach)
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._num_engines -= 1
+            if self._num_engines == 0:
+                jax.monitoring.unregister_event_duration_listener(self._on_jax_event)
 
     def _on_jax_event(self, event: str, duration: float, **_) -> None:
         if event in _COMPILE_EVENTS and self._depth == 0 and self.start is not None:
@@ -155,21 +177,3 @@ LEDGER = EffectiveTimeLedger()
 def effective_time() -> dict:
     """This process's effective-training-time summary so far (see the module docstring)."""
     return LEDGER.summary()
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """Point JAX's persistent compilation cache at `directory` (None leaves JAX's setting)."""
-    if directory is None:
-        return
-    path = os.path.abspath(os.path.expanduser(directory))
-    if jax.config.jax_compilation_cache_dir == path:
-        return
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    # Every program of a training run is worth keeping: a restart then skips all compiles.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    # JAX decides once per process whether the cache is in use; a process that compiled
-    # something before this call must re-decide.
-    from jax._src import compilation_cache
-
-    compilation_cache.reset_cache()

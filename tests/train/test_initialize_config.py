@@ -1,0 +1,192 @@
+"""What `zerojax.initialize` takes from the config itself: `devices:`, `optimizer:` and the
+opt-in clip patch.
+
+Run: .venv/bin/python -m pytest -q tests/train/test_initialize_config.py -p no:cacheprovider
+Why: issue 15 (a script whose only zerojax call is `initialize(model, opt, config="c.yaml")`
+with `devices: {num_cpu_devices: 4}` must run on 4 devices; checked in a fresh process, since
+this one already runs JAX with 8) and issue 14 (every config key has an effect: `optimizer:`
+builds the optimizer or is checked against the user's).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerojax
+from bench.architectures import MLP
+from zerojax.config import ConfigError
+
+pytestmark = pytest.mark.multidevice
+
+REPO = Path(__file__).resolve().parents[2]
+ZERO3 = {"mesh": {"data": -1}, "zero_stage": 3}
+ADAMW = {"type": "AdamW", "params": {"lr": 2e-2, "betas": [0.8, 0.95], "weight_decay": 0.1}}
+
+SCRIPT = textwrap.dedent(
+    """
+    import gc, json, sys
+    import torch, zerojax
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model, opt = zerojax.initialize(net, None, config=sys.argv[1])
+    import jax
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    patched = torch.nn.utils.clip_grad_norm_ is not torch.nn.utils.clip_grad.clip_grad_norm_ or (
+        torch.nn.utils.clip_grad_norm_.__module__ == "zerojax.train.clipping"
+    )
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+    opt.step()
+    result = {
+        "devices": jax.device_count(),
+        "mesh": dict(model.engine.mesh.shape),
+        "optimizer": type(opt._optimizer).__name__,
+        "lr": opt.param_groups[0]["lr"],
+        "patched": patched,
+        "norm": norm,
+    }
+    del model, opt, net
+    gc.collect()
+    result["restored"] = torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+    print(json.dumps(result))
+    """
+)
+
+
+@pytest.mark.slow  # ~25 s: a fresh Python with torch, JAX and a compile
+def test_initialize_applies_devices_section_in_a_fresh_process(tmp_path):
+    """Issue 15's done-when, plus `optimizer:` built from the config and the clip patch
+    restored once the model is gone. (Fast representative of the same `apply_devices` path:
+    test_devices_after_jax_started_says_what_to_do.)"""
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "devices: {num_cpu_devices: 4}\n"
+        "zero_stage: 3\n"
+        "optimizer: {type: AdamW, params: {lr: 1.0e-3}}\n"
+        "train: {patch_clip_grad_norm: true}\n"
+        "runtime: {compilation_cache_dir: null}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8-device override
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(config)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 4 and result["mesh"] == {"data": 4}
+    assert result["optimizer"] == "AdamW" and result["lr"] == 1e-3
+    assert result["patched"] and result["norm"] > 1e-3
+    assert result["restored"]
+
+
+def test_devices_after_jax_started_says_what_to_do():
+    assert jax.device_count() == 8  # JAX has started (conftest's 8 devices) before initialize
+    net = MLP()
+    with pytest.raises(ConfigError) as info:
+        zerojax.initialize(net, None, {"devices": {"num_cpu_devices": 4}})
+    message = str(info.value)
+    assert message.startswith(
+        "devices.num_cpu_devices=4: JAX already started with 8 CPU devices"
+    ), message
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=4" in message
+    assert "before anything else uses JAX" in message
+
+
+def test_optimizer_section_builds_the_optimizer_and_trains_like_torch():
+    torch.manual_seed(0)
+    module = MLP()
+    reference = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(module, None, {**ZERO3, "optimizer": ADAMW})
+    built = optimizer._optimizer
+    assert type(built) is torch.optim.AdamW
+    assert built.defaults["lr"] == 2e-2 and built.defaults["betas"] == (0.8, 0.95)
+    assert built.defaults["weight_decay"] == 0.1
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=2e-2, betas=(0.8, 0.95))
+    ref_optimizer.param_groups[0]["weight_decay"] = 0.1
+    for _ in range(2):
+        x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+        for m, opt in ((model, optimizer), (reference, ref_optimizer)):
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    # zerojax's AdamW differs from torch's by <= 1 ulp on ~1% of elements per step
+    # (train/optimizers.py); on unit-scale params after 2 steps that is < 1e-6.
+    ours = model.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_deepspeed_optimizer_section_builds_adamw():
+    module = MLP()
+    ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    _, optimizer = zerojax.initialize(module, None, ds)
+    assert type(optimizer._optimizer) is torch.optim.AdamW  # DeepSpeed's Adam is AdamW
+
+
+MISMATCHES = [
+    (
+        lambda params: torch.optim.SGD(params, lr=2e-2),
+        ADAMW,
+        (
+            "optimizer.type='adamw' in the config, but the torch optimizer passed to "
+            "zerojax.initialize is SGD; pass optimizer=None to have zerojax build it from the "
+            "config, or remove the config's optimizer section"
+        ),
+    ),
+    (
+        lambda params: torch.optim.AdamW(params, lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1),
+        ADAMW,
+        (
+            "optimizer.params.lr=0.02 in the config, but the torch AdamW has lr=0.001 in its "
+            "param group; make them agree, or pass optimizer=None to have zerojax build it from "
+            "the config"
+        ),
+    ),
+    (
+        lambda params: torch.optim.AdamW(params, lr=2e-2, betas=(0.9, 0.999), weight_decay=0.1),
+        ADAMW,
+        (
+            "optimizer.params.betas=[0.8, 0.95] in the config, but the torch AdamW has "
+            "betas=(0.9, 0.999) in its param group; make them agree, or pass optimizer=None to "
+            "have zerojax build it from the config"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("make, section, message", MISMATCHES, ids=["type", "lr", "betas"])
+def test_optimizer_contradicting_the_config_is_an_error(make, section, message):
+    module = MLP()
+    with pytest.raises(ValueError) as info:
+        zerojax.initialize(module, make(module.parameters()), {**ZERO3, "optimizer": section})
+    assert str(info.value) == message
+
+
+def test_optimizer_agreeing_with_the_config_is_accepted():
+    """Per-group overrides (no decay on biases) and a scheduler that already moved lr are
+    torch's own ways of using the configured values, not contradictions."""
+    module = MLP()
+    groups = [
+        {"params": [p for p in module.parameters() if p.ndim >= 2]},
+        {"params": [p for p in module.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=2e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.1)  # lr is now 2e-3
+    _, wrapped = zerojax.initialize(module, optimizer, {**ZERO3, "optimizer": ADAMW})
+    assert wrapped.param_groups is optimizer.param_groups
