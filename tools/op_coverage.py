@@ -5,7 +5,7 @@
 
 Prints (a) the gap list: every core-ATen overload of the installed torch (those tagged
 `torch.Tag.core`) that zerojax.bridge.supported_ops() lacks, with the reason from
-tests/bridge/opinfo_table.py's ATEN_GAPS where it gives one; (b) the extras: lowered overloads
+zerojax/bridge/aten_gaps.py where it gives one; (b) the extras: lowered overloads
 outside the core opset (ops zerojax keeps whole, such as scaled_dot_product_attention, and
 non-core ops that torch.export leaves in graphs); (c) lowered overloads per op-family module.
 """
@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from zerojax.bridge.aten_gaps import ATEN_GAPS
 from zerojax.bridge.registry import get_lowering, supported_ops
 
 NOT_LOWERED = "not lowered"
@@ -43,11 +44,7 @@ def core_aten_ops() -> set[torch._ops.OpOverload]:
 
 
 def gap_reasons() -> dict[str, str]:
-    """str(overload) -> why zerojax lacks it, from the OpInfo suite's table (if importable)."""
-    try:
-        from tests.bridge.opinfo_table import ATEN_GAPS
-    except ImportError:
-        return {}
+    """str(overload) -> why zerojax lacks it (the package's documented gaps)."""
     return dict(ATEN_GAPS)
 
 

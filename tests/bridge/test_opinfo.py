@@ -268,7 +268,7 @@ def _gap_outcome(case: Case, missing: set[str]) -> Outcome:
         return _failed(
             case,
             f"UnsupportedOpError: needs {', '.join(unknown)}: no lowering, and no reason in "
-            f"tests/bridge/opinfo_table.py ATEN_GAPS (lower it, or list it there with why)",
+            f"zerojax/bridge/aten_gaps.py ATEN_GAPS (lower it, or list it there with why)",
         )
     return _skipped(case, "; ".join(f"needs {op}: {table.ATEN_GAPS[op]}" for op in sorted(missing)))
 
@@ -539,7 +539,7 @@ def test_gap_table_is_current():
     """ATEN_GAPS lists only unlowered ops: a newly lowered op must leave the table."""
     lowered = {str(op) for op in supported_ops()}
     stale = sorted(op for op in table.ATEN_GAPS if op in lowered)
-    assert stale == [], f"lowered now, delete from opinfo_table.ATEN_GAPS: {stale}"
+    assert stale == [], f"lowered now, delete from zerojax/bridge/aten_gaps.py: {stale}"
 
 
 @pytest.mark.parametrize("entry, dtype", PARAMS, ids=PARAM_IDS)

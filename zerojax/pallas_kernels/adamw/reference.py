@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zerojax.pallas_kernels.adamw.bias_correction import adam_bias_corrections
+
 __all__ = [
     "NUM_SCALARS",
     "REQUIRED_HYPER_KEYS",
@@ -99,14 +101,11 @@ def _check_hyper(hyper: Mapping[str, Any]) -> None:
 def adamw_scalars(hyper: Mapping[str, Any], *, decoupled_weight_decay: bool = True) -> jax.Array:
     """The per-step scalars of one update as a float32 vector of `NUM_SCALARS` (traced).
 
-    Bias corrections use `zerojax.train.optimizers`' double-float arithmetic, so they round to
-    the float32 values torch computes in float64. Slot `DECAY` holds `1 - lr*wd` (AdamW) or
+    Bias corrections use `bias_correction`'s double-float arithmetic (shared with
+    `zerojax.train.optimizers`), so they round to the float32 values torch computes in float64. Slot `DECAY` holds `1 - lr*wd` (AdamW) or
     `wd` (Adam's L2 decay); slot `ZERO_BITS` is a runtime zero that stops the compiler fusing
     `p * (1 - lr*wd)` into the next add, where torch rounds in between.
     """
-    # Imported here, not at module level: zerojax.train imports the kernels.
-    from zerojax.train.optimizers import _adam_bias_corrections
-
     _check_hyper(hyper)
     f32 = jnp.float32
 
@@ -124,7 +123,7 @@ def adamw_scalars(hyper: Mapping[str, Any], *, decoupled_weight_decay: bool = Tr
         "beta2": beta2,
         "beta2_lo": get("beta2_lo", 0.0),
     }
-    step_size_neg, bc2_sqrt = _adam_bias_corrections(
+    step_size_neg, bc2_sqrt = adam_bias_corrections(
         step[None], {k: v[None] for k, v in as_group.items()}
     )
     # Any step count is >= 0, so this is 0; the compilers cannot prove it.
