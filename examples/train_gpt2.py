@@ -33,7 +33,6 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import zerojax
-from zerojax.sharding import configure_devices
 from zerojax.sharding.memory import measure_memory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,9 +161,7 @@ def held_out_accuracy(model, test_pairs, show: int = 8) -> float:
 
 def main() -> None:
     args = parse_args()
-    config = zerojax.load_config(args.config)
-    # Before JAX starts: the simulated CPU device count is read once, at backend start.
-    configure_devices(config)
+    config = zerojax.load_config(args.config)  # loaded once; JAX has not started yet
     checkpoint_dir = Path(config.checkpoint.directory)
     if not args.resume and checkpoint_dir.exists():
         shutil.rmtree(checkpoint_dir)  # the example's own directory: a fresh run starts anew
@@ -187,14 +184,15 @@ def main() -> None:
     model = GPT2LMHeadModel(gpt2_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     num_params = sum(p.numel() for p in model.parameters())
+
+    # Applies the config's `devices:` (8 simulated CPU devices) first: nothing above used JAX.
+    model, optimizer = zerojax.initialize(model, optimizer, config=config)
     print(
         f"GPT-2 ({gpt2_config.n_layer} layers, width {gpt2_config.n_embd}, {num_params:,} "
         f"parameters), batch {args.batch_size} x {PROMPT_LEN + ANSWER_LEN - 1} tokens, on "
         f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices, "
         f"config {os.path.relpath(args.config)}"
     )
-
-    model, optimizer = zerojax.initialize(model, optimizer, config=config)
     warmup = max(1, args.steps // 20)  # then cosine decay to zero
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -221,7 +219,7 @@ def main() -> None:
         out = model(x).logits
         loss = F.cross_entropy(out.flatten(0, 1), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        model.clip_grad_norm_(1.0)  # on the shards; torch.nn.utils' is left as torch's
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()

@@ -7,7 +7,6 @@ Exists because a config typo must be an error that names the key, never a silent
 
 import json
 import re
-import warnings
 from dataclasses import FrozenInstanceError
 from pathlib import Path
 
@@ -23,6 +22,12 @@ from zerojax.config import (
 )
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+NO_EFFECT = (
+    "checked to multiply out with gradient accumulation and the data-parallel size, and otherwise "
+    "without effect: zerojax does not load your data, so the batch your loader yields is the batch "
+    "that trains"
+)
 
 
 def load(raw, num_devices=8):
@@ -175,6 +180,33 @@ BAD_CONFIGS = [
         {"optimizer": {"type": "Adafactor"}},
         "optimizer.type='adafactor': allowed: adam, adamw, sgd",
     ),
+    (
+        {"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}},
+        (
+            "optimizer.params.momentum: unknown key; allowed keys: lr, betas, eps, weight_decay, "
+            "amsgrad, maximize"
+        ),
+    ),
+    (
+        {"optimizer": {"type": "SGD", "params": {"lr": 0.1, "nesterov": 1}}},
+        "optimizer.params.nesterov=1: expected true or false",
+    ),
+    (
+        {"optimizer": {"type": "adam", "params": {"betas": [0.9]}}},
+        "optimizer.params.betas=[0.9]: expected [beta1, beta2], each in [0, 1)",
+    ),
+    (
+        {"optimizer": {"type": "adam", "params": {"betas": [0.9, 1.0]}}},
+        "optimizer.params.betas[1]=1.0: expected a number in [0, 1)",
+    ),
+    (
+        {"optimizer": {"type": "sgd", "params": {"lr": -0.1}}},
+        "optimizer.params.lr=-0.1: expected a number >= 0",
+    ),
+    (
+        {"train": {"patch_clip_grad_norm": "yes"}},
+        "train.patch_clip_grad_norm='yes': expected true or false",
+    ),
 ]
 
 
@@ -247,10 +279,12 @@ def test_precision_string_and_loss_scale():
     assert static.loss_scale == LossScaleConfig(dynamic=False, initial_scale=128.0)
 
 
-def test_batch_sizes_are_derived():
-    train = load({"train": {"global_batch_size": 64, "gradient_accumulation_steps": 2}}).train
+def test_batch_sizes_are_derived_and_said_to_have_no_other_effect():
+    with pytest.warns(ConfigWarning, match=re.escape(f"train.global_batch_size: {NO_EFFECT}")):
+        train = load({"train": {"global_batch_size": 64, "gradient_accumulation_steps": 2}}).train
     assert train.micro_batch_size == 4
-    assert load({"train": {"micro_batch_size": 2}}).train.global_batch_size == 16
+    with pytest.warns(ConfigWarning, match=re.escape(f"train.micro_batch_size: {NO_EFFECT}")):
+        assert load({"train": {"micro_batch_size": 2}}).train.global_batch_size == 16
 
 
 def test_yaml_file_and_example(tmp_path):
@@ -294,20 +328,13 @@ def test_missing_file():
 # ----------------------------------------------------------------------------- DeepSpeed
 
 
-BATCH_SIZES_NO_EFFECT = (
-    "checked to multiply out with gradient accumulation and the data-parallel size, and otherwise "
-    "without effect: zerojax does not load your data, so the batch your loader yields is the batch "
-    "that trains"
-)
-
-
 def test_deepspeed_example_maps_every_key():
     # The example uses only supported keys: the one warning says the batch sizes do nothing
     # beyond the consistency check.
     with pytest.warns(ConfigWarning) as record:
         config = load(EXAMPLES / "ds_config.json")
     assert [str(w.message) for w in record] == [
-        f"train_micro_batch_size_per_gpu and train_batch_size: {BATCH_SIZES_NO_EFFECT}"
+        f"train_micro_batch_size_per_gpu and train_batch_size: {NO_EFFECT}"
     ]
     assert config.format == "deepspeed" and config.zero_stage == 2
     assert config.mesh.axes == (("data", -1),)
@@ -372,14 +399,14 @@ def test_deepspeed_fp16_loss_scale():
 def test_deepspeed_adam_is_adamw_unless_told():
     assert (
         load(
-            {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "train_batch_size": 8}
+            {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "zero_optimization": {}}
         ).optimizer.type
         == "adamw"
     )
     config = load(
         {
             "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "adam_w_mode": False}},
-            "train_batch_size": 8,
+            "zero_optimization": {},
         }
     )
     assert config.optimizer.type == "adam" and config.optimizer.kwargs == {"lr": 1e-3}
@@ -407,7 +434,7 @@ def test_deepspeed_unsupported_keys_each_warn():
                 "DeepSpeed key 'steps_per_print' is not supported by zerojax and is ignored "
                 "(zerojax does not log steps; print in your loop)"
             ),
-            f"train_micro_batch_size_per_gpu: {BATCH_SIZES_NO_EFFECT}",
+            f"train_micro_batch_size_per_gpu: {NO_EFFECT}",
             (
                 "DeepSpeed key 'zero_optimization.overlap_comm' is not supported by zerojax and is "
                 "ignored (XLA schedules and buckets communication itself)"
@@ -420,6 +447,32 @@ def test_deepspeed_unsupported_keys_each_warn():
         ]
     )
     assert config.zero_stage == 3 and config.train.global_batch_size == 16
+
+
+def test_deepspeed_native_train_merges_with_deepspeed_keys():
+    config = load(
+        {
+            "gradient_accumulation_steps": 2,
+            "gradient_clipping": 0.5,
+            "zerojax": {"train": {"patch_clip_grad_norm": True}},
+        }
+    )
+    train = config.train
+    assert (train.gradient_accumulation_steps, train.gradient_clipping) == (2, 0.5)
+    assert train.patch_clip_grad_norm is True
+
+
+def test_deepspeed_optimizer_kernel_choices_warn():
+    raw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    with pytest.warns(ConfigWarning) as record:
+        config = load({**raw, "zero_optimization": {"stage": 1}})
+    assert [str(w.message) for w in record] == [
+        (
+            "DeepSpeed key 'optimizer.params.torch_adam' is not supported by zerojax and is "
+            "ignored (zerojax compiles its own update)"
+        )
+    ]
+    assert config.optimizer.kwargs == {"lr": 1e-3}
 
 
 def test_deepspeed_native_section():
@@ -473,8 +526,22 @@ DEEPSPEED_BAD = [
         "fp16.loss_scale=-1.0: allowed: 0 (dynamic) or a scale > 0",
     ),
     (
-        {"optimizer": {"type": "OneBitAdam"}, "train_batch_size": 8},
+        {"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {}},
         "optimizer.type='onebitadam': allowed: adam, adamw, sgd",
+    ),
+    (
+        {
+            "optimizer": {"type": "Adam", "params": {"bias_correction": False}},
+            "train_batch_size": 8,
+        },
+        (
+            "optimizer.params.bias_correction=false: zerojax runs torch's Adam/AdamW, which always "
+            "correct the bias; remove the key"
+        ),
+    ),
+    (
+        {"gradient_clipping": 1.0, "zerojax": {"train": {"patch_clip_grad_norm": 1}}},
+        "zerojax.train.patch_clip_grad_norm=1: expected true or false",
     ),
     (
         {"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
