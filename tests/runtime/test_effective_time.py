@@ -1,6 +1,6 @@
 """Effective-training-time ledger and the persistent compilation cache, in fresh processes.
 
-Run: .venv/bin/python -m pytest -q tests/train/test_effective_time.py
+Run: .venv/bin/python -m pytest -q tests/runtime/test_effective_time.py
 Each run of the script below is a new process, as a restarted job is: the second one must find
 its programs in the compilation cache instead of compiling them again.
 """

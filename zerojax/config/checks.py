@@ -17,19 +17,21 @@ class ConfigError(ValueError):
 
 
 class ConfigWarning(UserWarning):
-    """A config key is accepted but ignored (DeepSpeed keys zerojax does not implement), or a
-    sharding rule matched no parameter."""
+    """A config key is accepted but has no effect (DeepSpeed keys zerojax does not implement,
+    batch sizes zerojax only checks), or a sharding rule matched no parameter."""
 
 
-def fmt(value: Any) -> str:
+def _fmt(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def error(path: str, value: Any, problem: str) -> ConfigError:
-    return ConfigError(f"{path}={fmt(value)}: {problem}")
+    """`ConfigError("<path>=<value>: <problem>")`, the value as the user wrote it (JSON)."""
+    return ConfigError(f"{path}={_fmt(value)}: {problem}")
 
 
 def check_keys(path: str, mapping: Mapping, allowed: tuple[str, ...]) -> None:
+    """Unknown keys are errors, with a did-you-mean: a typo must never be a silent default."""
     for key in mapping:
         if key not in allowed:
             where = f"{path}.{key}" if path else str(key)

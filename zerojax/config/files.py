@@ -17,6 +17,7 @@ from zerojax.config.checks import ConfigError
 
 
 def read_config_file(source: str | os.PathLike) -> dict:
+    """The file's top-level mapping: JSON for a `.json` suffix, YAML otherwise."""
     path = Path(source)
     try:
         text = path.read_text()
