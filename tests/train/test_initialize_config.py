@@ -167,10 +167,22 @@ MISMATCHES = [
             "have zerojax build it from the config"
         ),
     ),
+    (
+        lambda params: torch.optim.Adam(params, lr=1e-3),
+        {"type": "AdamW", "params": {"lr": 1e-3}},
+        (
+            "optimizer.type='adamw' in the config, but the torch optimizer passed to "
+            "zerojax.initialize is Adam (a DeepSpeed 'Adam' is AdamW unless "
+            "optimizer.params.adam_w_mode is false); pass optimizer=None to have zerojax build "
+            "it from the config, or remove the config's optimizer section"
+        ),
+    ),
 ]
 
 
-@pytest.mark.parametrize("make, section, message", MISMATCHES, ids=["type", "lr", "betas"])
+@pytest.mark.parametrize(
+    "make, section, message", MISMATCHES, ids=["type", "lr", "betas", "deepspeed-adam"]
+)
 def test_optimizer_contradicting_the_config_is_an_error(make, section, message):
     module = MLP()
     with pytest.raises(ValueError) as info:

@@ -55,7 +55,7 @@ def _same(config_value: Any, torch_value: Any) -> bool:
             and len(config_value) == len(torch_value)
             and all(_same(a, b) for a, b in zip(config_value, torch_value))
         )
-    if isinstance(config_value, bool) or isinstance(torch_value, bool):
+    if torch_value is None or isinstance(config_value, bool) or isinstance(torch_value, bool):
         return config_value == torch_value
     return math.isclose(config_value, torch_value, rel_tol=_REL_TOL, abs_tol=0.0)
 
@@ -66,10 +66,13 @@ def check_optimizer_matches_config(
     """Raise ValueError if `optimizer` contradicts the config's `optimizer:` section."""
     torch_type = _torch_type(optimizer)
     if torch_type != config.type:
+        hint = ""
+        if (config.type, torch_type) == ("adamw", "adam"):
+            hint = " (a DeepSpeed 'Adam' is AdamW unless optimizer.params.adam_w_mode is false)"
         raise ValueError(
             f"optimizer.type={config.type!r} in the config, but the torch optimizer passed to "
-            f"zerojax.initialize is {type(optimizer).__name__}; pass optimizer=None to have "
-            "zerojax build it from the config, or remove the config's optimizer section"
+            f"zerojax.initialize is {type(optimizer).__name__}{hint}; pass optimizer=None to "
+            "have zerojax build it from the config, or remove the config's optimizer section"
         )
     for key, value in config.params:
         # A scheduler built before initialize has already moved lr; its start is initial_lr.
