@@ -42,6 +42,7 @@ class MeshConfig:
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """Axis names, outermost first."""
         return tuple(name for name, _ in self.axes)
 
     @property
@@ -292,6 +293,7 @@ class Config:
 
     @property
     def zero_stage(self) -> int:
+        """`zero.stage`."""
         return self.zero.stage
 
     @property
@@ -301,4 +303,5 @@ class Config:
 
     @property
     def data_parallel_size(self) -> int:
+        """Product of the data-parallel axes' sizes: the ZeRO partition count N_d."""
         return math.prod(self.mesh.size(a) for a in self.data_parallel_axes)
