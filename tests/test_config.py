@@ -562,3 +562,13 @@ def test_bad_deepspeed_config_message(raw, message):
 def test_load_config_passes_config_through():
     config = load({})
     assert load_config(config) is config and isinstance(config, Config)
+
+
+def test_mesh_and_plan_take_a_loaded_config():
+    """Loaded once, at the public entry point: below it a path or dict is a mistake."""
+    from zerojax.sharding import make_mesh, make_sharding_plan
+
+    with pytest.raises(TypeError, match=r"^make_mesh takes a Config, got dict; load it once"):
+        make_mesh({"mesh": {"data": -1}})
+    with pytest.raises(TypeError, match=r"^make_sharding_plan takes a Config, got str; load it"):
+        make_sharding_plan({}, str(EXAMPLES / "zero3.yaml"))
