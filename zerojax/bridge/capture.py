@@ -15,6 +15,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 
 from zerojax.bridge.errors import CaptureError
+from zerojax.bridge.hf_cache import register_cache_pytrees
 
 aten = torch.ops.aten
 
@@ -47,6 +48,8 @@ def _training_mode(module: torch.nn.Module, train: bool):
 
 def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
     """torch.export `module` on (args, kwargs) in train/eval mode and decompose to core ATen."""
+    # A Hugging Face model returns (and takes) its KV cache: export must see into it.
+    register_cache_pytrees(module)
     with _training_mode(module, train):
         try:
             exported = torch.export.export(module, args, kwargs, strict=False)
@@ -56,11 +59,6 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
                 return exported.run_decompositions(decomposition_table())
         except Exception as error:  # torch raises many types here; all mean "cannot capture"
             reason = f"{type(error).__name__}: {error}"
-            if "cache_utils" in reason:
-                reason += (
-                    "\nHint: a Hugging Face model returns its KV cache; convert it with "
-                    "use_cache=False (in the config or as a keyword argument)."
-                )
             raise CaptureError(
                 f"torch.export could not capture {type(module).__name__}; zerojax converts only "
                 f"what torch.export can trace (no data-dependent Python control flow, no "

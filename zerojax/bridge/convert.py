@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -14,10 +15,34 @@ from torch.export._tree_utils import reorder_kwargs
 
 from zerojax.bridge.capture import capture
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch, to_torch_dtype
+from zerojax.bridge.hf_cache import contains_cache, drop_caches, register_cache_pytrees
 from zerojax.bridge.interpreter import GraphFunction
 from zerojax.bridge.output_tree import register_output_types
 
 log = logging.getLogger("zerojax")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True, eq=False)
+class Static:
+    """A non-array argument (`return_loss=True`, a string) held in the JAX tree *structure*.
+
+    Python scalars passed through `jax.jit` become traced arrays, strings are refused; wrapped in
+    `Static`, a value becomes part of the treedef instead: static under jit, and a new value
+    compiles a new program, as it traces a new one here. `Converted.apply` unwraps it.
+    """
+
+    value: Any
+
+    def __eq__(self, other):
+        return (
+            type(other) is Static
+            and type(other.value) is type(self.value)
+            and (other.value == self.value)
+        )
+
+    def __hash__(self):
+        return hash((type(self.value), repr(self.value)))
 
 
 class Converted:
@@ -27,6 +52,15 @@ class Converted:
     grad-able. `outputs` has the structure of the torch module's output with jax.Array leaves;
     `new_buffers` holds every buffer, updated where the module mutates it (BatchNorm stats).
     A call with new input shapes or dtypes traces a new program, once, and caches it.
+
+    Non-array arguments (`return_loss=True`, `output_hidden_states=True`) are static: their
+    values are part of the program's cache key, as in torch.export, which specializes on them.
+    Under `jax.jit` pass them as static arguments or wrapped in `Static`.
+
+    A Hugging Face KV cache (`past_key_values`, see `zerojax.bridge.hf_cache`) is an ordinary
+    pytree of arrays in and out. In train mode a cache the model builds on its own is dropped
+    from the outputs (`past_key_values` is None): a training step would otherwise return every
+    layer's keys and values. Passing `use_cache=True` or a cache keeps it.
     """
 
     def __init__(
@@ -43,6 +77,8 @@ class Converted:
         self.name = type(module).__name__
         # read_values=False: only the program (the caller holds the arrays, e.g. sharded).
         self.params, self.buffers, self.alias = state_arrays(module, read_values=read_values)
+        # Before the first program key is computed: a cache argument must flatten to its arrays.
+        register_cache_pytrees(module)
         self._programs: dict[Any, tuple[GraphFunction, Any, Any]] = {}
         self._program_for(args, kwargs, reason=None)
 
@@ -69,19 +105,27 @@ class Converted:
         `batch_mesh=(mesh, batch_axes)` says the batch dim is sharded over those mesh axes, so
         Pallas kernels run per shard instead of on gathered arrays.
         """
-        program, in_spec, out_spec = self._program_for(args, kwargs, reason="new input shapes")
+        args, kwargs = _unwrap_static((args, kwargs))
+        program, in_spec, out_spec = self._program_for(
+            args, kwargs, reason="new input shapes or non-tensor arguments"
+        )
         leaves = torch_pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
-        tensors = [_as_jax(leaf) for leaf in leaves if _is_array(leaf)]
+        # Non-array leaves are graph inputs too (export specialized on their values, which are
+        # in the program's key): they are passed through as they are.
+        inputs = [_as_jax(leaf) if _is_array(leaf) else leaf for leaf in leaves]
         outputs, new_buffers = program(
             params,
             buffers,
-            tensors,
+            inputs,
             rng,
             float_dtype=float_dtype,
             kernels=kernels,
             batch_mesh=batch_mesh,
         )
-        return torch_pytree.tree_unflatten(outputs, out_spec), new_buffers
+        outputs = torch_pytree.tree_unflatten(outputs, out_spec)
+        if self.train and not _wants_cache(args, kwargs):
+            outputs = drop_caches(outputs)
+        return outputs, new_buffers
 
     __call__ = apply
 
@@ -98,7 +142,11 @@ class Converted:
                     ", ".join(str(k) for k in key[1] if k is not None),
                 )
             example_args, example_kwargs = torch_pytree.tree_map(_as_torch_example, (args, kwargs))
-            exported = capture(self.module, example_args, example_kwargs, train=self.train)
+            # A new program can be traced inside the caller's jax.jit (new shapes, a new static
+            # value): JAX work torch.export triggers on the side (it reads each parameter's
+            # .grad, which a zerojax engine gathers) must stay concrete, not join that trace.
+            with jax.ensure_compile_time_eval():
+                exported = capture(self.module, example_args, example_kwargs, train=self.train)
             program = GraphFunction(
                 exported, train=self.train, alias=self.alias, model_name=self.name
             )
@@ -152,6 +200,19 @@ def _named_arrays(named_tensors, read_values: bool = True):
         if canonical == name and read_values:
             arrays[name] = from_torch(tensor)
     return arrays, alias
+
+
+def _unwrap_static(tree):
+    return torch_pytree.tree_map(
+        lambda x: x.value if isinstance(x, Static) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, Static),
+    )
+
+
+def _wants_cache(args, kwargs) -> bool:
+    """Whether a train-mode caller asked for the KV cache: `use_cache=True` or a cache passed."""
+    return kwargs.get("use_cache") is True or contains_cache((args, kwargs))
 
 
 def _is_array(leaf) -> bool:

@@ -83,11 +83,20 @@ class GraphFunction:
             if isinstance(value, torch.Tensor)
         }
         self.outputs: list[tuple[OutputKind, str | None]] = []
+        returned = {
+            spec.arg.name
+            for spec in signature.output_specs
+            if spec.kind == OutputKind.USER_OUTPUT and hasattr(spec.arg, "name")
+        }
         for spec in signature.output_specs:
             if spec.kind == OutputKind.BUFFER_MUTATION:
                 self.outputs.append((spec.kind, alias.get(spec.target, spec.target)))
             elif spec.kind == OutputKind.USER_OUTPUT:
                 self.outputs.append((spec.kind, None))
+            elif spec.kind == OutputKind.USER_INPUT_MUTATION and spec.arg.name in returned:
+                # Updated in place *and* returned (a Hugging Face StaticCache): the caller gets
+                # the new value from the outputs; the pure function leaves its input as it was.
+                self.outputs.append((spec.kind, spec.target))
             else:
                 what = {
                     OutputKind.USER_INPUT_MUTATION: "mutates one of its inputs in place",
@@ -198,7 +207,7 @@ class GraphFunction:
             if kind == OutputKind.BUFFER_MUTATION:
                 # A buffer keeps its own dtype (e.g. int64 num_batches_tracked, fp32 stats).
                 new_buffers[name] = jnp.asarray(value, dtype=buffers[name].dtype)
-            else:
+            elif kind == OutputKind.USER_OUTPUT:
                 outputs.append(value)
         return outputs, new_buffers
 

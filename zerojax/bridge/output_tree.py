@@ -3,9 +3,14 @@
 `apply` rebuilds the module's output with torch's pytree spec, so JAX must be able to flatten the
 same containers for `jax.jit`/`jax.grad` to return them. Any container type torch's pytree knows
 and JAX does not is registered with JAX once, reusing torch's flatten/unflatten functions.
+
+torch's spec names every namedtuple class by the one pseudo-type `collections.namedtuple` (the
+class itself is the node's context); JAX flattens namedtuples natively, so those need nothing.
 """
 
 from __future__ import annotations
+
+import collections
 
 import jax
 import torch.utils._pytree as torch_pytree
@@ -30,14 +35,18 @@ class _Context:
 
 
 def register_output_types(spec: torch_pytree.TreeSpec) -> None:
+    """Register with JAX every container type in a torch pytree spec that JAX does not know."""
     node_type = spec.type
-    if node_type is not None and node_type not in _JAX_NATIVE and node_type not in _registered:
-        _register(node_type)
+    if node_type is not None and node_type is not collections.namedtuple:
+        register_with_jax(node_type)
     for child in spec.children():
         register_output_types(child)
 
 
-def _register(node_type: type) -> None:
+def register_with_jax(node_type: type) -> None:
+    """Make a type registered with torch's pytree a JAX pytree node too (idempotent)."""
+    if node_type in _JAX_NATIVE or node_type in _registered:
+        return
     _registered.add(node_type)
     if _is_jax_pytree_node(node_type):
         return  # namedtuples, OrderedDict, defaultdict, ... JAX already knows.
@@ -56,6 +65,4 @@ def _register(node_type: type) -> None:
 def _is_jax_pytree_node(node_type: type) -> bool:
     if issubclass(node_type, tuple) and hasattr(node_type, "_fields"):
         return True
-    from collections import OrderedDict, defaultdict, deque
-
-    return node_type in (OrderedDict, defaultdict, deque)
+    return node_type in (collections.OrderedDict, collections.defaultdict, collections.deque)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
+from zerojax.bridge.convert import Static
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.train.engine import Engine, find_scalar_loss
 
@@ -115,7 +116,9 @@ class ZeroModule(torch.nn.Module):
         converted = engine.converted(self.training, args, kwargs)
         flat, spec = torch_pytree.tree_flatten((args, kwargs))
         tensor_positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
-        jax_flat = list(flat)
+        # Non-tensor arguments (return_loss=True, output_hidden_states=True) ride in the JAX
+        # tree structure, static under jit: a traced bool would break the model's `if`.
+        jax_flat = [Static(leaf) for leaf in flat]
         for i in tensor_positions:
             jax_flat[i] = engine.shard_input(from_torch(flat[i]))
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
