@@ -10,7 +10,8 @@ eager, the gradient of that loss w.r.t. every parameter against torch autograd, 
 
 All models use `attn_implementation="sdpa"`: transformers' SDPA path exports as one
 aten.scaled_dot_product_attention node, which zerojax lowers whole (see capture.KEPT_WHOLE).
-`use_cache=False` keeps KV-cache objects out of the exported outputs.
+The configs keep their defaults otherwise: GPT-2 and Llama return their KV cache (a
+`DynamicCache`, see test_hf_caches.py) next to the loss and logits.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def gpt2():
         n_head=4,
         vocab_size=VOCAB,
         n_positions=64,
-        use_cache=False,
         attn_implementation="sdpa",
     )
     return transformers.GPT2LMHeadModel(config), *_token_inputs()
@@ -62,7 +62,6 @@ def llama():
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention
         max_position_embeddings=64,
-        use_cache=False,
         attn_implementation="sdpa",
     )
     return transformers.LlamaForCausalLM(config), *_token_inputs()
