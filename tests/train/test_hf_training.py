@@ -1,7 +1,7 @@
 """Hugging Face models with their default config (KV cache on) train through zerojax.initialize.
 
 Run: `.venv/bin/python -m pytest -q tests/train/test_hf_training.py -p no:cacheprovider`
-(`-m slow` adds Llama at ZeRO-0 and T5 at ZeRO-0 and ZeRO-3).
+(`-m slow` adds Llama at ZeRO-0, T5 at ZeRO-0 and ZeRO-3, and CLIP with `return_loss=True`).
 
 Why: the most common training line,
 
@@ -17,13 +17,14 @@ Dropout is set to 0 where the config has it on by default (T5's `dropout_rate`) 
 sides compute the same function; `use_cache` is left at its default (True).
 
 Tolerances (fp32 on both sides):
-- LOSS_RTOL = 1e-5 per step. The loss is a mean over BATCH * SEQ = 128 token cross-entropies
+- LOSS_RTOL = 1e-5 per step. The LM loss is a mean over BATCH * SEQ = 128 token cross-entropies
   of logits from reductions of length <= 64 (hidden 32, MLP 64, sequence 16, vocab 128) summed
   in a different order by XLA and torch: a few ulp (1.2e-7) each, ~1e-6 relative at worst per
   forward. Each AdamW update is normalized (m / sqrt(v)), so a gradient's rounding changes an
   update by about the same relative amount, which moves the next loss by well under that again.
   Measured: <= 2e-7 for Llama. 1e-5 leaves margin and still catches a real defect (a wrong
-  mask, a dropped gradient term: >= 1e-3 relative by step 2).
+  mask, a dropped gradient term: >= 1e-3 relative by step 2). CLIP's contrastive loss has the
+  same reduction lengths (8 x 8 similarities of 16-wide projections of 32-wide encoders).
 - PARAM_ATOL = 0.1 * LR after STEPS steps. AdamW moves an element by ~LR per step whatever its
   gradient's size, so an element whose gradient is ~0 can flip part of an update on rounding
   alone (measured <= 3e-5 = 0.03 LR); a wrong gradient moves whole updates (>= LR).
@@ -144,3 +145,49 @@ def test_default_config_trains_like_torch(name, stage):
     # Train mode drops the cache from our outputs (see zerojax.Converted); torch's has one.
     assert run.output.past_key_values is None
     assert run.output.logits.shape == run.reference_output.logits.shape
+
+
+@pytest.mark.slow
+def test_clip_trains_with_return_loss_flag():
+    """CLIP's training call passes `return_loss=True`, a non-tensor keyword: static, never a
+    traced array (it decides in Python whether the contrastive loss is computed)."""
+    torch.manual_seed(0)
+    text = transformers.CLIPTextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=8,
+    )
+    config = transformers.CLIPConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), projection_dim=16
+    )
+    module = transformers.CLIPModel(config).train()
+    reference = copy.deepcopy(module)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    model, optimizer = zerojax.initialize(
+        module, optimizer, config={"mesh": {"fsdp": 8}, "zero": {"stage": 3}}
+    )
+    for step in range(2):
+        tokens, images = torch.randint(2, VOCAB, (BATCH, SEQ)), torch.randn(BATCH, 3, 16, 16)
+        losses = []
+        for m, opt in ((model, optimizer), (reference, ref_optimizer)):
+            loss = m(input_ids=tokens, pixel_values=images, return_loss=True).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        ours, theirs = losses
+        assert abs(ours - theirs) <= LOSS_RTOL * abs(theirs), f"step {step}: {ours} vs {theirs}"
