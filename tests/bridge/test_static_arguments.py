@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerojax
-from zerojax.bridge.convert import Static
+from zerojax.bridge import Static
 from zerojax.bridge.dtypes import from_torch
 
 BATCH = 8

@@ -85,6 +85,7 @@ def drop_caches(tree: Any) -> Any:
 
 
 def contains_cache(tree: Any) -> bool:
+    """Whether any node of `tree` (a call's args and kwargs) is a cache object."""
     if not _registered:
         return False
     return any(is_cache(x) for x in torch_pytree.tree_leaves(tree, is_leaf=is_cache))
