@@ -184,6 +184,24 @@ def test_transformers_stays_an_optional_import():
     )
 
 
+def test_an_input_updated_in_place_and_returned_comes_back_in_the_outputs():
+    """What StaticCache does (index_copy_ into its keys, then returns them), in five lines: the
+    pure function returns the new value and leaves the array passed in as it was."""
+
+    class WritesSlot(torch.nn.Module):
+        def forward(self, buffer, position, value):
+            buffer.index_copy_(0, position, value)
+            return buffer
+
+    buffer, position, value = torch.zeros(4, 3), torch.tensor([2]), torch.randn(1, 3)
+    converted = zerojax.convert(WritesSlot(), (buffer.clone(), position, value))
+    ours = from_torch(buffer)
+    out, _ = jax.jit(converted.apply)({}, {}, ours, from_torch(position), from_torch(value))
+    expected = buffer.clone().index_copy_(0, position, value)
+    np.testing.assert_array_equal(out, expected)
+    assert not np.asarray(ours).any()
+
+
 @pytest.mark.slow
 def test_static_cache_generation_step_matches_torch():
     """StaticCache updates its arrays in place in torch (index_copy_, add_): as JAX the updated
