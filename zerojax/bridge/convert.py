@@ -203,11 +203,7 @@ def _named_arrays(named_tensors, read_values: bool = True):
 
 
 def _unwrap_static(tree):
-    return torch_pytree.tree_map(
-        lambda x: x.value if isinstance(x, Static) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, Static),
-    )
+    return torch_pytree.tree_map_only(Static, lambda static: static.value, tree)
 
 
 def _wants_cache(args, kwargs) -> bool:
