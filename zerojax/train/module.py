@@ -118,7 +118,9 @@ class ZeroModule(torch.nn.Module):
         tensor_positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
         # Non-tensor arguments (return_loss=True, output_hidden_states=True) ride in the JAX
         # tree structure, static under jit: a traced bool would break the model's `if`.
-        jax_flat = [Static(leaf) for leaf in flat]
+        jax_flat = [
+            leaf if isinstance(leaf, (np.ndarray, jax.Array)) else Static(leaf) for leaf in flat
+        ]
         for i in tensor_positions:
             jax_flat[i] = engine.shard_input(from_torch(flat[i]))
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
