@@ -10,7 +10,12 @@ import torch
 import torch.nn.functional as F
 
 import zerojax
-from tests.bridge.parity import Lambda, check
+from tests.bridge.parity import (
+    Lambda,
+    assert_no_vanished_gradients,
+    check,
+    vanished_gradients,
+)
 from zerojax.bridge.capture import capture
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.config import KernelsConfig
@@ -167,3 +172,23 @@ def test_sdpa_learned_bias_mask_gets_torch_gradient(kernels):
     got = to_torch(grads[converted.alias["bias"]])
     assert got.abs().max() > 0.01, "the bias gradient vanished"
     torch.testing.assert_close(got, module.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_parity_harness_names_parameters_whose_gradient_vanished():
+    """The harness check that would have caught issue 15: a parameter torch trains but zerojax
+    gives an all-zero gradient is named; float noise of an analytically zero gradient is not."""
+    expected = {
+        "qkv.weight": torch.ones(4, 4),
+        "relative_position_bias_table": torch.full((3, 2), 0.1),
+        "key_bias_noise": torch.full((4,), 1e-9),  # analytically zero, torch's rounding noise
+    }
+    got = {
+        "qkv.weight": np.ones((4, 4), np.float32),
+        "relative_position_bias_table": np.zeros((3, 2), np.float32),
+        "key_bias_noise": np.zeros(4, np.float32),
+    }
+    assert vanished_gradients(got, expected) == ["relative_position_bias_table"]
+    with pytest.raises(AssertionError, match="relative_position_bias_table"):
+        assert_no_vanished_gradients(got, expected, what="swin")
+    got["relative_position_bias_table"] = np.full((3, 2), 0.1, np.float32)
+    assert_no_vanished_gradients(got, expected, what="swin")
