@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
+import numpy as np
 import torch
 import torch.utils._pytree as torch_pytree
 
@@ -72,6 +75,51 @@ def assert_close(expected, got, *, rtol=1.3e-6, atol=1e-5, what=""):
         )
 
 
+# A torch gradient below this fraction of the largest one may be float noise of an analytically
+# zero gradient (an attention key bias: softmax ignores a per-query constant), which zerojax may
+# legitimately compute as exactly 0; above it, an exact 0 means the gradient was dropped.
+VANISHED_FLOOR = 1e-5
+
+
+def _float64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to(torch.float64).numpy()
+    return np.asarray(x, np.float64)
+
+
+def vanished_gradients(got: Mapping[str, object], expected: Mapping[str, object]) -> list[str]:
+    """Names whose torch gradient is nonzero (above VANISHED_FLOOR of the largest gradient norm)
+    while zerojax's is exactly zero everywhere: the signature of a stop_gradient or a cotangent
+    returned as None somewhere in a lowering (issue 15: Swin's relative position table), which
+    a relative-error check can miss when the parameter's gradient is small."""
+    norms = {name: float(np.linalg.norm(_float64(e))) for name, e in expected.items()}
+    floor = VANISHED_FLOOR * max(norms.values(), default=0.0)
+    return [
+        name
+        for name, norm in norms.items()
+        if norm > floor and norm > 0.0 and not _float64(got[name]).any()
+    ]
+
+
+def assert_no_vanished_gradients(
+    got: Mapping[str, object], expected: Mapping[str, object], *, what: str = ""
+) -> None:
+    """Fail naming every parameter that torch trains and zerojax gives an all-zero gradient.
+
+    `got`: name -> zerojax gradient (jax/numpy); `expected`: name -> torch gradient (same names).
+    """
+    missing = sorted(set(expected) - set(got))
+    assert not missing, f"{what}: no zerojax gradient for {missing}"
+    offenders = vanished_gradients(got, expected)
+    assert not offenders, (
+        f"{what}: zerojax gradient is all zero where torch's is not, for "
+        + ", ".join(
+            f"{name} (torch |grad| = {np.linalg.norm(_float64(expected[name])):.3g})"
+            for name in offenders
+        )
+    )
+
+
 def check(fn_or_module, *args, rtol=1.3e-6, atol=1e-5, jit=True, **kwargs):
     expected, got = run_both(fn_or_module, *args, jit=jit, **kwargs)
     assert_close(expected, got, rtol=rtol, atol=atol, what=getattr(fn_or_module, "__name__", ""))
@@ -120,6 +168,11 @@ def check_grad(fn_or_module, *args, wrt=None, rtol=1e-5, atol=1e-5):
     got = [to_torch(g) for g in grad_inputs]
     got += [to_torch(grad_params[converted.alias[name]]) for name in params]
     names = [f"input {i}" for i in wrt] + list(params)
+    assert_no_vanished_gradients(
+        dict(zip(names, got, strict=True)),
+        {n: e.detach() for n, e in zip(names, expected, strict=True)},
+        what=getattr(fn_or_module, "__name__", type(module).__name__),
+    )
     for name, g, e in zip(names, got, expected, strict=True):
         torch.testing.assert_close(
             g, e, rtol=rtol, atol=atol, msg=lambda m, n=name: f"grad {n}: {m}"

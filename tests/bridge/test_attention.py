@@ -10,9 +10,15 @@ import torch
 import torch.nn.functional as F
 
 import zerojax
-from tests.bridge.parity import Lambda, check
+from tests.bridge.parity import (
+    Lambda,
+    assert_no_vanished_gradients,
+    check,
+    vanished_gradients,
+)
 from zerojax.bridge.capture import capture
-from zerojax.bridge.dtypes import to_torch
+from zerojax.bridge.dtypes import from_torch, to_torch
+from zerojax.config import KernelsConfig
 
 aten = torch.ops.aten
 
@@ -123,3 +129,66 @@ def test_sdpa_dropout_follows_the_key():
     assert not np.allclose(np.asarray(a), np.asarray(c))
     with pytest.raises(ValueError, match="rng"):
         converted.apply({}, {}, *args)
+
+
+class LearnedBiasAttention(torch.nn.Module):
+    """A learned additive bias passed as SDPA's attn_mask (Swin's relative position table, T5's
+    relative attention bias, MaxViT, TinyViT's attention_biases, in five lines)."""
+
+    def __init__(self, heads=2, length=16):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(heads, length, length))
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        pytest.param(None, id="default"),  # attention "auto": flash_attention's XLA path on CPU
+        pytest.param(KernelsConfig(attention="pallas", interpret=True), id="pallas-interpret"),
+        pytest.param(KernelsConfig(attention="off"), id="off"),
+    ],
+)
+def test_sdpa_learned_bias_mask_gets_torch_gradient(kernels):
+    """Regression (issue 15): the flash-attention path stopped the mask's gradient, so every
+    learned bias passed as attn_mask trained with a zero gradient. Tolerance as in
+    test_sdpa_gradients_match_torch: fp32 against fp32 torch, sums of 16 keys x 16-wide heads."""
+    torch.manual_seed(0)
+    module = LearnedBiasAttention()
+    q, k, v = qkv(batch=2, heads=2, length=16, source=16, dim=16)
+    cotangent = torch.randn(2, 2, 16, 16)
+    (module(q, k, v) * cotangent).sum().backward()
+
+    converted = zerojax.convert(module, (q, k, v))
+    jax_args = [from_torch(a) for a in (q, k, v)]
+
+    def loss(params):
+        out, _ = converted.apply(params, converted.buffers, *jax_args, kernels=kernels)
+        return (out * from_torch(cotangent)).sum()
+
+    grads = jax.jit(jax.grad(loss))(converted.params)
+    got = to_torch(grads[converted.alias["bias"]])
+    assert got.abs().max() > 0.01, "the bias gradient vanished"
+    torch.testing.assert_close(got, module.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_parity_harness_names_parameters_whose_gradient_vanished():
+    """The harness check that would have caught issue 15: a parameter torch trains but zerojax
+    gives an all-zero gradient is named; float noise of an analytically zero gradient is not."""
+    expected = {
+        "qkv.weight": torch.ones(4, 4),
+        "relative_position_bias_table": torch.full((3, 2), 0.1),
+        "key_bias_noise": torch.full((4,), 1e-9),  # analytically zero, torch's rounding noise
+    }
+    got = {
+        "qkv.weight": np.ones((4, 4), np.float32),
+        "relative_position_bias_table": np.zeros((3, 2), np.float32),
+        "key_bias_noise": np.zeros(4, np.float32),
+    }
+    assert vanished_gradients(got, expected) == ["relative_position_bias_table"]
+    with pytest.raises(AssertionError, match="relative_position_bias_table"):
+        assert_no_vanished_gradients(got, expected, what="swin")
+    got["relative_position_bias_table"] = np.full((3, 2), 0.1, np.float32)
+    assert_no_vanished_gradients(got, expected, what="swin")

@@ -1,6 +1,7 @@
 """Flash attention: the Pallas kernels (interpret mode) against the jnp reference, and the
 reference against torch's scaled_dot_product_attention; forward and gradients, fp32 and bf16,
-causal, grouped-query, bool/additive masks, segment ids, dropout; CUDA lowering without a GPU;
+causal, grouped-query, bool/additive masks (and the additive mask's gradient, a learned bias),
+segment ids, dropout; CUDA lowering without a GPU;
 shard_map over the batch; bad configs.
 
 Run: .venv/bin/python -m pytest -q tests/pallas_kernels/test_flash_attention.py -p no:cacheprovider
@@ -112,6 +113,29 @@ def _compare_pallas_with_reference(q, k, v, seed, dtype, **kwargs):
     return got, got_grads
 
 
+def _forward_and_bias_grads(q, k, v, bias, d_out, **kwargs):
+    """(out, (dq, dk, dv, dbias)) of flash_attention(mask=bias, **kwargs), one jitted program."""
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def run(q, k, v, bias, d_out):
+        out, vjp = jax.vjp(
+            lambda q, k, v, bias: flash_attention(q, k, v, mask=bias, **kwargs), q, k, v, bias
+        )
+        return out, vjp(d_out)
+
+    return run(q, k, v, bias, d_out)
+
+
+# A learned additive bias passed as the mask, in every broadcast shape torch accepts:
+# name -> bias shape for q [batch, heads, seq_q, _] and k [_, _, seq_k, _].
+BIAS_SHAPES = {
+    "full": lambda b, h, sq, sk: (b, h, sq, sk),
+    "per-head": lambda b, h, sq, sk: (1, h, sq, sk),  # Swin, T5: one table per head
+    "per-batch": lambda b, h, sq, sk: (b, 1, sq, sk),
+    "plane": lambda b, h, sq, sk: (sq, sk),
+}
+
+
 def _lowered_cuda_text(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -182,6 +206,37 @@ class TestReferenceAgainstTorch:
         np.testing.assert_allclose(out, t_out.detach().numpy(), atol=2e-5, rtol=2e-5)
         for name, got, want in zip("qkv", grads, (tq, tk, tv), strict=True):
             np.testing.assert_allclose(got, want.grad.numpy(), atol=2e-5, rtol=2e-5, err_msg=name)
+
+    @pytest.mark.parametrize("bias_shape", list(BIAS_SHAPES))
+    def test_bias_gradient_matches_torch_sdpa(self, request, bias_shape):
+        """An additive float mask is a learned bias (Swin's relative position table, T5's
+        relative attention bias): its gradient is dS summed over the broadcast dimensions, as
+        torch autograd gives it. Against torch in float64; the fp32 reference is within
+        max|err| <= 1e-5 * max|grad| + 1e-6: fp32 eps (1.2e-7) times the longest chains of
+        roundings feeding one entry (head_dim 32 in the scores, seq_k 48 in P @ V and in
+        rowsum(dO * O), batch * heads 8 summed into the bias) ~ 1.2e-7 * 88 = 1.1e-5."""
+        seed = _seed(request)
+        q, k, v = _qkv(
+            seed, batch=2, heads_q=4, heads_kv=2, seq_q=40, seq_k=48, head_dim=32, dtype=jnp.float32
+        )
+        keys = jax.random.split(jax.random.key(seed + 7), 2)
+        bias = _normal(keys[0], BIAS_SHAPES[bias_shape](2, 4, 40, 48))
+        d_out = _normal(keys[1], q.shape)
+        out, grads = _forward_and_bias_grads(q, k, v, bias, d_out, implementation="xla")
+
+        t_args = [torch.tensor(np.asarray(a), dtype=torch.float64) for a in (q, k, v, bias)]
+        t_args = [a.requires_grad_() for a in t_args]
+        t_out = F.scaled_dot_product_attention(*t_args[:3], attn_mask=t_args[3], enable_gqa=True)
+        t_out.backward(torch.tensor(np.asarray(d_out), dtype=torch.float64))
+        for name, got, want in zip(
+            ("out", "dq", "dk", "dv", "dbias"), (out, *grads), (t_out, *t_args), strict=True
+        ):
+            want = (want if name == "out" else want.grad).detach().numpy()
+            assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+            err = float(np.abs(np.asarray(got, np.float64) - want).max())
+            bound = 1e-5 * float(np.abs(want).max()) + 1e-6
+            assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
+        assert float(np.abs(np.asarray(grads[3])).max()) > 0.01  # not a vanished gradient
 
     def test_fully_masked_rows_are_zero_like_torch(self):
         q, k, v = _qkv(3, seq_q=16, seq_k=16, head_dim=16, dtype=jnp.float32)
@@ -300,6 +355,47 @@ class TestFlashAttentionKernel:
         no_dropout = flash_attention(q, k, v, causal=True, implementation="xla")
         assert float(jnp.abs(out - no_dropout).max()) > 0.1
 
+    @pytest.mark.parametrize(
+        "bias_shape, extra",
+        [
+            pytest.param("full", {}, id="full"),
+            pytest.param("per-head", {"heads_q": 4, "heads_kv": 2}, id="per-head-gqa"),
+            pytest.param("per-batch", {"causal": True}, id="per-batch-causal"),
+            pytest.param("plane", {"dropout_p": 0.25}, id="plane-dropout"),
+        ],
+    )
+    def test_bias_gradient_matches_reference(self, request, bias_shape, extra):
+        """The dQ kernel's dbias tiles, summed over the bias's broadcast dims by the api, against
+        the reference's autodiff. Causal checks the zeroed tiles of skipped key blocks, dropout
+        that dS uses the dropped dP."""
+        seed = _seed(request)
+        extra = dict(extra)
+        heads_q, heads_kv = extra.pop("heads_q", 2), extra.pop("heads_kv", 2)
+        q, k, v = _qkv(seed, batch=2, heads_q=heads_q, heads_kv=heads_kv, dtype=jnp.float32)
+        if extra.get("dropout_p"):
+            extra["dropout_rng"] = jax.random.key(seed + 3)
+        keys = jax.random.split(jax.random.key(seed + 1), 2)
+        bias = _normal(keys[0], BIAS_SHAPES[bias_shape](*q.shape[:3], k.shape[2]))
+        d_out = _normal(keys[1], q.shape)
+        want, want_grads = _forward_and_bias_grads(
+            q, k, v, bias, d_out, implementation="xla", **extra
+        )
+        got, got_grads = _forward_and_bias_grads(
+            q,
+            k,
+            v,
+            bias,
+            d_out,
+            implementation="pallas",
+            interpret=True,
+            block_config=SMALL_BLOCKS,
+            **extra,
+        )
+        assert_close(got, want, jnp.float32, "forward")
+        for name, g, w in zip(("dq", "dk", "dv", "dbias"), got_grads, want_grads, strict=True):
+            assert_close(g, w, jnp.float32, name)
+        assert float(jnp.abs(got_grads[3]).max()) > 0.01  # not a vanished gradient
+
     def test_auto_on_cpu_is_the_reference(self):
         q, k, v = _qkv(5, dtype=jnp.float32)
         np.testing.assert_array_equal(
@@ -336,6 +432,23 @@ class TestFlashAttentionKernel:
         args = (q, kv, kv, mask, ids, additive)
         assert _triton_calls(_lowered_cuda_text(fn, *args)) == 2
         assert _triton_calls(_lowered_cuda_text(jax.grad(loss, argnums=(0, 1, 2)), *args)) == 6
+
+    def test_bias_gradient_lowers_for_cuda(self):
+        """The backward with a differentiated bias still lowers to the 3 Triton calls (the dQ
+        kernel writes dbias as a second output); an undifferentiated one adds no output."""
+        q = jnp.ones((2, 4, 128, 64), jnp.bfloat16)
+        bias = jnp.zeros((1, 4, 128, 128), jnp.float32)
+
+        def loss(q, bias):
+            out = flash_attention(q, q, q, mask=bias, implementation="pallas")
+            return out.astype(jnp.float32).sum()
+
+        with_bias = _lowered_cuda_text(jax.grad(loss, argnums=(0, 1)), q, bias)
+        without_bias = _lowered_cuda_text(jax.grad(loss), q, bias)
+        assert _triton_calls(with_bias) == _triton_calls(without_bias) == 3
+        dbias_tile = "tensor<2x4x128x128xf32>"  # the dQ kernel's [batch, heads_q, sq, sk] dS
+        assert dbias_tile in with_bias
+        assert dbias_tile not in without_bias
 
     @pytest.mark.multidevice
     def test_shard_map_over_batch(self, request):

@@ -141,14 +141,28 @@ def _pallas_forward(q, k, v, mask, segment_ids, seed, statics: _KernelStatics):
 
 
 def _pallas_attention_fwd(q, k, v, mask, segment_ids, seed, statics: _KernelStatics):
+    # symbolic_zeros: each array arrives as CustomVJPPrimal(value, perturbed). Only a perturbed
+    # additive mask (a learned bias: Swin, T5, MaxViT) makes the dQ kernel write the
+    # [batch, heads_q, seq_q, seq_k] score gradient; a padding mask built from the inputs costs
+    # nothing extra.
+    with_dbias = (
+        mask is not None and mask.perturbed and jnp.issubdtype(mask.value.dtype, jnp.floating)
+    )
+    q, k, v, mask, segment_ids, seed = jax.tree.map(
+        lambda primal: primal.value,
+        (q, k, v, mask, segment_ids, seed),
+        is_leaf=lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal),
+    )
     out, lse = _pallas_forward(q, k, v, mask, segment_ids, seed, statics)
-    return out, (q, k, v, mask, segment_ids, seed, out, lse)
+    return out, (q, k, v, mask, segment_ids, seed, out, lse, with_dbias)
 
 
 def _pallas_attention_bwd(statics: _KernelStatics, residuals, d_out):
-    q, k, v, mask, segment_ids, seed, out, lse = residuals
+    q, k, v, mask, segment_ids, seed, out, lse, with_dbias = residuals
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+        d_out = jnp.zeros_like(out)
     config = statics.config
-    dq, dk, dv = kernel.flash_attention_backward(
+    dq, dk, dv, dbias = kernel.flash_attention_backward(
         q,
         k,
         v,
@@ -168,12 +182,18 @@ def _pallas_attention_bwd(statics: _KernelStatics, residuals, d_out):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         interpret=statics.interpret,
+        with_dbias=with_dbias,
     )
-    # The mask, segment ids and seed get no gradient (None = zero cotangent).
-    return dq, dk, dv, None, None, None
+    d_mask = None  # a boolean mask (int8 here) has no gradient; None = zero cotangent
+    if with_dbias:
+        # The kernel's mask broadcasts over batch/heads where its dim is 1: sum those.
+        broadcast_dims = tuple(d for d in (0, 1) if mask.shape[d] == 1 and dbias.shape[d] > 1)
+        d_mask = jnp.sum(dbias, axis=broadcast_dims, keepdims=True).astype(mask.dtype)
+    # Segment ids and the dropout seed are integers: no gradient.
+    return dq, dk, dv, d_mask, None, None
 
 
-_pallas_attention.defvjp(_pallas_attention_fwd, _pallas_attention_bwd)
+_pallas_attention.defvjp(_pallas_attention_fwd, _pallas_attention_bwd, symbolic_zeros=True)
 _pallas_attention_jit = jax.jit(_pallas_attention, static_argnums=(6,))
 
 
@@ -261,7 +281,9 @@ def flash_attention(
             kv head j serves q heads j*groups .. j*groups+groups-1, torch's enable_gqa).
         v: [batch, heads_kv, seq_k, head_dim_v].
         mask: bool (True = attend) or additive float, broadcastable to
-            [batch, heads_q, seq_q, seq_k]. It gets no gradient.
+            [batch, heads_q, seq_q, seq_k]. An additive mask gets its gradient (a learned
+            bias: Swin's relative position table, T5's relative attention bias); the pallas
+            backward computes it only when the mask is differentiated.
         segment_ids: (q_segment_ids [batch, seq_q], kv_segment_ids [batch, seq_k]) ints;
             queries attend only to keys of the same id (packed sequences).
         causal: torch's is_causal, top-left aligned (`ones(seq_q, seq_k).tril()`).
@@ -289,8 +311,6 @@ def flash_attention(
     """
     _check_inputs(q, k, v, mask, segment_ids, dropout_p, dropout_rng, implementation)
     config = FlashAttentionConfig() if block_config is None else block_config
-    if mask is not None:
-        mask = jax.lax.stop_gradient(mask)
     if segment_ids is not None:
         segment_ids = tuple(jnp.asarray(ids).astype(jnp.int32) for ids in segment_ids)
 

@@ -255,13 +255,20 @@ def flash_attention_dq_kernel(
     lse_ref,
     delta_ref,
     dq_ref,
+    dbias_ref=None,
     *,
     scale: float,
     causal: bool,
     dropout_p: float,
     block_k: int,
 ):
-    """One (q block, batch, q head): dq_ref [block_q, head_dim]; refs as in the forward kernel."""
+    """One (q block, batch, q head): dq_ref [block_q, head_dim]; refs as in the forward kernel.
+
+    dbias_ref [block_q, seq_k] fp32 or None: dS, the gradient of the additive mask's tile
+    (S = q k^T * scale + mask, so dL/dmask = dL/dS). Each program owns its rows of the
+    [batch, heads_q, seq_q, seq_k] output, so no atomics; the api sums it over the mask's
+    broadcast dimensions.
+    """
     block_q = q_ref.shape[0]
     seq_k = k_ref.shape[0]
     q_block, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -301,6 +308,8 @@ def flash_attention_dq_kernel(
                 dropout_p=dropout_p,
             )
         d_scores = weights * (d_weights - delta[:, None])
+        if dbias_ref is not None:
+            dbias_ref[:, k_slice] = d_scores
         return dq + plgpu.dot(d_scores.astype(k.dtype), k)
 
     num_k_blocks = seq_k // block_k
@@ -310,6 +319,14 @@ def flash_attention_dq_kernel(
         )
     dq = jnp.zeros((block_q, dq_ref.shape[-1]), jnp.float32)
     dq = lax.fori_loop(0, num_k_blocks, body, dq)
+    if dbias_ref is not None and causal:
+        # Key blocks the causal loop skipped are fully masked: their dS is 0 (not stale memory).
+        def zero_block(k_block, carry):
+            start = pl.multiple_of(k_block * block_k, block_k)
+            dbias_ref[:, pl.ds(start, block_k)] = jnp.zeros((block_q, block_k), jnp.float32)
+            return carry
+
+        lax.fori_loop(num_k_blocks, seq_k // block_k, zero_block, 0)
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -427,8 +444,13 @@ def flash_attention_backward(
     num_warps: int | None,
     num_stages: int,
     interpret: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv) in the dtypes of q, k, v, from the forward's out and lse."""
+    with_dbias: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """(dq, dk, dv, dbias) from the forward's out and lse; dq, dk, dv in the dtypes of q, k, v.
+
+    dbias (with_dbias, for an additive float mask): fp32 [batch, heads_q, seq_q, seq_k], the
+    gradient of the scores, which the caller sums down to the mask's broadcast shape; else None.
+    """
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     groups = heads_q // heads_kv
@@ -509,7 +531,12 @@ def flash_attention_backward(
         return pl.BlockSpec((None, None, seq_k, width), lambda i, b, h: (b, h // groups, 0, 0))
 
     q_block_row = pl.BlockSpec((None, None, block_q_dq), lambda i, b, h: (b, h, i))
-    dq = pl.pallas_call(
+    out_specs = [q_block_rows(head_dim)]
+    out_shape = [jax.ShapeDtypeStruct.like(q)]
+    if with_dbias:
+        out_specs.append(q_block_rows(seq_k))
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads_q, seq_q, seq_k), jnp.float32))
+    dq_and_dbias = pl.pallas_call(
         functools.partial(
             flash_attention_dq_kernel,
             scale=scale,
@@ -527,10 +554,11 @@ def flash_attention_backward(
             q_block_row,
             q_block_row,
         ],
-        out_specs=q_block_rows(head_dim),
-        out_shape=jax.ShapeDtypeStruct.like(q),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
         name="flash_attention_dq",
     )(q, k, v, *side_args, d_out, lse, delta)
-    return dq, dk, dv
+    dq, dbias = dq_and_dbias if with_dbias else (dq_and_dbias[0], None)
+    return dq, dk, dv, dbias

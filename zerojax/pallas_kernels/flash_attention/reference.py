@@ -135,8 +135,9 @@ def flash_attention_reference(
 
     q: [batch, heads_q, seq_q, head_dim]; k: [batch, heads_kv, seq_k, head_dim];
     v: [batch, heads_kv, seq_k, head_dim_v]; returns [batch, heads_q, seq_q, head_dim_v] in q's
-    dtype. Matmuls accumulate in fp32 and the softmax runs in fp32. Differentiable by autodiff
-    (an additive float mask gets its true gradient here; the public api stops it).
+    dtype. Matmuls accumulate in fp32 and the softmax runs in fp32. Differentiable by autodiff,
+    which is the backward's spec: an additive float mask gets dL/dS, the gradient of the scaled
+    scores, summed over the dimensions it broadcasts along (the pallas kernel's dbias).
 
     Example:
         >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 2, 16, 64))
