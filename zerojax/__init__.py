@@ -1,6 +1,12 @@
 """zerojax: an ordinary PyTorch model and training loop as one sharded JAX/XLA program."""
 
-from zerojax.bridge import CaptureError, Converted, UnsupportedOpError, convert
+from zerojax.bridge import (
+    CaptureError,
+    Converted,
+    UnsupportedOpError,
+    convert,
+    register_lowering,
+)
 from zerojax.ckpt import (
     CheckpointCorruptedError,
     Checkpointer,
@@ -40,6 +46,7 @@ __all__ = [
     "make_sharding_plan",
     "make_train_step",
     "memory_report",
+    "register_lowering",
     "restore_checkpoint",
     "save_checkpoint",
 ]

@@ -2,7 +2,7 @@
 
 from zerojax.bridge.convert import Converted, Static, convert
 from zerojax.bridge.errors import CaptureError, UnsupportedOpError
-from zerojax.bridge.registry import lowering, supported_ops
+from zerojax.bridge.registry import lowering, register_lowering, supported_ops
 
 __all__ = [
     "CaptureError",
@@ -11,5 +11,6 @@ __all__ = [
     "UnsupportedOpError",
     "convert",
     "lowering",
+    "register_lowering",
     "supported_ops",
 ]

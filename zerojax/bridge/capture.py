@@ -2,7 +2,9 @@
 
 The table is torch's core-ATen decomposition table minus the ops zerojax lowers whole:
 scaled_dot_product_attention (torch's decomposition yields bad strides, pytorch#141107, and
-keeping it whole lets the bridge route it to a fused attention kernel).
+keeping it whole lets the bridge route it to a fused attention kernel), and every op a user
+registered a lowering for. Custom ops without a lowering are then traced through their Python
+implementation where they have one (custom_ops.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import warnings
 import torch
 from torch._decomp import core_aten_decompositions
 
+from zerojax.bridge import custom_ops
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
 
@@ -56,7 +59,9 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
             with warnings.catch_warnings():
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.
                 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
-                return exported.run_decompositions(decomposition_table())
+                table = custom_ops.without_kept_whole(decomposition_table())
+                decomposed = exported.run_decompositions(table)
+                return custom_ops.decompose_unlowered(decomposed, table)
         except Exception as error:  # torch raises many types here; all mean "cannot capture"
             reason = f"{type(error).__name__}: {error}"
             raise CaptureError(

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-from zerojax.bridge import fusion
+from zerojax.bridge import custom_ops, fusion
 from zerojax.bridge.dtypes import from_torch
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.registry import LoweringContext, get_lowering
@@ -133,10 +133,11 @@ class GraphFunction:
                 missing.setdefault(f"{node.op} {node.target}", node)
         if missing:
             lines = "\n".join(
-                f"  {op}  in {node_location(node)}" for op, node in sorted(missing.items())
+                f"  {op}  in {node_location(node)}{_custom_op_note(node)}"
+                for op, node in sorted(missing.items())
             )
             raise MissingLoweringError(
-                f"zerojax has no lowering for {len(missing)} ATen op(s) in {self.model_name}:\n"
+                f"zerojax has no lowering for {len(missing)} op(s) in {self.model_name}:\n"
                 f"{lines}\nzerojax.bridge.supported_ops() lists what is supported; README.md "
                 f"('Op coverage') lists the known gaps and why.",
                 ops=tuple(sorted(missing)),
@@ -212,6 +213,18 @@ class GraphFunction:
         return outputs, new_buffers
 
 
+def _custom_op_note(node: torch.fx.Node) -> str:
+    """For a custom op: why it was not decomposed, and how to lower it."""
+    if not custom_ops.is_custom(node.target):
+        return ""
+    name = node.target._schema.name
+    reason = node.meta.get(custom_ops.NO_DECOMPOSITION, "it was not decomposed")
+    return (
+        f"\n    custom op: {reason}; lower it with "
+        f'@zerojax.register_lowering("{name}") (see its docstring)'
+    )
+
+
 def _lookup(tree: dict, name: str, what: str, model_name: str):
     try:
         return tree[name]
@@ -236,12 +249,20 @@ def _site_rng(rng, counter, node, model_name) -> Callable[[], jax.Array]:
     return key
 
 
+def _is_static(dim) -> bool:
+    return isinstance(dim, int) or (isinstance(dim, torch.SymInt) and dim.node.is_constant())
+
+
 def _conform(value, meta, ctx: LoweringContext, node):
     """Cast a lowering's result to torch's recorded dtype and check torch's recorded shape."""
     if isinstance(meta, torch.Tensor):
         value = jnp.asarray(value)
-        expected = tuple(int(d) for d in meta.shape)
-        if value.shape != expected:
+        # A dim torch could only record as an unbacked symbol (bincount's length, sized by
+        # values) is whatever the lowering chose; the static dims are checked.
+        expected = tuple(
+            int(d) if _is_static(d) else got for d, got in zip(meta.shape, value.shape)
+        )
+        if value.ndim != meta.ndim or value.shape != expected:
             raise AssertionError(
                 f"lowering of {node.target} returned shape {value.shape}, torch says {expected} "
                 f"({node_location(node)})"

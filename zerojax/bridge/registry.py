@@ -11,11 +11,16 @@ of arrays; SymInts are plain ints because zerojax traces one program per input s
 The interpreter casts every tensor a lowering returns to the dtype torch's fake tensor recorded
 for that node (`ctx.out_dtype`) and checks its shape, so a lowering must get the *values* right
 in a dtype at least as wide as torch's; promotion of the final result is handled once, here.
+
+`@lowering` is for zerojax's own table (ATen overloads, imported with the package);
+`register_lowering` is the public face of the same table, for users' and libraries' own
+`torch.library` ops (and to replace a built-in lowering on purpose, with `override=True`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +34,13 @@ from zerojax.config import KernelsConfig
 Lowering = Callable[..., Any]
 
 _LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
+# Lowerings registered by qualified name ("ns::op" for every overload, "ns::op.overload" for one)
+# for ops that need not exist yet: transformers defines its custom ops only when its MoE module
+# is imported, which may be after zerojax loads its table.
+_LOWERINGS_BY_NAME: dict[str, Lowering] = {}
+# Names registered through `register_lowering`: capture keeps these ops whole instead of letting
+# torch decompose them (a CompositeImplicitAutograd op would otherwise never reach its lowering).
+_KEPT_WHOLE_NAMES: set[str] = set()
 
 
 class DuplicateLoweringError(RuntimeError):
@@ -58,15 +70,155 @@ def lowering(*overloads: torch._ops.OpOverload) -> Callable[[Lowering], Lowering
     return register
 
 
+def register_lowering(
+    op: torch._ops.OpOverload | torch._ops.OpOverloadPacket | str, *, override: bool = False
+) -> Callable[[Lowering], Lowering]:
+    """Register the decorated function as the JAX lowering of a (custom) torch op.
+
+    `op` is an overload (`torch.ops.mylib.op.default`), a packet (`torch.ops.mylib.op`: every
+    overload), or a qualified name: `"mylib::op"` (every overload) or `"mylib::op.overload"`.
+    A name may be registered before the library defining the op is imported.
+
+    The function receives what a built-in lowering receives: a `LoweringContext` (`ctx.node`,
+    `ctx.out_dtype`, `ctx.out_shape`, `ctx.rng_key()`, ...) and then the op's arguments as its
+    schema names them, every tensor a `jax.Array`; it returns a `jax.Array` (or a tuple for
+    multi-output ops). The interpreter casts results to the dtype torch recorded and checks the
+    shape. Gradients come from JAX differentiating the lowering; the op's torch autograd formula
+    is not used.
+
+    Capture keeps a registered op whole (torch would otherwise decompose an op with a
+    CompositeImplicitAutograd kernel before the lowering is reached).
+
+    Registering an op that already has a lowering raises `DuplicateLoweringError`, as two
+    modules claiming one op is almost always a mistake; pass `override=True` to replace the
+    existing lowering (built-in ones included) on purpose.
+
+    Example::
+
+        @torch.library.custom_op("mylib::scaled_tanh", mutates_args=())
+        def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+            return torch.tanh(x) * scale
+
+        @scaled_tanh.register_fake
+        def _(x, scale):
+            return torch.empty_like(x)
+
+        @zerojax.register_lowering(torch.ops.mylib.scaled_tanh)
+        def lower_scaled_tanh(ctx, x, scale):
+            return jnp.tanh(x) * scale
+    """
+    _load_lowerings()  # built-ins first, so a clash is reported now, not at first convert
+    overloads, names = _resolve(op)
+
+    def register(fn: Lowering) -> Lowering:
+        if not callable(fn):
+            raise TypeError(f"register_lowering({op!r}) decorates a function, got {fn!r}")
+        if not override:
+            for overload in overloads:
+                _check_free(overload, fn)
+            for name in names:
+                _check_free_name(name, fn)
+        for overload in overloads:
+            _LOWERINGS[overload] = fn
+            _KEPT_WHOLE_NAMES.add(qualified_name(overload))
+        for name in names:
+            _LOWERINGS_BY_NAME[name] = fn
+            _KEPT_WHOLE_NAMES.add(name)
+        return fn
+
+    return register
+
+
+def qualified_name(overload: torch._ops.OpOverload) -> str:
+    """'ns::op.overload', e.g. 'aten::add.Tensor', 'transformers::grouped_mm_fallback.default'."""
+    return f"{overload._schema.name}.{overload._overloadname}"
+
+
+def _resolve(op) -> tuple[list[torch._ops.OpOverload], list[str]]:
+    """(overloads that exist now, names kept for ops not defined yet) that `op` denotes."""
+    if isinstance(op, torch._ops.OpOverload):
+        return [op], []
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()], []
+    if not isinstance(op, str):
+        raise TypeError(
+            f"register_lowering expects a torch op (torch.ops.ns.op or torch.ops.ns.op.overload) "
+            f"or its qualified name 'ns::op[.overload]', got {type(op).__name__} {op!r}"
+        )
+    match = re.fullmatch(r"(\w+)::(\w+)(?:\.(\w+))?", op)
+    if match is None:
+        raise ValueError(
+            f"register_lowering: {op!r} is not a qualified op name; expected 'ns::op' (every "
+            f"overload) or 'ns::op.overload', e.g. 'mylib::scaled_tanh.default'"
+        )
+    namespace, name, overload_name = match.groups()
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        if overload_name is None:
+            return [getattr(packet, o) for o in packet.overloads()], [op]
+        return [getattr(packet, overload_name)], [op]
+    except (AttributeError, RuntimeError):
+        # Not defined yet (its library is imported later): found by name at lookup.
+        return [], [op]
+
+
+def _check_free(overload: torch._ops.OpOverload, fn: Lowering) -> None:
+    previous = _LOWERINGS.get(overload) or _by_name(overload)
+    if previous is not None and previous is not fn:
+        raise DuplicateLoweringError(
+            f"{overload} already lowered by {previous.__module__}.{previous.__name__}; "
+            f"{fn.__module__}.{fn.__name__} registers it again (pass override=True to "
+            f"register_lowering to replace it)"
+        )
+
+
+def _check_free_name(name: str, fn: Lowering) -> None:
+    previous = _LOWERINGS_BY_NAME.get(name)
+    if previous is not None and previous is not fn:
+        raise DuplicateLoweringError(
+            f"{name} already lowered by {previous.__module__}.{previous.__name__}; "
+            f"{fn.__module__}.{fn.__name__} registers it again (pass override=True to "
+            f"register_lowering to replace it)"
+        )
+
+
+def _by_name(overload: torch._ops.OpOverload) -> Lowering | None:
+    if not _LOWERINGS_BY_NAME:
+        return None
+    name = qualified_name(overload)
+    return _LOWERINGS_BY_NAME.get(name) or _LOWERINGS_BY_NAME.get(name.rsplit(".", 1)[0])
+
+
 def get_lowering(overload) -> Lowering | None:
     _load_lowerings()
-    return _LOWERINGS.get(overload)
+    found = _LOWERINGS.get(overload)
+    if found is None and isinstance(overload, torch._ops.OpOverload):
+        found = _by_name(overload)
+    return found
+
+
+def kept_whole(overload: torch._ops.OpOverload) -> bool:
+    """Whether capture must keep `overload` whole: it was registered with `register_lowering`."""
+    name = qualified_name(overload)
+    return name in _KEPT_WHOLE_NAMES or name.rsplit(".", 1)[0] in _KEPT_WHOLE_NAMES
+
+
+def kept_whole_overloads() -> list[torch._ops.OpOverload]:
+    """Every existing overload registered through `register_lowering` (names resolved now)."""
+    found = []
+    for name in sorted(_KEPT_WHOLE_NAMES):
+        try:
+            overloads, _ = _resolve(name)
+        except (TypeError, ValueError):  # an OpOverload's own name always parses
+            continue
+        found.extend(overloads)
+    return found
 
 
 def supported_ops() -> frozenset:
-    """Every ATen overload with a registered lowering."""
+    """Every op overload with a registered lowering (ATen and registered custom ops)."""
     _load_lowerings()
-    return frozenset(_LOWERINGS)
+    return frozenset(_LOWERINGS) | frozenset(kept_whole_overloads())
 
 
 _loaded = False

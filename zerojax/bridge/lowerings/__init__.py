@@ -7,6 +7,7 @@ from zerojax.bridge.lowerings import (  # noqa: F401
     distance,
     indexing,
     matmul,
+    moe,
     norm,
     patches,
     pointwise,
