@@ -9,6 +9,7 @@ lowers to `jax.lax.ragged_dot`, JAX's native grouped matmul, which is also the f
 parallelism shards. All shapes stay static: groups have data-dependent *sizes*, not shapes.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -28,15 +29,28 @@ def _group_sizes(offs):
     return jnp.diff(offs, prepend=jnp.zeros((1,), jnp.int32))
 
 
+def _operands(lhs, rhs):
+    """(lhs, rhs, options) in the dtype to multiply in, accumulated like torch.
+
+    XLA:CPU has no bf16 x bf16 -> f32 kernel for every ragged_dot form (the transposes autodiff
+    builds fail with "Unsupported element type for DotThunk"), so on CPU low-precision operands
+    are widened to fp32 first: the same fp32 accumulation, the result rounded once as torch's.
+    GPUs keep bf16 operands with fp32 accumulation.
+    """
+    dtype = result_type(lhs, rhs)
+    options = product_options(dtype)
+    if "preferred_element_type" in options and jax.default_backend() == "cpu":
+        dtype, options = np.dtype(np.float32), product_options(np.float32)
+    return lhs.astype(dtype), rhs.astype(dtype), options
+
+
 def _ragged_rows(lhs, rhs, offs):
     """out[r] = lhs[r] @ rhs[g] for the rows r of group g; rows past offs[-1] are zero.
 
     lhs (M, K), rhs (G, K, N), offs (G,) cumulative row ends -> (M, N).
     """
-    dtype = result_type(lhs, rhs)
-    return lax.ragged_dot(
-        lhs.astype(dtype), rhs.astype(dtype), _group_sizes(offs), **product_options(dtype)
-    )
+    lhs, rhs, options = _operands(lhs, rhs)
+    return lax.ragged_dot(lhs, rhs, _group_sizes(offs), **options)
 
 
 def _ragged_contraction(lhs, rhs, offs):
@@ -44,19 +58,13 @@ def _ragged_contraction(lhs, rhs, offs):
 
     lhs (M, K), rhs (K, N), offs (G,) cumulative K ends -> (G, M, N).
     """
-    dtype = result_type(lhs, rhs)
+    lhs, rhs, options = _operands(lhs, rhs)
     numbers = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (0,)), ((), ())),
         lhs_ragged_dimensions=(1,),
         rhs_group_dimensions=(),
     )
-    return lax.ragged_dot_general(
-        lhs.astype(dtype),
-        rhs.astype(dtype),
-        _group_sizes(offs),
-        numbers,
-        **product_options(dtype),
-    )
+    return lax.ragged_dot_general(lhs, rhs, _group_sizes(offs), numbers, **options)
 
 
 @lowering(aten._grouped_mm.default)
@@ -109,36 +117,27 @@ def lower_transformers_grouped_mm_fallback_backward(ctx, input, weight, offs, gr
     return grad_input, grad_weight
 
 
-def _torch_linspace(start, end, steps: int, dtype):
-    """torch.linspace's values exactly: from the start for the first half, from the end for
-    the rest (histc's bin edges; jnp.linspace rounds differently by an ulp)."""
-    step = (end - start) / (steps - 1)
-    i = jnp.arange(steps, dtype=dtype)
-    halfway = steps // 2
-    return jnp.where(i < halfway, start + step * i, end - step * (steps - 1 - i)).astype(dtype)
-
-
 @lowering(aten.histc.default)
 def lower_histc_default(ctx, self, bins=100, min=0, max=0):
     """Counts of `self` in `bins` equal-width bins over [min, max] (the data's own range when
     min == max); values outside are ignored, a value equal to max counts in the last bin.
 
-    Mirrors torch's CPU kernel: bin edges are torch.linspace(min, max, bins + 1) in the input
-    dtype and a value belongs to the last edge not above it. Not differentiable (torch has no
-    derivative for histc either); the counts carry no gradient.
+    Mirrors torch's CPU kernel exactly, rounding included: the bin is
+    floor((x - min) * bins / (max - min)) evaluated in the input dtype, left to right (torch's
+    histc uses this linear formula without the edge search torch.histogram adds, so a value one
+    ulp below an edge may land in the upper bin, as it does in torch). Not differentiable (torch
+    has no derivative for histc either): the counts carry no gradient.
     """
-    x = lax.stop_gradient(self.reshape(-1))
     dtype = self.dtype if is_floating(self.dtype) else jnp.float32
-    x = x.astype(dtype)
+    x = lax.stop_gradient(self.reshape(-1)).astype(dtype)
     lo, hi = jnp.asarray(min, dtype), jnp.asarray(max, dtype)
     if float(min) == float(max) and x.size > 0:
-        # torch reads the data's range, then widens an empty range by 1 either side.
-        lo, hi = jnp.min(x), jnp.max(x)
+        lo, hi = jnp.min(x), jnp.max(x)  # torch reads the data's range
+    # An empty range is widened by 1 either side, as torch does.
     lo, hi = jnp.where(lo == hi, lo - 1, lo), jnp.where(lo == hi, hi + 1, hi)
-    edges = _torch_linspace(lo, hi, bins + 1, dtype)
-    position = jnp.searchsorted(edges, x, side="right") - 1
+    position = jnp.floor((x - lo) * jnp.asarray(bins, dtype) / (hi - lo)).astype(jnp.int32)
     position = jnp.minimum(position, bins - 1)  # x == max belongs to the last bin
-    inside = (x >= edges[0]) & (x <= edges[-1])  # NaN is outside
+    inside = (x >= lo) & (x <= hi)  # NaN is outside
     counts = jnp.zeros((bins,), jnp.float32).at[jnp.where(inside, position, bins)]
     return counts.add(1.0, mode="drop").astype(ctx.out_dtype)
 
