@@ -58,10 +58,8 @@ ATEN_GAPS: dict[str, str] = {
     # Data-dependent output shapes.
     "aten._unique2.default": _DATA_DEPENDENT_OP,
     "aten.unique_consecutive.default": _DATA_DEPENDENT_OP,
-    "aten.bincount.default": _DATA_DEPENDENT_OP + " (its length is max(input) + 1)",
     "aten.histogram.bin_ct": _DATA_DEPENDENT_OP + " (bins span the data's range)",
     "aten.histogram.bins_tensor": _DATA_DEPENDENT_OP + " (bins span the data's range)",
-    "aten.histc.default": _DATA_DEPENDENT_OP + " (bins span the data's range)",
     "aten._histogramdd_bin_edges.default": _DATA_DEPENDENT_OP,
     "aten._histogramdd_from_bin_cts.default": _DATA_DEPENDENT_OP,
     "aten._histogramdd_from_bin_tensors.default": _DATA_DEPENDENT_OP,
