@@ -457,7 +457,7 @@ def test_mixtral_trains_like_torch_through_initialize(stage):
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(loss.item())
     ours, theirs = losses[0::2], losses[1::2]
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         assert abs(a - b) <= TRAIN_RTOL * abs(b), f"step {step}: loss {a} vs torch {b}"
