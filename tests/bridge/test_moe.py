@@ -419,6 +419,8 @@ def test_hf_moe_forward_and_gradients_match_torch(name):
         out = converted.apply(params, converted.buffers, **jax_kwargs)[0]
         return out.loss, out
 
+    # The experts' grouped GEMM really is ragged_dot (what expert parallelism will shard).
+    assert "ragged_dot" in str(jax.make_jaxpr(loss)(converted.params))
     (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(converted.params)
     assert relative_error(out.logits, expected.logits.detach().numpy()) <= FORWARD_RTOL
     assert relative_error(out.loss, expected.loss.detach().numpy()) <= FORWARD_RTOL
