@@ -299,10 +299,7 @@ _COMMON = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "max_position_embeddings": 64,
-    "attn_implementation": "sdpa",
-    # TODO(caches): drop once the `caches` helper's DynamicCache outputs are merged into main;
-    # then these run with the default use_cache=True.
-    "use_cache": False,
+    "attn_implementation": "sdpa",  # use_cache stays at its default (True)
 }
 
 
