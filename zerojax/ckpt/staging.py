@@ -1,0 +1,256 @@
+"""Copy a tree of sharded jax.Arrays into host memory the copy owns, in few large copies.
+
+An asynchronous checkpoint may only return to the training loop once the state is off the
+device: the next step donates (overwrites) the very buffers being saved. Handing Orbax the
+device arrays makes it copy every shard on its own (~3,000 copies for a GPT-2 + AdamW state
+on 8 devices, ~0.3 ms of Python each). `HostStager.stage` returns the same tree as whole numpy
+arrays instead, each global array assembled from its distinct shards (one copy of replicated
+blocks), so that the writer only ever reads host memory that no training step can touch.
+
+    >>> stager = HostStager()
+    >>> host_tree = stager.stage({"w": w_sharded, "step": step})  # numpy arrays, owned
+    >>> write(host_tree)                                           # e.g. in the background
+    >>> stager.release()       # the writer is done: the next stage() may reuse that memory
+
+How the bytes leave the device (`method`):
+
+- "views" (default on CPU devices, where device memory *is* host memory): each distinct shard
+  is read through a zero-copy numpy view of its buffer and copied once into the staging area,
+  the large copies split over a few threads (numpy releases the GIL while copying).
+- "pack" (default on accelerators): per device and dtype, one jitted program ravels and
+  concatenates every distinct shard living on that device into one buffer; the
+  device-to-host copies of all those buffers start at once (`copy_to_host_async`), then each
+  is split on the host into the staging area. One transfer per device and dtype instead of
+  one per shard.
+
+The staging area is one host buffer, reused by the next `stage` of a tree with the same
+shapes and dtypes once `release()` says the previous staged tree is no longer read: writing
+into freshly allocated memory costs its first-touch page faults, ~3x the copy itself here
+(409 MiB: 250-300 ms into new pages vs 70-90 ms into reused ones, 2-core CPU host). The area
+stays allocated until `clear()` (one host copy of the state, as torch DCP's cached stager or
+pinned-memory async checkpointing keep).
+
+Concurrency contract: `stage` returns once every byte is copied (the device arrays may be
+donated right after). The arrays it returns stay valid until the `release()` that follows the
+next `stage` -- i.e. `stage`, hand the tree to the writer, `release()` only after the writer
+has finished with it; a tree never released is never overwritten (the next `stage` allocates
+anew). Call a HostStager from one thread at a time.
+
+Leaves that are not jax/numpy arrays pass through unchanged, as do arrays with extended dtypes
+(PRNG keys). Several processes: `stage` returns the tree as it is (no process holds whole
+arrays; Orbax copies and writes each process's own shards).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections import defaultdict
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["HostStager", "stage_to_host"]
+
+Method = Literal["auto", "views", "pack"]
+
+_ALIGN = 64
+"""Byte alignment of every array in the staging area (cache line; numpy/tensorstore need only
+the itemsize)."""
+_MIN_PARALLEL_BYTES = 1 << 20
+"""Copies below this size run on the calling thread: thread hand-off would cost more."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Leaf:
+    """Where one staged leaf lives in the staging area."""
+
+    index: int  # position among the tree's leaves
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int  # bytes into the area
+
+
+def _stageable(leaf: Any) -> bool:
+    if isinstance(leaf, np.ndarray):
+        return not leaf.dtype.hasobject
+    if isinstance(leaf, jax.Array):
+        return not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
+    return False
+
+
+def _layout(leaves: list) -> tuple[list[_Leaf], int]:
+    placed, offset = [], 0
+    for i, leaf in enumerate(leaves):
+        if not _stageable(leaf):
+            continue
+        dtype = np.dtype(leaf.dtype)
+        placed.append(_Leaf(i, tuple(leaf.shape), dtype, offset))
+        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * dtype.itemsize
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return placed, offset
+
+
+def _view(area: np.ndarray, leaf: _Leaf) -> np.ndarray:
+    nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+    return area[leaf.offset : leaf.offset + nbytes].view(leaf.dtype).reshape(leaf.shape)
+
+
+def _distinct_shards(array: jax.Array):
+    """The shards to copy: one per distinct block (replica 0 of a replicated block)."""
+    return [s for s in array.addressable_shards if s.replica_id == 0]
+
+
+def _resolve(method: Method, arrays: list[jax.Array]) -> Literal["views", "pack"]:
+    if method != "auto":
+        return method
+    on_cpu = all(d.platform == "cpu" for a in arrays for d in a.sharding.device_set)
+    return "views" if on_cpu else "pack"
+
+
+@jax.jit
+def _pack(blocks: list[jax.Array]) -> jax.Array:
+    """All blocks (one device, one dtype) raveled into one buffer, in order."""
+    return jnp.concatenate([b.ravel() for b in blocks])
+
+
+class HostStager:
+    """Stages trees of (sharded) jax.Arrays into a reusable host buffer; see the module
+    docstring for the method and the concurrency contract.
+
+    `method`: "auto" (views on CPU devices, pack elsewhere), "views" or "pack".
+    `reuse`: keep the staging area for the next `stage` (False: fresh memory every time).
+    `num_threads`: threads splitting the host-side copies (default: up to 4, one per CPU).
+    """
+
+    def __init__(
+        self, *, method: Method = "auto", reuse: bool = True, num_threads: int | None = None
+    ) -> None:
+        if method not in ("auto", "views", "pack"):
+            raise ValueError(f"HostStager: method={method!r}; use 'auto', 'views' or 'pack'")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"HostStager: num_threads={num_threads}; use >= 1 or None")
+        self.method = method
+        self.reuse = reuse
+        self.num_threads = num_threads or max(1, min(4, _cpu_count()))
+        self._area: np.ndarray | None = None
+        self._area_free = False  # the last staged tree was released: _area may be overwritten
+
+    def stage(self, tree: Any) -> Any:
+        """`tree` with every array replaced by a host numpy array holding the same values,
+        in memory of this stager's (valid until the `release()` after the next `stage`)."""
+        if jax.process_count() > 1:
+            return tree
+        leaves, treedef = jax.tree.flatten(tree)
+        placed, nbytes = _layout(leaves)
+        for leaf in placed:
+            value = leaves[leaf.index]
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                raise ValueError(  # cannot happen in one process; guards a future caller
+                    f"HostStager.stage: leaf {leaf.index} {value.shape} {value.dtype} is not "
+                    f"fully addressable; stage only single-process trees"
+                )
+        area = self._take_area(nbytes)
+        copies: list[tuple[np.ndarray, Any, Any]] = []  # (destination, index, source)
+        device_arrays: list[tuple[np.ndarray, jax.Array]] = []
+        for leaf in placed:
+            value, dst = leaves[leaf.index], _view(area, leaf)
+            if isinstance(value, np.ndarray):
+                copies.append((dst, Ellipsis, value))
+            elif dst.size:
+                device_arrays.append((dst, value))
+        arrays = [a for _, a in device_arrays]
+        if arrays and _resolve(self.method, arrays) == "pack":
+            copies += _packed_copies(device_arrays)
+        else:
+            copies += [
+                (dst, shard.index, shard.data)
+                for dst, a in device_arrays
+                for shard in _distinct_shards(a)
+            ]
+        self._run(copies)
+        out = list(leaves)
+        for leaf in placed:
+            out[leaf.index] = _view(area, leaf)
+        return jax.tree.unflatten(treedef, out)
+
+    def release(self) -> None:
+        """The last staged tree is no longer read: the next `stage` may overwrite it."""
+        self._area_free = True
+
+    def clear(self) -> None:
+        """Drop the staging area (arrays already handed out keep their memory alive)."""
+        self._area, self._area_free = None, False
+
+    def _take_area(self, nbytes: int) -> np.ndarray:
+        area = self._area
+        if not (self.reuse and self._area_free and area is not None and area.size == nbytes):
+            area = np.empty(max(nbytes, 1), np.uint8)
+        self._area = area if self.reuse else None
+        self._area_free = False
+        return area
+
+    def _run(self, copies: list[tuple[np.ndarray, Any, Any]]) -> None:
+        """dst[index] = src for every copy; the large ones spread over threads.
+
+        np.asarray of a CPU shard is a zero-copy view, so each byte is copied once."""
+        jobs = [(dst, index, np.asarray(src)) for dst, index, src in copies]  # Python: GIL
+        threads = self.num_threads if len(jobs) > 1 else 1
+        large = [j for j in jobs if j[2].nbytes >= _MIN_PARALLEL_BYTES] if threads > 1 else []
+        for dst, index, src in jobs:
+            if threads == 1 or src.nbytes < _MIN_PARALLEL_BYTES:
+                dst[index] = src
+        if not large:
+            return
+        # Balance bytes over the threads: largest first, onto the least loaded.
+        groups: list[list] = [[] for _ in range(threads)]
+        loads = [0] * threads
+        for job in sorted(large, key=lambda j: -j[2].nbytes):
+            i = loads.index(min(loads))
+            groups[i].append(job)
+            loads[i] += job[2].nbytes
+
+        def run(group: list) -> None:
+            for dst, index, src in group:
+                dst[index] = src  # numpy releases the GIL while it copies
+
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(run, [g for g in groups if g]))
+
+
+def _packed_copies(device_arrays: list[tuple[np.ndarray, jax.Array]]) -> list:
+    """Pack every distinct shard per (device, dtype) into one device buffer, start all their
+    device-to-host copies, then return (destination, index, host slice) copies."""
+    groups: dict[tuple, list] = defaultdict(list)
+    for dst, array in device_arrays:
+        for shard in _distinct_shards(array):
+            if shard.data.size:
+                groups[(shard.device, np.dtype(array.dtype))].append((dst, shard))
+    packed = []
+    for jobs in groups.values():
+        buffer = _pack([shard.data for _, shard in jobs])
+        buffer.copy_to_host_async()
+        packed.append((jobs, buffer))
+    copies = []
+    for jobs, buffer in packed:
+        host = np.asarray(buffer)
+        offset = 0
+        for dst, shard in jobs:
+            shape = shard.data.shape
+            size = int(np.prod(shape, dtype=np.int64))
+            copies.append((dst, shard.index, host[offset : offset + size].reshape(shape)))
+            offset += size
+    return copies
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def stage_to_host(tree: Any, *, method: Method = "auto") -> Any:
+    """One-off `HostStager(reuse=False).stage(tree)`: fresh host arrays the caller owns."""
+    return HostStager(method=method, reuse=False).stage(tree)
