@@ -1,13 +1,15 @@
-"""Checkpoint benchmark: zerojax's async save and restore vs torch.save and torch DCP, and the
-peak memory of `zerojax ckpt export`.
+"""Checkpoint benchmark: zerojax's async save and restore vs torch.save and torch DCP, the ways
+to copy the sharded state off the devices, and the peak memory of `zerojax ckpt export`.
 
 One training state (a GPT-2, ~36M params by default: fp32 weights + AdamW exp_avg and
 exp_avg_sq, ~430 MB) taken after one optimizer step, so the moments are non-zero:
 
 - zerojax: `zerojax.initialize(model, AdamW, {"mesh": {"fsdp": 8}, "zero": {"stage": 3}})` on 8
   simulated CPU devices, one `Checkpointer` (max_to_keep=None) saving one new step directory per
-  repeat. Blocking = `Checkpointer.save` returning (arrays staged to host memory, the files are
-  written by a background thread); total = until `wait()` returns (Orbax commit + manifest).
+  repeat. Blocking = `Checkpointer.save` returning (arrays staged to host memory by
+  `zerojax.ckpt.staging.HostStager`, into the buffer the previous save used; Orbax's save call
+  and the files run on a background thread); total = until `wait()` returns (Orbax commit +
+  manifest).
   Restore = `Checkpointer.restore(step)` into the same engine, manifest crc32 check included,
   until `jax.block_until_ready` on the params and optimizer state.
 - torch.save / torch.load(weights_only=True, map_location="cpu") of `{"model":
@@ -25,6 +27,13 @@ contender, then repeat 2, ...) so that load from other processes spreads over al
 Reported: medians. Restores read files the save just wrote, i.e. from the page cache. Bytes on
 disk: Orbax compresses its chunks (zstd), DCP stores the tied wte/lm_head matrix twice.
 
+Staging micro-benchmark (`--skip-staging` leaves it out): the same state (`gather_items` of the
+engine: 374 arrays, 2,985 shards on 8 devices) copied to host memory the copy owns, each way
+timed alone, interleaved, on fresh device arrays each repeat (a jax.Array caches its host
+value): one copy per shard as Orbax does, `jax.device_get`, and `HostStager` (zero-copy
+views of the CPU shards, fresh or reused memory; per-device packing); the floor is one memcpy
+of as many bytes into reused memory.
+
 Then `zerojax ckpt export DIR --format safetensors|torch OUT` runs in a subprocess on the
 zerojax checkpoint, under /usr/bin/time -v (or, without it, a wrapper printing ru_maxrss), and
 its peak RSS is compared with a baseline process that only imports jax, zerojax and the export
@@ -32,6 +41,7 @@ module's dependencies and starts the JAX backend: export streams one tensor at a
 (peak - baseline) should stay near the largest tensor, not the model.
 
 Run: .venv/bin/python bench/checkpoint.py [--repeats 5] [--dir /tmp/somewhere] [--quick]
+[--skip-export] [--skip-staging]
 """
 
 from __future__ import annotations
@@ -67,7 +77,9 @@ import torch.nn.functional as F
 import zerojax
 from bench.architectures import GPT2, GPT2Config
 from zerojax.ckpt import Checkpointer
+from zerojax.ckpt import training_state as ts
 from zerojax.ckpt.manifest import verify_manifest
+from zerojax.ckpt.staging import HostStager, stage_to_host
 
 # DCP warns on every call that it "assumes" a single process, though no_dist=True says so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -307,6 +319,76 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+# --- staging: copying the sharded state to host --------------------------------------------------
+
+
+def per_shard_copies(tree) -> list:
+    """One owned host copy per distinct shard, all transfers started first: what Orbax's save
+    does with device arrays (its `transfer_arrays_to_host`; there `np.asarray`, zero-copy on
+    CPU, so `np.array` here to own the memory as staging must)."""
+    shards = [s for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.replica_id == 0]
+    for s in shards:
+        s.data.copy_to_host_async()
+    return [np.array(s.data) for s in shards]
+
+
+def staging_table(engine, repeats: int) -> str:
+    tree = ts.gather_items(engine, with_optimizer=True)
+    leaves = jax.tree.leaves(tree)
+    nbytes = sum(x.nbytes for x in leaves)
+    num_shards = sum(
+        1
+        for x in leaves
+        if isinstance(x, jax.Array)
+        for s in x.addressable_shards
+        if s.replica_id == 0
+    )
+    source, floor = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    reused, packed = HostStager(method="views"), HostStager(method="pack")
+
+    def stage_reused(stager):
+        def run(fresh):
+            stager.stage(fresh)
+            stager.release()  # as the Checkpointer does once the write has committed
+
+        return run
+
+    ways = {
+        "one copy per shard, transfers started first (Orbax's way)": per_shard_copies,
+        "`jax.device_get(tree)`": jax.device_get,
+        "HostStager views, fresh memory (`stage_to_host`)": stage_to_host,
+        "HostStager views, reused memory (Checkpointer)": stage_reused(reused),
+        "HostStager pack per device and dtype, reused memory": stage_reused(packed),
+        "floor: one memcpy of the bytes into reused memory": lambda _: np.copyto(floor, source),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for name, way in ways.items():  # warm-up: compiles the pack programs, faults reused memory
+        way(jax.tree.map(jax.numpy.copy, tree))
+    for i in range(repeats):
+        print(f"  staging repeat {i + 1}/{repeats} ...", file=sys.stderr, flush=True)
+        for name, way in ways.items():
+            fresh = jax.tree.map(jax.numpy.copy, tree)  # new arrays, no cached host value
+            jax.block_until_ready(fresh)
+            start = time.perf_counter()
+            way(fresh)
+            times[name].append(time.perf_counter() - start)
+    base = statistics.median(times[next(iter(ways))])
+    lines = [
+        "| way off the devices | median (ms) | min (ms) | vs one copy per shard |",
+        "|---|---|---|---|",
+    ]
+    for name, t in times.items():
+        lines.append(
+            f"| {name} | {statistics.median(t) * 1e3:.0f} | {min(t) * 1e3:.0f} "
+            f"| {statistics.median(t) / base:.2f}x |"
+        )
+    return "\n".join(lines) + (
+        f"\n\n{nbytes / 2**20:.0f} MiB in {len(leaves)} arrays, {num_shards:,} distinct shards on "
+        f"{jax.device_count()} devices; medians of {repeats}, interleaved, fresh device arrays "
+        f"every repeat."
+    )
+
+
 # --- export peak RSS -----------------------------------------------------------------------------
 
 _BASELINE = (
@@ -399,6 +481,7 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     parser.add_argument("--skip-export", action="store_true")
+    parser.add_argument("--skip-staging", action="store_true")
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: a 2-layer width-128 GPT-2, 2 repeats"
     )
@@ -430,6 +513,7 @@ def main() -> None:
         ]
         results = measure(contenders, repeats)
         contenders[0].ckpt.close()
+        staging = None if options.skip_staging else staging_table(engine, repeats)
         export = None
         if not options.skip_export:
             out_dir = root / "export"
@@ -456,6 +540,9 @@ def main() -> None:
         f"read from the page cache. {os.cpu_count()} CPUs, {torch.get_num_threads()} torch "
         f"threads; torch {torch.__version__}, jax {jax.__version__}."
     )
+    if staging is not None:
+        print(f"\n## Staging the state to host memory ({os.cpu_count()} CPUs)\n")
+        print(staging)
     if export is not None:
         print("\n## `zerojax ckpt export` peak memory\n")
         print(export)

@@ -87,8 +87,14 @@ def assert_owns_memory(staged: dict, tree: dict) -> None:
         assert not any(np.shares_memory(got, b) for b in buffers)
 
 
-@pytest.mark.parametrize("method", ["views", "pack"])
-def test_staged_tree_is_bitwise_device_get(method):
+@pytest.mark.parametrize(
+    ("method", "pack_bytes"),
+    # 40 bytes: packed buffers of a few blocks, lone blocks and several rounds in flight.
+    [("views", None), ("pack", None), ("pack", 40)],
+)
+def test_staged_tree_is_bitwise_device_get(method, pack_bytes, monkeypatch):
+    if pack_bytes is not None:
+        monkeypatch.setattr(staging, "_PACK_BUFFER_BYTES", pack_bytes)
     tree = mixed_tree()
     staged = HostStager(method=method).stage(tree)
     assert jax.tree.structure(staged) == jax.tree.structure(tree)

@@ -18,7 +18,8 @@ How the bytes leave the device (`method`):
   is read through a zero-copy numpy view of its buffer and copied once into the staging area,
   the large copies split over a few threads (numpy releases the GIL while copying).
 - "pack" (default on accelerators): per device and dtype, one jitted program ravels and
-  concatenates every distinct shard living on that device into one buffer; the
+  concatenates every distinct shard living on that device into one buffer (several of at most
+  256 MiB for a large share, two rounds of them in flight: bounded extra device memory); the
   device-to-host copies of all those buffers start at once (`copy_to_host_async`), then each
   is split on the host into the staging area. One transfer per device and dtype instead of
   one per shard.
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 from collections import defaultdict
 from typing import Any, Literal
 
@@ -52,13 +54,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["HostStager", "stage_to_host"]
+__all__ = ["HostStager", "stage_to_host", "stages_to_host"]
 
 Method = Literal["auto", "views", "pack"]
 
 _ALIGN = 64
 """Byte alignment of every array in the staging area (cache line; numpy/tensorstore need only
 the itemsize)."""
+_PACK_BUFFER_BYTES = 1 << 28
+"""At most this many bytes per packed device buffer ("pack"): a device holds at most two rounds
+of them beside the state, 512 MiB, however large its share of the state."""
 _MIN_PARALLEL_BYTES = 1 << 20
 """Copies below this size run on the calling thread: thread hand-off would cost more."""
 
@@ -141,7 +146,7 @@ class HostStager:
     def stage(self, tree: Any) -> Any:
         """`tree` with every array replaced by a host numpy array holding the same values,
         in memory of this stager's (valid until the `release()` after the next `stage`)."""
-        if jax.process_count() > 1:
+        if not stages_to_host():
             return tree
         leaves, treedef = jax.tree.flatten(tree)
         placed, nbytes = _layout(leaves)
@@ -163,7 +168,8 @@ class HostStager:
                 device_arrays.append((dst, value))
         arrays = [a for _, a in device_arrays]
         if arrays and _resolve(self.method, arrays) == "pack":
-            copies += _packed_copies(device_arrays)
+            for round_copies in _packed_rounds(device_arrays, _PACK_BUFFER_BYTES):
+                self._run(round_copies)
         else:
             copies += [
                 (dst, shard.index, shard.data)
@@ -220,29 +226,65 @@ class HostStager:
             list(pool.map(run, [g for g in groups if g]))
 
 
-def _packed_copies(device_arrays: list[tuple[np.ndarray, jax.Array]]) -> list:
-    """Pack every distinct shard per (device, dtype) into one device buffer, start all their
-    device-to-host copies, then return (destination, index, host slice) copies."""
-    groups: dict[tuple, list] = defaultdict(list)
+def _packed_rounds(device_arrays: list[tuple[np.ndarray, jax.Array]], budget: int):
+    """Yields lists of (destination, index, host block) copies, one list per round.
+
+    Per (device, dtype), the distinct shards are cut into chunks of at most `budget` bytes
+    (a larger shard is a chunk of its own); round r packs the r-th chunk of every group into
+    one device buffer each and starts all their device-to-host copies, then hands over round
+    r-1's host data while those run. At most two rounds of buffers live on a device, so
+    packing adds at most 2 x `budget` bytes to a device's memory, whatever the state's size."""
+    groups: dict[tuple, list[list]] = defaultdict(lambda: [[]])
+    sizes: dict[tuple, int] = defaultdict(int)
     for dst, array in device_arrays:
         for shard in _distinct_shards(array):
-            if shard.data.size:
-                groups[(shard.device, np.dtype(array.dtype))].append((dst, shard))
-    packed = []
-    for jobs in groups.values():
-        buffer = _pack([shard.data for _, shard in jobs])
-        buffer.copy_to_host_async()
-        packed.append((jobs, buffer))
+            if not shard.data.size:
+                continue
+            key = (shard.device, np.dtype(array.dtype))
+            if sizes[key] and sizes[key] + shard.data.nbytes > budget:
+                groups[key].append([])
+                sizes[key] = 0
+            groups[key][-1].append((dst, shard))
+            sizes[key] += shard.data.nbytes
+    in_flight: list = []
+    for chunks in itertools.zip_longest(*groups.values()):
+        started = [_start_transfer(chunk) for chunk in chunks if chunk]
+        if in_flight:
+            yield _host_blocks(in_flight)
+        in_flight = started
+    if in_flight:
+        yield _host_blocks(in_flight)
+
+
+def _start_transfer(chunk: list) -> tuple[list, jax.Array]:
+    blocks = [shard.data for _, shard in chunk]
+    # A lone block needs no packing: its own buffer is the one transfer.
+    buffer = blocks[0] if len(blocks) == 1 else _pack(blocks)
+    buffer.copy_to_host_async()
+    return chunk, buffer
+
+
+def _host_blocks(started: list) -> list:
     copies = []
-    for jobs, buffer in packed:
-        host = np.asarray(buffer)
+    for chunk, buffer in started:
+        host = np.asarray(buffer)  # waits for this buffer's transfer only
+        if len(chunk) == 1:
+            dst, shard = chunk[0]
+            copies.append((dst, shard.index, host))
+            continue
         offset = 0
-        for dst, shard in jobs:
+        for dst, shard in chunk:
             shape = shard.data.shape
             size = int(np.prod(shape, dtype=np.int64))
             copies.append((dst, shard.index, host[offset : offset + size].reshape(shape)))
             offset += size
     return copies
+
+
+def stages_to_host() -> bool:
+    """Whether `HostStager.stage` copies arrays to host here: in a single process only (with
+    several, no process holds whole arrays; the tree is returned as it is)."""
+    return jax.process_count() == 1
 
 
 def _cpu_count() -> int:
