@@ -115,10 +115,14 @@ def test_threads_split_large_copies_and_other_leaves_pass_through(monkeypatch):
 
 
 def test_a_replicated_block_is_copied_once():
-    tree = mixed_tree()
-    assert len(staging._distinct_shards(tree["partly_replicated"])) == 4  # of 8 shards
-    assert len(staging._distinct_shards(tree["replicated"])) == 1
-    assert len(staging._distinct_shards(tree["both_axes"])) == 8
+    tree, stager = mixed_tree(), HostStager()
+    blocks = stager.distinct_blocks(tree["partly_replicated"])  # 8 shards, 2 of each block
+    assert sorted(b.index[0].start for b in blocks) == [0, 2, 4, 6]
+    assert len(stager.distinct_blocks(tree["replicated"])) == 1
+    assert len(stager.distinct_blocks(tree["both_axes"])) == 8
+    # Cached per (sharding, shape): a new array placed alike reuses the plan.
+    again = jax.device_put(np.zeros((8, 3), jnp.bfloat16), tree["partly_replicated"].sharding)
+    assert stager.distinct_blocks(again) is blocks
 
 
 def test_memory_is_reused_only_after_release():

@@ -47,6 +47,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
+import math
+import os
 from collections import defaultdict
 from typing import Any, Literal
 
@@ -93,19 +95,13 @@ def _layout(leaves: list) -> tuple[list[_Leaf], int]:
             continue
         dtype = np.dtype(leaf.dtype)
         placed.append(_Leaf(i, tuple(leaf.shape), dtype, offset))
-        nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * dtype.itemsize
-        offset += -(-nbytes // _ALIGN) * _ALIGN
+        offset += -(-math.prod(leaf.shape) * dtype.itemsize // _ALIGN) * _ALIGN
     return placed, offset
 
 
 def _view(area: np.ndarray, leaf: _Leaf) -> np.ndarray:
-    nbytes = int(np.prod(leaf.shape, dtype=np.int64)) * leaf.dtype.itemsize
+    nbytes = math.prod(leaf.shape) * leaf.dtype.itemsize
     return area[leaf.offset : leaf.offset + nbytes].view(leaf.dtype).reshape(leaf.shape)
-
-
-def _distinct_shards(array: jax.Array):
-    """The shards to copy: one per distinct block (replica 0 of a replicated block)."""
-    return [s for s in array.addressable_shards if s.replica_id == 0]
 
 
 def _resolve(method: Method, arrays: list[jax.Array]) -> Literal["views", "pack"]:
@@ -121,13 +117,23 @@ def _pack(blocks: list[jax.Array]) -> jax.Array:
     return jnp.concatenate([b.ravel() for b in blocks])
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Block:
+    """One distinct block of an array: `array.addressable_data(position)` is `array[index]`."""
+
+    position: int
+    index: tuple
+    device: jax.Device
+
+
 class HostStager:
     """Stages trees of (sharded) jax.Arrays into a reusable host buffer; see the module
     docstring for the method and the concurrency contract.
 
     `method`: "auto" (views on CPU devices, pack elsewhere), "views" or "pack".
     `reuse`: keep the staging area for the next `stage` (False: fresh memory every time).
-    `num_threads`: threads splitting the host-side copies (default: up to 4, one per CPU).
+    `num_threads`: threads sharing the large host-side copies (default: half the CPUs, at most
+    4: the training process's own threads want the rest).
     """
 
     def __init__(
@@ -139,9 +145,14 @@ class HostStager:
             raise ValueError(f"HostStager: num_threads={num_threads}; use >= 1 or None")
         self.method = method
         self.reuse = reuse
-        self.num_threads = num_threads or max(1, min(4, _cpu_count()))
+        self.num_threads = num_threads or max(1, min(4, _cpu_count() // 2))
         self._area: np.ndarray | None = None
         self._area_free = False  # the last staged tree was released: _area may be overwritten
+        # (sharding, shape) -> its distinct blocks. Building Shard objects for every array
+        # (`addressable_shards`) cost ~45 ms per save for 374 arrays; the engine's arrays are
+        # new every step, their shardings are not.
+        self._blocks: dict[tuple, list[_Block]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def stage(self, tree: Any) -> Any:
         """`tree` with every array replaced by a host numpy array holding the same values,
@@ -150,45 +161,59 @@ class HostStager:
             return tree
         leaves, treedef = jax.tree.flatten(tree)
         placed, nbytes = _layout(leaves)
+        area = self._take_area(nbytes)
+        out = list(leaves)
+        copies: list[tuple[np.ndarray, Any, Any]] = []  # (destination, index, source)
+        device_arrays: list[tuple[np.ndarray, jax.Array]] = []
         for leaf in placed:
             value = leaves[leaf.index]
-            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            out[leaf.index] = dst = _view(area, leaf)
+            if isinstance(value, np.ndarray):
+                copies.append((dst, Ellipsis, value))
+            elif not value.is_fully_addressable:
                 raise ValueError(  # cannot happen in one process; guards a future caller
                     f"HostStager.stage: leaf {leaf.index} {value.shape} {value.dtype} is not "
                     f"fully addressable; stage only single-process trees"
                 )
-        area = self._take_area(nbytes)
-        copies: list[tuple[np.ndarray, Any, Any]] = []  # (destination, index, source)
-        device_arrays: list[tuple[np.ndarray, jax.Array]] = []
-        for leaf in placed:
-            value, dst = leaves[leaf.index], _view(area, leaf)
-            if isinstance(value, np.ndarray):
-                copies.append((dst, Ellipsis, value))
             elif dst.size:
                 device_arrays.append((dst, value))
         arrays = [a for _, a in device_arrays]
         if arrays and _resolve(self.method, arrays) == "pack":
-            for round_copies in _packed_rounds(device_arrays, _PACK_BUFFER_BYTES):
+            blocks = [(dst, a, self.distinct_blocks(a)) for dst, a in device_arrays]
+            for round_copies in _packed_rounds(blocks, _PACK_BUFFER_BYTES):
                 self._run(round_copies)
         else:
-            copies += [
-                (dst, shard.index, shard.data)
-                for dst, a in device_arrays
-                for shard in _distinct_shards(a)
-            ]
+            for dst, a in device_arrays:
+                for block in self.distinct_blocks(a):
+                    copies.append((dst, block.index, a.addressable_data(block.position)))
         self._run(copies)
-        out = list(leaves)
-        for leaf in placed:
-            out[leaf.index] = _view(area, leaf)
         return jax.tree.unflatten(treedef, out)
+
+    def distinct_blocks(self, array: jax.Array) -> list[_Block]:
+        """The blocks to copy: one per distinct index (replica 0 of a replicated block)."""
+        key = (array.sharding, array.shape)
+        blocks = self._blocks.get(key)
+        if blocks is None:
+            shards = array.addressable_shards
+            blocks = [
+                _Block(i, s.index, s.device) for i, s in enumerate(shards) if s.replica_id == 0
+            ]
+            # addressable_data(i) is the i-th shard's data (its device's buffer).
+            assert all(array.addressable_data(b.position).device == b.device for b in blocks)
+            self._blocks[key] = blocks
+        return blocks
 
     def release(self) -> None:
         """The last staged tree is no longer read: the next `stage` may overwrite it."""
         self._area_free = True
 
     def clear(self) -> None:
-        """Drop the staging area (arrays already handed out keep their memory alive)."""
+        """Drop the staging area (arrays already handed out keep their memory alive) and the
+        copying threads."""
         self._area, self._area_free = None, False
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def _take_area(self, nbytes: int) -> np.ndarray:
         area = self._area
@@ -199,53 +224,56 @@ class HostStager:
         return area
 
     def _run(self, copies: list[tuple[np.ndarray, Any, Any]]) -> None:
-        """dst[index] = src for every copy; the large ones spread over threads.
+        """dst[index] = src for every copy; the large ones shared with the pool's threads.
 
         np.asarray of a CPU shard is a zero-copy view, so each byte is copied once."""
         jobs = [(dst, index, np.asarray(src)) for dst, index, src in copies]  # Python: GIL
-        threads = self.num_threads if len(jobs) > 1 else 1
-        large = [j for j in jobs if j[2].nbytes >= _MIN_PARALLEL_BYTES] if threads > 1 else []
-        for dst, index, src in jobs:
-            if threads == 1 or src.nbytes < _MIN_PARALLEL_BYTES:
+        large = [j for j in jobs if j[2].nbytes >= _MIN_PARALLEL_BYTES]
+        if self.num_threads == 1 or len(large) < 2:
+            for dst, index, src in jobs:
                 dst[index] = src
-        if not large:
             return
-        # Balance bytes over the threads: largest first, onto the least loaded.
-        groups: list[list] = [[] for _ in range(threads)]
-        loads = [0] * threads
+        # Balance bytes over the pool's threads and this one: largest first, least loaded.
+        groups: list[list] = [[] for _ in range(self.num_threads)]
+        loads = [0] * self.num_threads
         for job in sorted(large, key=lambda j: -j[2].nbytes):
             i = loads.index(min(loads))
             groups[i].append(job)
             loads[i] += job[2].nbytes
+        if self._pool is None:  # kept: starting threads for every save costs ~10 ms each
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                self.num_threads - 1, thread_name_prefix="zerojax-staging"
+            )
+        running = [self._pool.submit(_copy_all, g) for g in groups[1:] if g]
+        _copy_all(groups[0] + [j for j in jobs if j[2].nbytes < _MIN_PARALLEL_BYTES])
+        for future in running:
+            future.result()
 
-        def run(group: list) -> None:
-            for dst, index, src in group:
-                dst[index] = src  # numpy releases the GIL while it copies
 
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, [g for g in groups if g]))
+def _copy_all(jobs: list) -> None:
+    for dst, index, src in jobs:
+        dst[index] = src  # numpy releases the GIL while it copies
 
 
-def _packed_rounds(device_arrays: list[tuple[np.ndarray, jax.Array]], budget: int):
+def _packed_rounds(arrays: list[tuple[np.ndarray, jax.Array, list[_Block]]], budget: int):
     """Yields lists of (destination, index, host block) copies, one list per round.
 
-    Per (device, dtype), the distinct shards are cut into chunks of at most `budget` bytes
-    (a larger shard is a chunk of its own); round r packs the r-th chunk of every group into
+    Per (device, dtype), the distinct blocks are cut into chunks of at most `budget` bytes
+    (a larger block is a chunk of its own); round r packs the r-th chunk of every group into
     one device buffer each and starts all their device-to-host copies, then hands over round
     r-1's host data while those run. At most two rounds of buffers live on a device, so
     packing adds at most 2 x `budget` bytes to a device's memory, whatever the state's size."""
     groups: dict[tuple, list[list]] = defaultdict(lambda: [[]])
     sizes: dict[tuple, int] = defaultdict(int)
-    for dst, array in device_arrays:
-        for shard in _distinct_shards(array):
-            if not shard.data.size:
-                continue
-            key = (shard.device, np.dtype(array.dtype))
-            if sizes[key] and sizes[key] + shard.data.nbytes > budget:
+    for dst, array, blocks in arrays:
+        for block in blocks:
+            data = array.addressable_data(block.position)
+            key = (block.device, np.dtype(array.dtype))
+            if sizes[key] and sizes[key] + data.nbytes > budget:
                 groups[key].append([])
                 sizes[key] = 0
-            groups[key][-1].append((dst, shard))
-            sizes[key] += shard.data.nbytes
+            groups[key][-1].append((dst, block.index, data))
+            sizes[key] += data.nbytes
     in_flight: list = []
     for chunks in itertools.zip_longest(*groups.values()):
         started = [_start_transfer(chunk) for chunk in chunks if chunk]
@@ -257,7 +285,7 @@ def _packed_rounds(device_arrays: list[tuple[np.ndarray, jax.Array]], budget: in
 
 
 def _start_transfer(chunk: list) -> tuple[list, jax.Array]:
-    blocks = [shard.data for _, shard in chunk]
+    blocks = [data for _, _, data in chunk]
     # A lone block needs no packing: its own buffer is the one transfer.
     buffer = blocks[0] if len(blocks) == 1 else _pack(blocks)
     buffer.copy_to_host_async()
@@ -269,15 +297,13 @@ def _host_blocks(started: list) -> list:
     for chunk, buffer in started:
         host = np.asarray(buffer)  # waits for this buffer's transfer only
         if len(chunk) == 1:
-            dst, shard = chunk[0]
-            copies.append((dst, shard.index, host))
+            dst, index, _ = chunk[0]
+            copies.append((dst, index, host))
             continue
         offset = 0
-        for dst, shard in chunk:
-            shape = shard.data.shape
-            size = int(np.prod(shape, dtype=np.int64))
-            copies.append((dst, shard.index, host[offset : offset + size].reshape(shape)))
-            offset += size
+        for dst, index, data in chunk:
+            copies.append((dst, index, host[offset : offset + data.size].reshape(data.shape)))
+            offset += data.size
     return copies
 
 
@@ -288,8 +314,6 @@ def stages_to_host() -> bool:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
