@@ -26,16 +26,18 @@ How the bytes leave the device (`method`):
 
 The staging area is one host buffer, reused by the next `stage` of a tree with the same
 shapes and dtypes once `release()` says the previous staged tree is no longer read: writing
-into freshly allocated memory costs its first-touch page faults, ~3x the copy itself here
-(409 MiB: 250-300 ms into new pages vs 70-90 ms into reused ones, 2-core CPU host). The area
-stays allocated until `clear()` (one host copy of the state, as torch DCP's cached stager or
-pinned-memory async checkpointing keep).
+into freshly allocated memory costs its first-touch page faults, up to several times the copy
+itself (409 MiB on the 2-core bench host: 250-3,600 ms into new pages, 240-520 ms into reused
+ones). The area stays allocated until `clear()` (one host copy of the state, as torch DCP's
+cached stager or pinned-memory async checkpointing keep). What remains is the copy: shards of
+~0.4 MiB copy at about half the speed of one 409 MiB memcpy (glibc's memcpy uses non-temporal
+stores only for copies of several MiB), so staging costs ~2.5x one memcpy of the state.
 
 Concurrency contract: `stage` returns once every byte is copied (the device arrays may be
-donated right after). The arrays it returns stay valid until the `release()` that follows the
-next `stage` -- i.e. `stage`, hand the tree to the writer, `release()` only after the writer
-has finished with it; a tree never released is never overwritten (the next `stage` allocates
-anew). Call a HostStager from one thread at a time.
+donated right after). The arrays it returns are overwritten only by a `stage` called after
+`release()`: stage, hand the tree to the writer, release once the writer is done with it; a
+tree never released is never overwritten (the next `stage` allocates anew). Call a HostStager
+from one thread at a time.
 
 Leaves that are not jax/numpy arrays pass through unchanged, as do arrays with extended dtypes
 (PRNG keys). Several processes: `stage` returns the tree as it is (no process holds whole
