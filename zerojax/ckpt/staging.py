@@ -68,8 +68,8 @@ the itemsize)."""
 _PACK_BUFFER_BYTES = 1 << 28
 """At most this many bytes per packed device buffer ("pack"): a device holds at most two rounds
 of them beside the state, 512 MiB, however large its share of the state."""
-_MIN_PARALLEL_BYTES = 1 << 20
-"""Copies below this size run on the calling thread: thread hand-off would cost more."""
+_MIN_PARALLEL_BYTES = 1 << 16
+"""Copies below this size stay on the calling thread: numpy holds the GIL for them anyway."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -134,8 +134,9 @@ class HostStager:
 
     `method`: "auto" (views on CPU devices, pack elsewhere), "views" or "pack".
     `reuse`: keep the staging area for the next `stage` (False: fresh memory every time).
-    `num_threads`: threads sharing the large host-side copies (default: half the CPUs, at most
-    4: the training process's own threads want the rest).
+    `num_threads`: threads sharing the host-side copies (default: the CPUs, at most 8; the
+    training loop waits for `stage`, so its cores are free, and ~8 threads saturate a host's
+    memory bandwidth).
     """
 
     def __init__(
@@ -147,7 +148,7 @@ class HostStager:
             raise ValueError(f"HostStager: num_threads={num_threads}; use >= 1 or None")
         self.method = method
         self.reuse = reuse
-        self.num_threads = num_threads or max(1, min(4, _cpu_count() // 2))
+        self.num_threads = num_threads or max(1, min(8, _cpu_count()))
         self._area: np.ndarray | None = None
         self._area_free = False  # the last staged tree was released: _area may be overwritten
         # (sharding, shape) -> its distinct blocks. Building Shard objects for every array
