@@ -109,6 +109,8 @@ def _view(area: np.ndarray, leaf: _Leaf) -> np.ndarray:
 def _resolve(method: Method, arrays: list[jax.Array]) -> Literal["views", "pack"]:
     if method != "auto":
         return method
+    # On CPU devices a shard's buffer is host memory already: packing would add a copy (and
+    # XLA:CPU concatenates ~370 operands slowly: 765 ms vs 338 ms for views, 409 MiB, 8 devices).
     on_cpu = all(d.platform == "cpu" for a in arrays for d in a.sharding.device_set)
     return "views" if on_cpu else "pack"
 
