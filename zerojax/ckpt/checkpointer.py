@@ -25,10 +25,9 @@ Concurrency contract:
   a Checkpointer that only restores never deletes anything.
 - `save` is asynchronous by default: it returns once the arrays are copied off the device
   (`zerojax.ckpt.staging`), so training may go on (and donate/overwrite those arrays) right
-  away. The files are written by
-  a background thread; a step directory appears under its final name only when every item is
-  committed (Orbax renames it), so a crash mid-save leaves the previous steps intact and the
-  partial one invisible. The manifest (sizes and crc32s) is written just after the commit.
+  away. The files are written by a background thread; a step directory appears under its
+  final name only when every item is committed (Orbax renames it), so a crash mid-save leaves
+  the previous steps intact and the partial one invisible. The manifest (sizes and crc32s) is written just after the commit.
 - `save` waits for the previous save to finish before starting another; `wait`, `restore`,
   `close` and leaving a `with` block wait too. Call a Checkpointer from one thread.
 - Readers (another process restoring or `zerojax ckpt inspect`) may run while a writer
