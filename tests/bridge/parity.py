@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 import jax
@@ -118,6 +119,45 @@ def assert_no_vanished_gradients(
             for name in offenders
         )
     )
+
+
+def float64_gradient_errors(module: torch.nn.Module, *args: torch.Tensor) -> dict[str, float]:
+    """Relative (norm-wise) error of zerojax's fp32 gradients against torch in float64.
+
+    The loss is a random weighting of the module's single float output; gradients are taken for
+    every floating-point input ("input i") and parameter (its name). For tests whose tolerance is
+    derived from fp32 rounding: a float64 reference has no error of its own to share it with.
+    """
+    inputs = [a.detach().double().requires_grad_(a.is_floating_point()) for a in args]
+    module64 = copy.deepcopy(module).double()
+    out64 = module64(*inputs)
+    cotangent = torch.randn_like(out64)
+    (out64 * cotangent).sum().backward()
+    expected = {f"input {i}": a.grad for i, a in enumerate(inputs) if a.is_floating_point()}
+    expected |= {name: p.grad for name, p in module64.named_parameters()}
+
+    converted = zerojax.convert(module, tuple(a.detach() for a in args))
+    jax_args = [from_torch(a.detach()) for a in args]
+    floats = [i for i, a in enumerate(args) if a.is_floating_point()]
+
+    def loss(params, float_args):
+        inputs = list(jax_args)
+        for i, value in zip(floats, float_args, strict=True):
+            inputs[i] = value
+        out, _ = converted.apply(params, converted.buffers, *inputs)
+        return (out * from_torch(cotangent.float())).sum()
+
+    grad_params, grad_inputs = jax.jit(jax.grad(loss, argnums=(0, 1)))(
+        converted.params, [jax_args[i] for i in floats]
+    )
+    got = {f"input {i}": g for i, g in zip(floats, grad_inputs, strict=True)}
+    got |= {name: grad_params[converted.alias[name]] for name, _ in module.named_parameters()}
+    errors = {}
+    for name, want in expected.items():
+        want = want.numpy()
+        diff = np.linalg.norm(np.asarray(got[name], np.float64) - want)
+        errors[name] = float(diff / max(np.linalg.norm(want), np.finfo(np.float64).tiny))
+    return errors
 
 
 def check(fn_or_module, *args, rtol=1.3e-6, atol=1e-5, jit=True, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.bridge.parity import Each, check, check_grad
+from tests.bridge.parity import Each, check, check_grad, float64_gradient_errors
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -103,3 +103,32 @@ def test_convolution_backward():
 )
 def test_convolution_grad(make, shape):
     check_grad(make(), torch.randn(*shape), rtol=1e-4, atol=1e-4)
+
+
+class MobileNetV4InvertedResidual(nn.Module):
+    """timm mobilenetv4_conv_small's universal inverted residual without its ReLUs: depthwise
+    5x5 stride 2 (dw_start), pointwise expansion, depthwise 3x3 (dw_mid), pointwise projection,
+    on an odd 13x13 map (the stride-2 windows overhang the padding unevenly)."""
+
+    def __init__(self, channels=8, expanded=16):
+        super().__init__()
+        self.dw_start = nn.Conv2d(channels, channels, 5, 2, 2, groups=channels, bias=False)
+        self.pw_exp = nn.Conv2d(channels, expanded, 1, bias=False)
+        self.dw_mid = nn.Conv2d(expanded, expanded, 3, 1, 1, groups=expanded, bias=False)
+        self.pw_proj = nn.Conv2d(expanded, channels, 1)
+
+    def forward(self, x):
+        return self.pw_proj(self.dw_mid(self.pw_exp(self.dw_start(x))))
+
+
+def test_mobilenetv4_depthwise_block_grad_against_float64():
+    """Issue 15 suspected mobilenetv4's convs for a 6e-3 gradient error; the error was one ReLU
+    pre-activation of -3.5e-8 (float64) in blocks.3.2.dw_mid, which fp32 programs round to
+    either sign (torch -4e-6, XLA +3e-6): one gate flipped, the convs were exact to fp32. Pinned
+    against float64: the longest fp32 chain is a depthwise weight gradient over batch x 7x7
+    outputs (98 products) after 16 + 25 + 9 accumulations upstream: ~150 eps = 1.8e-5."""
+    torch.manual_seed(0)
+    errors = float64_gradient_errors(MobileNetV4InvertedResidual(), torch.randn(2, 8, 13, 13))
+    assert len(errors) == 6  # the input and five parameters
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 150 * 1.2e-7, f"gradient of {worst}: relative error {errors[worst]:.2e}"

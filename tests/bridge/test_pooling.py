@@ -9,7 +9,14 @@ share one graph (one export, one compile) to keep the file fast; each output is 
 import torch
 import torch.nn.functional as F
 
-from tests.bridge.parity import Lambda, assert_close, check, check_grad, run_both
+from tests.bridge.parity import (
+    Lambda,
+    assert_close,
+    check,
+    check_grad,
+    float64_gradient_errors,
+    run_both,
+)
 from zerojax.bridge.capture import capture
 
 aten = torch.ops.aten
@@ -238,3 +245,37 @@ def test_avg_pool1d_and_adaptive_avg_pool1d_overloads():
     x = torch.randn(2, 3, 11)
     check(lambda x: torch.ops.aten.avg_pool1d(x, [3], [2], [1], True, False), x)
     check(lambda x: torch.ops.aten.adaptive_avg_pool1d(x, [4]), x)
+
+
+class ResNeStDownsamplePools(torch.nn.Module):
+    """The pools of timm resnest14d's strided block on an odd map (layer3.0 at some input
+    sizes): the shortcut's AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False), whose last
+    window overhangs the input, and the avd AvgPool2d(3, 2, padding=1), each feeding a conv."""
+
+    def __init__(self, channels=4):
+        super().__init__()
+        self.shortcut_pool = torch.nn.AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)
+        self.shortcut_conv = torch.nn.Conv2d(channels, 8, 1, bias=False)
+        self.avd_pool = torch.nn.AvgPool2d(3, 2, padding=1)
+        self.avd_conv = torch.nn.Conv2d(channels, 8, 1)
+
+    def forward(self, x):
+        return self.shortcut_conv(self.shortcut_pool(x)) + self.avd_conv(self.avd_pool(x))
+
+
+def test_resnest_downsample_pools_grad_against_float64():
+    """Issue 15 suspected these pools for a resnest14d gradient error; the error was a ReLU
+    pre-activation within fp32 rounding of 0 (the gate flips in any fp32 program), not the
+    pools. Pinned against float64: every gradient entry is a sum of at most 2*4*4 = 32 products
+    (the 1x1 conv weights over batch x 4x4 outputs) or 9 window shares x 8 channels, so fp32
+    rounding stays below 64 eps = 7.6e-6 relative."""
+    torch.manual_seed(0)
+    errors = float64_gradient_errors(ResNeStDownsamplePools(), torch.randn(2, 4, 7, 7))
+    assert set(errors) == {
+        "input 0",
+        "shortcut_conv.weight",
+        "avd_conv.weight",
+        "avd_conv.bias",
+    }
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 64 * 1.2e-7, f"gradient of {worst}: relative error {errors[worst]:.2e}"
