@@ -283,7 +283,8 @@ def flash_attention(
         mask: bool (True = attend) or additive float, broadcastable to
             [batch, heads_q, seq_q, seq_k]. An additive mask gets its gradient (a learned
             bias: Swin's relative position table, T5's relative attention bias); the pallas
-            backward computes it only when the mask is differentiated.
+            backward computes it only when the mask is differentiated, into an fp32
+            [batch, heads_q, seq_q, seq_k] buffer (no atomics) summed to the mask's shape.
         segment_ids: (q_segment_ids [batch, seq_q], kv_segment_ids [batch, seq_k]) ints;
             queries attend only to keys of the same id (packed sequences).
         causal: torch's is_causal, top-left aligned (`ones(seq_q, seq_k).tril()`).
