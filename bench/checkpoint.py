@@ -183,10 +183,9 @@ class ZerojaxContender:
         """Zero the params, restore, compare with the values before: a restore that did nothing
         would fail here (the check is untimed)."""
         before = {k: np.asarray(v) for k, v in self.engine.params.items()}
-        self.engine.params = {
-            k: jax.device_put(np.zeros(v.shape, v.dtype), v.sharding)
-            for k, v in self.engine.params.items()
-        }
+        state = self.engine.state
+        zeros = {k: np.zeros(v.shape, v.dtype) for k, v in state.weights.items()}
+        self.engine.load(state.with_weights(zeros))
         self.ckpt.restore(i)
         for k, v in before.items():
             if not np.array_equal(np.asarray(self.engine.params[k]), v):

@@ -67,27 +67,34 @@ def scramble(model, seed: int = 1) -> None:
         value = rs.standard_normal(like.shape).astype(np.float32)
         return jax.device_put(jnp.asarray(value).astype(like.dtype), sharding)
 
-    if engine.master is not None:
-        engine.master = {
-            n: rand(a, engine.plan.master_weights[n]) for n, a in engine.master.items()
-        }
-        engine.params = {
-            n: jax.device_put(engine.master[n].astype(a.dtype), engine.plan.params[n])
-            for n, a in engine.params.items()
-        }
+    state = engine.state
+    master = state.master
+    if master is not None:
+        master = {n: rand(a, engine.plan.master_weights[n]) for n, a in master.items()}
+        params = {n: master[n].astype(a.dtype) for n, a in state.params.items()}
     else:
-        engine.params = {n: rand(a, engine.plan.params[n]) for n, a in engine.params.items()}
-    engine.buffers = {n: rand(a, engine.replicated) for n, a in engine.buffers.items()}
-    if engine.opt_state is not None:
-        state = dict(engine.opt_state)
-        for key, value in state.items():
+        params = {n: rand(a, engine.plan.params[n]) for n, a in state.params.items()}
+    opt_state = state.opt_state
+    if opt_state is not None:
+        opt_state = dict(opt_state)
+        for key, value in opt_state.items():
             if key == "step":
-                state[key] = tuple(jnp.int32(5 + i) for i in range(len(value)))
+                opt_state[key] = tuple(jnp.int32(5 + i) for i in range(len(value)))
             else:
-                state[key] = {n: rand(a, a.sharding) for n, a in value.items()}
-        engine.opt_state = state
-    engine.rng = jax.random.key(int(rs.integers(1 << 30)))
-    engine.num_calls, engine.skipped_steps = 17, 2
+                opt_state[key] = {n: rand(a, a.sharding) for n, a in value.items()}
+    engine.load(
+        state.replace(
+            params=params,
+            master=master,
+            buffers={n: rand(a, engine.replicated) for n, a in state.buffers.items()},
+            opt_state=opt_state,
+            rng=jax.random.key(int(rs.integers(1 << 30))),
+            num_calls=17,
+            micro_step=23,
+            step=21,
+            skipped_steps=2,
+        )
+    )
 
 
 def host(model) -> dict:
@@ -98,7 +105,12 @@ def host(model) -> dict:
         "buffers": {n: np.asarray(a) for n, a in engine.buffers.items()},
         "opt": jax.tree.map(np.asarray, engine.opt_state),
         "rng": np.asarray(jax.random.key_data(engine.rng)),
-        "calls": (engine.num_calls, engine.skipped_steps),
+        "calls": (
+            engine.state.num_calls,
+            engine.state.micro_step,
+            engine.state.step,
+            engine.state.skipped_steps,
+        ),
     }
 
 
@@ -234,12 +246,12 @@ def test_fp16_loss_scale_round_trip(tmp_path):
     model, opt = make(config)
     engine = model.engine
     scramble(model)
-    engine.loss_scale = {
+    loss_scale = {
         "scale": jnp.float32(512.0),
         "good_steps": jnp.int32(7),
         "hysteresis": jnp.int32(1),
     }
-    engine.skipped_steps = 3
+    engine.load(engine.state.replace(loss_scale=loss_scale, skipped_steps=3))
     save_checkpoint(tmp_path, model, opt, step=4)
     other, other_opt = make(config, seed=5)
     assert other_opt.loss_scale != 512.0

@@ -284,7 +284,7 @@ def test_inspect_training_checkpoint(trained, capsys):
     assert "9 entries (1 tied alias), 233 elements, 932 bytes" in out
     assert "optimizer: AdamW, 1 param group, first group lr=0.01" in out
     assert 'extra: {"epoch": 2, "note": "hi"}' in out
-    assert "engine: num_calls=1, skipped_steps=0" in out
+    assert "engine: num_calls=1, micro_step=1, step=1, skipped_steps=0" in out
     assert "manifest verified" in out
     assert '"stage": 3' in out  # the saving run's config, pretty-printed
 

@@ -464,7 +464,7 @@ class Checkpointer:
         with_optimizer = (
             load_optimizer
             and self._optimizer is not None
-            and engine.opt_state is not None
+            and engine.state.opt_state is not None
             and has(layout.OPTIMIZER)
         )
         if with_optimizer:
@@ -492,14 +492,16 @@ class Checkpointer:
             )[layout.TRAIN_STATE]
 
         def apply() -> RestoredState:
-            ts.apply_model(engine, model, source)
+            state = ts.apply_model(engine.state, model, source)
             if with_optimizer:
-                engine.opt_state = opt_state
+                state = state.replace(opt_state=opt_state)
+            if train_state is not None:
+                state = ts.apply_train_state(state, train_state, meta["engine"])
+            engine.load(state)
+            if with_optimizer:
                 ts.apply_param_groups(self._optimizer, meta["optimizer"])
                 if self._scheduler is not None and meta.get("scheduler") is not None:
                     self._scheduler.load_state_dict(meta["scheduler"])
-            if train_state is not None:
-                ts.apply_train_state(engine, train_state, meta["engine"])
             if meta.get("torch_rng") is not None:
                 import torch
 
@@ -531,7 +533,7 @@ class Checkpointer:
         # Leaf names only: shapes follow the parameters' (checked against meta) and are
         # checked again as the arrays are read.
         saved_paths = self._saved_paths(step_dir, layout.OPTIMIZER)
-        differences = ts.optimizer_differences(saved_paths, self._engine.opt_state)
+        differences = ts.optimizer_differences(saved_paths, self._engine.state.opt_state)
         if differences:
             raise CheckpointMismatchError(
                 f"checkpoint {step_dir}: the optimizer state does not fit the current "

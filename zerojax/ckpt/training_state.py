@@ -9,13 +9,14 @@ meta keys are those of `zerojax.ckpt.layout`.
 
     >>> items = gather_items(engine)              # {"model": {...}, "optimizer": ..., ...}
     >>> target, args = model_target(engine, meta["parameters"])
-    >>> apply_model(engine, restored_model, meta["parameters"])
+    >>> engine.load(apply_model(engine.state, restored_model, source))
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,8 @@ import torch
 
 from zerojax.ckpt import layout
 from zerojax.ckpt.errors import CheckpointError
+
+log = logging.getLogger("zerojax")
 
 # --------------------------------------------------------------------------- reaching the engine
 
@@ -103,24 +106,17 @@ def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def _weights(engine) -> dict[str, jax.Array]:
-    """Canonical name -> the array the optimizer updates (master when the policy has it)."""
-    weights = dict(engine.params)
-    if engine.master is not None:
-        weights.update(engine.master)
-    return weights
-
-
 def parameter_table(engine) -> dict[str, dict]:
     """`meta["parameters"]` of the current model (see layout.py), in state_dict order."""
-    weights = _weights(engine)
+    state = engine.state
+    weights = state.weights
     param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
     table = {}
     for name, tensor in engine.module.state_dict(keep_vars=True).items():
         canonical = engine.alias.get(name, name)
         source = weights.get(canonical)
         if source is None:
-            source = engine.buffers[canonical]
+            source = state.buffers[canonical]
         table[name] = {
             "shape": list(tensor.shape),
             "dtype": _torch_dtype_name(tensor.dtype),
@@ -169,7 +165,7 @@ def build_meta(
         "parameters": parameter_table(engine),
         "optimizer": optimizer_meta(torch_optimizer),
         "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "scheduler"),
-        "engine": {"num_calls": int(engine.num_calls), "skipped_steps": int(engine.skipped_steps)},
+        "engine": engine_counters(engine.state),
         "torch_rng": torch.get_rng_state().tolist(),
         "extra": extra_json,
     }
@@ -192,24 +188,42 @@ def without_empty(tree: Any) -> Any:
     return tree
 
 
+def engine_counters(state) -> dict[str, int]:
+    """`meta["engine"]`: the TrainState's counters (rng stream position, micro-steps, updates,
+    fp16-skipped updates)."""
+    return {
+        "num_calls": int(state.num_calls),
+        "micro_step": int(state.micro_step),
+        "step": int(state.step),
+        "skipped_steps": int(state.skipped_steps),
+    }
+
+
 def gather_items(engine, *, with_optimizer: bool) -> dict[str, Any]:
     """The array items of one step: `model`, `optimizer` (if attached and wanted),
     `train_state`. Arrays stay on device: Orbax copies them to host when saving. Zero-size
     arrays are left out (`is_empty`); `meta.parameters` and the current optimizer state give
     their shapes back on restore."""
-    weights = _weights(engine)
+    state = engine.state
+    if state.grads is not None and engine.in_accumulation_window():
+        log.warning(
+            "zerojax: checkpoint at micro-step %d, inside a gradient accumulation window: the "
+            "gradients accumulated so far are not saved; save at accumulation boundaries",
+            state.micro_step,
+        )
+    weights = state.weights
     model = {}
     for name in engine.module.state_dict(keep_vars=True):
         canonical = engine.alias.get(name, name)
         if canonical != name:
             continue  # a tied alias: stored once, under its canonical name
-        model[name] = weights[canonical] if canonical in weights else engine.buffers[canonical]
+        model[name] = weights[canonical] if canonical in weights else state.buffers[canonical]
     items: dict[str, Any] = {layout.MODEL: without_empty(model)}
-    if with_optimizer and engine.opt_state is not None:
-        items[layout.OPTIMIZER] = without_empty(engine.opt_state)
-    train_state: dict[str, Any] = {"rng": jax.random.key_data(engine.rng)}
-    if engine.loss_scale is not None:
-        train_state["loss_scale"] = engine.loss_scale
+    if with_optimizer and state.opt_state is not None:
+        items[layout.OPTIMIZER] = without_empty(state.opt_state)
+    train_state: dict[str, Any] = {"rng": jax.random.key_data(state.rng)}
+    if state.loss_scale is not None:
+        train_state["loss_scale"] = state.loss_scale
     items[layout.TRAIN_STATE] = train_state
     return items
 
@@ -296,18 +310,19 @@ def model_target(engine, saved: Mapping[str, dict]) -> tuple[dict, dict, dict[st
     (fp32 master weights on `plan.master_weights` when the policy has them, else the params on
     `plan.params`); buffers replicated in their current dtype."""
     stored = {n for n, e in saved.items() if e.get("tied_to") is None}
+    state = engine.state
     abstract, args, source = {}, {}, {}
-    for name in engine.params:
-        if engine.master is not None and name in engine.master:
-            dtype, sharding = engine.master[name].dtype, engine.plan.master_weights[name]
-        else:
-            dtype, sharding = engine.params[name].dtype, engine.plan.params[name]
+    for name, weight in state.weights.items():
+        sharding = engine.plan.params[name]
+        if state.master is not None and name in state.master:
+            sharding = engine.plan.master_weights[name]
+        dtype = weight.dtype
         key = _stored_key(name, saved, stored)
         source[name] = key
         if key not in abstract:
             abstract[key], args[key] = _abstract(engine.plan.shapes[name], dtype, sharding)
     state_dict_names = set(engine.module.state_dict(keep_vars=True))
-    for name, value in engine.buffers.items():
+    for name, value in state.buffers.items():
         if name not in state_dict_names:
             continue  # non-persistent buffers are not part of a checkpoint, as in torch
         key = _stored_key(name, saved, stored)
@@ -317,37 +332,22 @@ def model_target(engine, saved: Mapping[str, dict]) -> tuple[dict, dict, dict[st
     return abstract, args, source
 
 
-def apply_model(engine, restored: Mapping[str, jax.Array], source: Mapping[str, str]) -> None:
-    """Write restored weights into the engine: master, then params = master cast to the param
-    dtype (exactly what the optimizer step does), or the params directly; then buffers."""
+def apply_model(state, restored: Mapping[str, jax.Array], source: Mapping[str, str]):
+    """`state` (a TrainState) with the restored weights and buffers: master, then params =
+    master cast to the param dtype (exactly what the optimizer update does), or the params
+    directly (`TrainState.with_weights`). `engine.load` places the result."""
+    weights, buffers = {}, dict(state.buffers)
     for name, key in source.items():
-        value = restored[key]
-        if name in engine.params:
-            if engine.master is not None and name in engine.master:
-                master = _placed(value, engine.master[name].dtype, engine.plan.master_weights[name])
-                engine.master[name] = master
-                engine.params[name] = _placed(
-                    master, engine.params[name].dtype, engine.plan.params[name]
-                )
-            else:
-                engine.params[name] = _placed(
-                    value, engine.params[name].dtype, engine.plan.params[name]
-                )
+        if name in state.params:
+            weights[name] = restored[key]
         else:
-            engine.buffers[name] = _placed(value, engine.buffers[name].dtype, engine.replicated)
-
-
-def _placed(value: jax.Array, dtype, sharding) -> jax.Array:
-    if value.dtype != dtype:
-        value = value.astype(dtype)
-    if value.sharding != sharding:
-        value = jax.device_put(value, sharding)
-    return value
+            buffers[name] = restored[key].astype(buffers[name].dtype)
+    return state.with_weights(weights).replace(buffers=buffers)
 
 
 def optimizer_target(engine) -> tuple[Any, Any]:
     """Abstract optimizer-state tree with the current leaves' shapes, dtypes and shardings."""
-    pairs = jax.tree.map(lambda x: _abstract(x.shape, x.dtype, x.sharding), engine.opt_state)
+    pairs = jax.tree.map(lambda x: _abstract(x.shape, x.dtype, x.sharding), engine.state.opt_state)
     is_pair = lambda x: (
         isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], jax.ShapeDtypeStruct)
     )
@@ -360,25 +360,30 @@ def train_state_target(engine, *, saved_loss_scale: bool) -> tuple[dict, dict]:
     """`train_state` target: the rng key data to host numpy (it is re-wrapped into a key on the
     default device, as `jax.random.key` made it), the loss scale replicated when both the
     checkpoint and the current policy have one."""
-    data = jax.random.key_data(engine.rng)
+    state = engine.state
+    data = jax.random.key_data(state.rng)
     abstract: dict[str, Any] = {"rng": jax.ShapeDtypeStruct(data.shape, data.dtype)}
     args: dict[str, Any] = {"rng": ocp.RestoreArgs(restore_type=np.ndarray)}
-    if saved_loss_scale and engine.loss_scale is not None:
+    if saved_loss_scale and state.loss_scale is not None:
         pairs = {
-            k: _abstract(v.shape, v.dtype, engine.replicated) for k, v in engine.loss_scale.items()
+            k: _abstract(v.shape, v.dtype, engine.replicated) for k, v in state.loss_scale.items()
         }
         abstract["loss_scale"] = {k: p[0] for k, p in pairs.items()}
         args["loss_scale"] = {k: p[1] for k, p in pairs.items()}
     return abstract, args
 
 
-def apply_train_state(engine, restored: Mapping[str, Any], engine_meta: Mapping) -> None:
+def apply_train_state(state, restored: Mapping[str, Any], engine_meta: Mapping):
+    """`state` with the restored rng, loss scale and counters (`engine_counters`; checkpoints
+    from before micro-step counting lack `micro_step` and `step`: 0)."""
     data = jnp.asarray(restored["rng"])
-    engine.rng = jax.random.wrap_key_data(data, impl=jax.random.key_impl(engine.rng))
+    changes: dict[str, Any] = {
+        "rng": jax.random.wrap_key_data(data, impl=jax.random.key_impl(state.rng)),
+        **{key: int(engine_meta.get(key, 0)) for key in engine_counters(state)},
+    }
     if "loss_scale" in restored:
-        engine.loss_scale = dict(restored["loss_scale"])
-    engine.num_calls = int(engine_meta["num_calls"])
-    engine.skipped_steps = int(engine_meta["skipped_steps"])
+        changes["loss_scale"] = dict(restored["loss_scale"])
+    return state.replace(**changes)
 
 
 def apply_param_groups(torch_optimizer: torch.optim.Optimizer, saved: Mapping) -> None:

@@ -1,20 +1,24 @@
-"""The JAX side of a wrapped model: its sharded state and the jitted programs that touch it.
+"""The JAX side of a wrapped model: one `TrainState`, and the step programs that advance it.
 
-The engine owns every array of the training state, each placed where the ZeRO plan says:
+The engine holds the training state as one frozen `TrainState` pytree (`zerojax.train.state`):
 params (`plan.params`, in the policy's param dtype), optional master weights, optimizer state
 (`plan.opt_state`), accumulated gradients (`plan.grads`, in the grad dtype), buffers
-(replicated). torch sees none of these arrays; the front end (`zerojax.train.module`) turns
-`model(x)` into `forward`, `loss.backward()` into `backward`, and the optimizer shim turns
-`optimizer.step()` into `step`.
+(replicated), the rng, the loss-scale state and the step counters. torch sees none of these
+arrays; the front end (`zerojax.train.module`) turns `model(x)` into `forward`,
+`loss.backward()` into `backward`, and the optimizer shim turns `optimizer.step()` into `step`.
+Code outside the engine reads the state as `engine.state` and replaces it with
+`engine.load(state)` (validated, placed on the plan's shardings); nothing writes the engine's
+fields directly.
 
-Programs, each one `jax.jit` cached per input shape:
+The programs themselves are pure functions in `zerojax.train.programs`; this class only feeds
+them the state's arrays and stores what they return.
 
-- forward with vjp: outputs plus the pullback (`jax.vjp` inside jit returns it as a pytree of
-  residuals, so the backward program is compiled once and the residuals stay on device);
-- fused loss: forward and backward in one program when the traced model returns its own loss
-  (a scalar, `.loss` or `["loss"]`): nothing but the loss crosses into torch;
-- backward: pullback of the cotangents, added into the sharded gradient accumulator;
-- step: unscale (fp16), clip, torch-exact optimizer update, loss-scale bookkeeping.
+Gradient accumulation (`train.gradient_accumulation_steps` = gas) follows DeepSpeed: each
+backward's gradients are multiplied by 1/gas (DeepSpeed divides the loss by gas) and summed;
+`step()` is called after every micro-batch and applies the update only on every gas-th call (the
+accumulation boundary), after which the engine clears the gradients itself; `zero_grad()` before
+the boundary is ignored, so a loop written for DeepSpeed (backward, step, zero_grad every
+micro-batch) accumulates.
 """
 
 from __future__ import annotations
@@ -31,40 +35,23 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted, state_arrays
 from zerojax.config import Config
-from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import optimizers
-from zerojax.train.precision import (
-    PrecisionPolicy,
-    initial_loss_scale_state,
-    next_loss_scale_state,
+from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
+from zerojax.train.programs import (
+    StepPrograms,
+    add_grads,
+    clip_by_global_norm_jit,
+    find_scalar_loss,
+    is_float,
+    scale_grads,
 )
+from zerojax.train.state import TrainState
 
 log = logging.getLogger("zerojax")
 
-
-def _is_float(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def find_scalar_loss(outputs) -> Any:
-    """Path to the loss in a model's outputs: () for a scalar output, 'loss' for `.loss` or
-    `["loss"]`; None when the model returns no loss of its own."""
-    if isinstance(outputs, jax.ShapeDtypeStruct | jax.Array):
-        return () if outputs.ndim == 0 and _is_float(outputs) else None
-    loss = getattr(outputs, "loss", None)
-    if loss is None and isinstance(outputs, dict):
-        loss = outputs.get("loss")
-    if isinstance(loss, jax.ShapeDtypeStruct | jax.Array) and loss.ndim == 0:
-        return "loss"
-    return None
-
-
-def _pick_loss(outputs, path):
-    if path == ():
-        return outputs
-    return outputs["loss"] if isinstance(outputs, dict) else outputs.loss
+__all__ = ["Engine", "find_scalar_loss"]
 
 
 class Engine:
@@ -78,50 +65,142 @@ class Engine:
         loss_fn=None,
         fused: bool | None = None,
         seed: int | None = None,
+        mesh=None,
     ):
         self.module = module
         self.config = config
         self.loss_fn = loss_fn
         self.fused = fused
         self.policy = PrecisionPolicy.from_config(config.precision)
-        self.mesh = make_mesh(config)
+        self.mesh = make_mesh(config) if mesh is None else mesh
         params, buffers, self.alias = state_arrays(module)
         self.plan = make_sharding_plan(params, config, self.mesh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.programs = StepPrograms(self.plan, self.policy, config)
+        self.optimizer_spec: optimizers.OptimizerSpec | None = None
         policy = self.policy
 
         def place(array, sharding, dtype=None):
-            if dtype is not None and _is_float(array):
+            if dtype is not None and is_float(array):
                 array = array.astype(dtype)
             # Through host memory: device_put onto a replicated sharding may reuse the input's
             # buffer, which donation would then invalidate.
             return jax.device_put(np.asarray(array), sharding)
 
-        self.params = {
-            n: place(a, self.plan.params[n], policy.param_dtype) for n, a in params.items()
-        }
-        self.master = None
+        master = None
         if policy.master_dtype is not None and policy.master_dtype != policy.param_dtype:
-            self.master = {
+            master = {
                 n: place(a, self.plan.master_weights[n], policy.master_dtype)
                 for n, a in params.items()
-                if _is_float(a)
+                if is_float(a)
             }
-        self.buffers = {n: place(a, self.replicated) for n, a in buffers.items()}
-        self.grads: dict[str, jax.Array] | None = None
-        self.optimizer_spec = None
-        self.opt_state = None
-        self.loss_scale = (
-            jax.device_put(initial_loss_scale_state(policy.loss_scale), self.replicated)
-            if policy.loss_scale is not None
-            else None
-        )
-        self.skipped_steps = 0
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
-        self.rng = jax.random.key(seed)
-        self.num_calls = 0
+        self._state = TrainState(
+            params={
+                n: place(a, self.plan.params[n], policy.param_dtype) for n, a in params.items()
+            },
+            master=master,
+            buffers={n: place(a, self.replicated) for n, a in buffers.items()},
+            opt_state=None,
+            grads=None,
+            rng=jax.random.key(seed),
+            loss_scale=(
+                jax.device_put(initial_loss_scale_state(policy.loss_scale), self.replicated)
+                if policy.loss_scale is not None
+                else None
+            ),
+        )
         self._converted: dict[bool, Converted] = {}
-        self._programs: dict[tuple, Any] = {}
+        self._warned_uneven: set[tuple] = set()
+
+    # --- the state -------------------------------------------------------------------------
+
+    @property
+    def state(self) -> TrainState:
+        """The current training state. A snapshot: the next update donates its params, master
+        weights and optimizer state, so read (or copy) its arrays before stepping again."""
+        return self._state
+
+    def load(self, state: TrainState) -> None:
+        """Replace the training state with `state`, which must have the current state's tree
+        structure, shapes and dtypes (gradients: any subset of the float params, in the grad
+        dtype). Arrays are placed on the plan's shardings. Raises ValueError naming the first
+        component that does not fit."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"engine.load takes a TrainState, got {type(state).__name__}")
+        current = self._state
+        for field in ("params", "master", "buffers", "opt_state", "loss_scale"):
+            _check_same_layout(field, getattr(current, field), getattr(state, field))
+        if state.grads is not None:
+            expected = {
+                n: jax.ShapeDtypeStruct(p.shape, self.policy.grad_dtype)
+                for n, p in current.params.items()
+                if is_float(p)
+            }
+            unknown = sorted(set(state.grads) - set(expected))
+            if unknown:
+                raise ValueError(f"state.grads: {unknown} are not float parameters of the model")
+            _check_same_layout("grads", {n: expected[n] for n in state.grads}, state.grads)
+        rng = state.rng
+        if not (
+            isinstance(rng, jax.Array)
+            and jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+            and rng.shape == current.rng.shape
+        ):
+            raise ValueError(
+                f"state.rng must be a jax.random.key array of shape {current.rng.shape}, got "
+                f"{getattr(rng, 'dtype', type(rng).__name__)} {getattr(rng, 'shape', '')}"
+            )
+        for counter in ("num_calls", "micro_step", "step", "skipped_steps"):
+            value = getattr(state, counter)
+            if not isinstance(value, int | np.integer) or value < 0:
+                raise ValueError(f"state.{counter} must be a non-negative int, got {value!r}")
+        plan, put = self.plan, _put
+        self._state = state.replace(
+            params={n: put(a, plan.params[n]) for n, a in state.params.items()},
+            master=(
+                None
+                if state.master is None
+                else {n: put(a, plan.master_weights[n]) for n, a in state.master.items()}
+            ),
+            buffers={n: put(a, self.replicated) for n, a in state.buffers.items()},
+            opt_state=(
+                None
+                if state.opt_state is None
+                else jax.tree.map(
+                    put, state.opt_state, plan.optimizer_state_shardings(state.opt_state)
+                )
+            ),
+            grads=(
+                None
+                if state.grads is None
+                else {n: put(g, plan.grads[n]) for n, g in state.grads.items()}
+            ),
+            loss_scale=(
+                None
+                if state.loss_scale is None
+                else {k: put(v, self.replicated) for k, v in state.loss_scale.items()}
+            ),
+            num_calls=int(state.num_calls),
+            micro_step=int(state.micro_step),
+            step=int(state.step),
+            skipped_steps=int(state.skipped_steps),
+        )
+
+    # Read-only views of the state's fields (tests and reports read them; nothing writes them).
+    params = property(lambda self: self._state.params)
+    master = property(lambda self: self._state.master)
+    buffers = property(lambda self: self._state.buffers)
+    opt_state = property(lambda self: self._state.opt_state)
+    grads = property(lambda self: self._state.grads)
+    rng = property(lambda self: self._state.rng)
+    loss_scale = property(lambda self: self._state.loss_scale)
+    num_calls = property(lambda self: self._state.num_calls)
+    skipped_steps = property(lambda self: self._state.skipped_steps)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.train.gradient_accumulation_steps
 
     # --- optimizer -------------------------------------------------------------------------
 
@@ -130,21 +209,24 @@ class Engine:
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), self.alias[name])
         self.optimizer_spec = optimizers.optimizer_spec_from_torch(optimizer, names)
-        weights = self.master if self.master is not None else self.params
         state = optimizers.init_state(
-            self.optimizer_spec, weights, state_dtype=self.policy.optimizer_state_dtype
+            self.optimizer_spec,
+            self._state.weights,
+            state_dtype=self.policy.optimizer_state_dtype,
         )
-        self.opt_state = self._place_opt_state(state)
+        self._state = self._state.replace(opt_state=self._placed_opt_state(state))
 
-    def _place_opt_state(self, state):
-        def place(path, leaf):
-            name = path[-1].key if path and hasattr(path[-1], "key") else None
-            sharding = self.plan.opt_state.get(name, self.replicated)
-            if np.shape(leaf) != tuple(self.plan.shapes.get(name, ())):
-                sharding = self.replicated
-            return jax.device_put(leaf, sharding)
+    def _placed_opt_state(self, state):
+        return jax.tree.map(jax.device_put, state, self.plan.optimizer_state_shardings(state))
 
-        return jax.tree_util.tree_map_with_path(place, state)
+    def optimizer_state_from_torch(self, state_dict) -> Any:
+        """torch's `optimizer.state_dict()` as this engine's optimizer-state tree (unplaced)."""
+        return optimizers.load_state_dict_into_jax(
+            self.optimizer_spec,
+            state_dict,
+            self._state.weights,
+            state_dtype=self.policy.optimizer_state_dtype,
+        )
 
     # --- tracing ---------------------------------------------------------------------------
 
@@ -169,163 +251,116 @@ class Engine:
         return _WithLoss(self.module, self.loss_fn)
 
     def next_rng(self) -> jax.Array:
-        self.num_calls += 1
-        return jax.random.fold_in(self.rng, self.num_calls)
+        num_calls = self._state.num_calls + 1
+        self._state = self._state.replace(num_calls=num_calls)
+        return jax.random.fold_in(self._state.rng, num_calls)
 
     def shard_input(self, array: jax.Array) -> jax.Array:
-        """Batch inputs are split over the data axes when their batch dim divides evenly."""
+        """Batch inputs are split over the data axes when their batch dim divides evenly.
+
+        An uneven batch (the last one of an epoch, say) is replicated instead: every device
+        computes it whole, with the same result, at data-parallel-size times the work. It is
+        logged once per shape, since every such batch compiles its own programs."""
         sharding = self.plan.input_sharding(array.ndim)
-        spec = sharding.spec
-        for dim, axes in enumerate(spec):
+        for dim, axes in enumerate(sharding.spec):
             if axes is None:
                 continue
             size = int(np.prod([self.mesh.shape[a] for a in np.atleast_1d(axes)]))
             if array.shape[dim] % size:
+                if array.shape not in self._warned_uneven:
+                    self._warned_uneven.add(array.shape)
+                    log.warning(
+                        "zerojax: input of shape %s: dim %d (size %d) does not split over %s=%d; "
+                        "it is replicated (every device computes the whole batch). Use a batch "
+                        "size that is a multiple of %d to keep data parallelism.",
+                        array.shape,
+                        dim,
+                        array.shape[dim],
+                        "x".join(np.atleast_1d(axes).tolist()),
+                        size,
+                        size,
+                    )
                 return jax.device_put(array, self.replicated)
         return jax.device_put(array, sharding)
-
-    # --- the programs ----------------------------------------------------------------------
-
-    def _apply(self, converted, params, buffers, args, kwargs, rng):
-        """The converted model on compute-dtype, compute-layout params (stage 3 gathers here)."""
-        compute = {}
-        for name, value in params.items():
-            value = jax.lax.with_sharding_constraint(value, self.plan.compute_params[name])
-            if _is_float(value) and self.policy.compute_override is not None:
-                value = value.astype(self.policy.compute_dtype)
-            compute[name] = value
-        outputs, new_buffers = converted.apply(
-            compute,
-            buffers,
-            *args,
-            rng=rng,
-            float_dtype=self.policy.compute_override,
-            kernels=self.config.kernels,
-            batch_mesh=self._batch_mesh(),
-            **kwargs,
-        )
-        outputs = jax.tree.map(
-            lambda x: x.astype(self.policy.output_dtype) if _is_float(x) else x, outputs
-        )
-        return outputs, new_buffers
-
-    def _batch_mesh(self) -> tuple | None:
-        """(mesh, batch axes) for the kernels: the axes `shard_input` splits dim 0 over."""
-        axes = self.plan.input_sharding(2).spec[0]
-        if axes is None:
-            return None
-        return self.mesh, tuple(np.atleast_1d(axes).tolist())
-
-    def _program(self, kind: str, converted: Converted, **static):
-        key = (kind, id(converted), tuple(sorted(static.items())))
-        if key not in self._programs:
-            self._programs[key] = getattr(self, f"_build_{kind}")(converted, **static)
-        return self._programs[key]
-
-    def _build_forward(self, converted):
-        def forward(params, buffers, args, kwargs, rng):
-            return self._apply(converted, params, buffers, args, kwargs, rng)
-
-        return jax.jit(forward)
-
-    def _build_forward_vjp(self, converted, differentiable: tuple[bool, ...]):
-        def forward(params, buffers, args, kwargs, rng):
-            def f(params, diff_args):
-                merged = iter(diff_args)
-                full = [next(merged) if d else a for a, d in zip(args, differentiable)]
-                return self._apply(converted, params, buffers, full, kwargs, rng)
-
-            diff_args = [a for a, d in zip(args, differentiable) if d]
-            outputs, pullback, new_buffers = jax.vjp(f, params, diff_args, has_aux=True)
-            return outputs, new_buffers, pullback
-
-        return jax.jit(forward)
-
-    def _build_fused(self, converted, loss_path):
-        def fused(params, buffers, args, kwargs, rng, scale):
-            def f(params):
-                outputs, new_buffers = self._apply(converted, params, buffers, args, kwargs, rng)
-                loss = _pick_loss(outputs, loss_path)
-                return loss.astype(jnp.float32) * scale, (outputs, new_buffers)
-
-            (_, (outputs, new_buffers)), grads = jax.value_and_grad(f, has_aux=True)(params)
-            return outputs, new_buffers, self._as_grads(grads)
-
-        return jax.jit(fused)
-
-    def _as_grads(self, grads):
-        return {
-            n: jax.lax.with_sharding_constraint(
-                g.astype(self.policy.grad_dtype), self.plan.grads[n]
-            )
-            for n, g in grads.items()
-            if _is_float(g)
-        }
-
-    def _build_backward(self, converted):
-        def backward(pullback, cotangents, scale):
-            cotangents = jax.tree.map(
-                lambda c: None if c is None else (c * scale).astype(c.dtype), cotangents
-            )
-            param_grads, input_grads = pullback(cotangents)
-            return self._as_grads(param_grads), input_grads
-
-        return jax.jit(backward)
 
     # --- what the front end calls ----------------------------------------------------------
 
     @property
     def scale(self) -> jax.Array:
-        return self.loss_scale["scale"] if self.loss_scale is not None else jnp.float32(1.0)
+        loss_scale = self._state.loss_scale
+        return loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
 
     def forward(self, converted, args, kwargs, *, differentiable=None):
         """Outputs (and, if `differentiable` is given, the pullback) of one model call."""
         rng = self.next_rng()
+        state = self._state
         if differentiable is None:
-            outputs, new_buffers = self._program("forward", converted)(
-                self.params, self.buffers, args, kwargs, rng
-            )
+            program = self.programs.forward(converted)
+            outputs, new_buffers = program(state.params, state.buffers, args, kwargs, rng)
             pullback = None
         else:
-            program = self._program("forward_vjp", converted, differentiable=differentiable)
-            outputs, new_buffers, pullback = program(self.params, self.buffers, args, kwargs, rng)
-        self.buffers = new_buffers
+            program = self.programs.forward_vjp(converted, differentiable)
+            outputs, new_buffers, pullback = program(state.params, state.buffers, args, kwargs, rng)
+        self._state = self._state.replace(buffers=new_buffers)
         return outputs, pullback
 
     def fused_forward(self, converted, args, kwargs, loss_path):
         """Outputs and the gradients of the model's own loss, in one program."""
-        program = self._program("fused", converted, loss_path=loss_path)
+        rng = self.next_rng()
+        state = self._state
+        program = self.programs.loss_and_grads(converted, loss_path)
         outputs, new_buffers, grads = program(
-            self.params, self.buffers, args, kwargs, self.next_rng(), self.scale
+            state.params, state.buffers, args, kwargs, rng, self.scale
         )
-        self.buffers = new_buffers
+        self._state = self._state.replace(buffers=new_buffers)
         return outputs, grads
 
     def backward(self, converted, pullback, cotangents):
-        grads, input_grads = self._program("backward", converted)(pullback, cotangents, self.scale)
+        grads, input_grads = self.programs.backward(converted)(pullback, cotangents, self.scale)
         self.accumulate(grads)
         return input_grads
 
     def accumulate(self, grads, weight=None):
-        """Add one backward's gradients into the sharded accumulator (torch sums into .grad).
-        Parameters with `requires_grad=False` get none, as in torch."""
+        """Add one backward's gradients into the sharded accumulator (torch sums into .grad),
+        times `weight` (the loss's cotangent) and 1/gradient_accumulation_steps. Parameters
+        with `requires_grad=False` get none, as in torch."""
         frozen = self.frozen_names()
         if frozen:
             grads = {n: g for n, g in grads.items() if n not in frozen}
         if not grads:
             return
+        gas = self.gradient_accumulation_steps
+        if gas > 1:  # DeepSpeed's loss / gas, as one multiply on the gradients
+            weight = jnp.float32(1.0 / gas) * (jnp.float32(1.0) if weight is None else weight)
         if weight is not None:
-            grads = _scaled(grads, weight)
-        self.grads = grads if self.grads is None else _add(self.grads, grads)
+            grads = scale_grads(grads, weight)
+        current = self._state.grads
+        self._state = self._state.replace(
+            grads=grads if current is None else add_grads(current, grads)
+        )
+
+    def in_accumulation_window(self) -> bool:
+        """True between the micro-steps of one accumulation (after a step() that did not reach
+        the boundary): gradients must survive `zero_grad()` there."""
+        return self._state.micro_step % self.gradient_accumulation_steps != 0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step()` applies the update (DeepSpeed's name and meaning)."""
+        return (self._state.micro_step + 1) % self.gradient_accumulation_steps == 0
 
     def zero_grad(self) -> None:
-        self.grads = None
+        """Drop the accumulated gradients; ignored inside an accumulation window (as DeepSpeed
+        ignores it before the boundary), where the boundary step clears them instead."""
+        if self.in_accumulation_window():
+            return
+        self._state = self._state.replace(grads=None)
 
     def drop_grad(self, name: str) -> None:
         """`p.grad = None` for one parameter."""
-        if self.grads is not None and name in self.grads:
-            grads = {n: g for n, g in self.grads.items() if n != name}
-            self.grads = grads or None
+        grads = self._state.grads
+        if grads is not None and name in grads:
+            grads = {n: g for n, g in grads.items() if n != name}
+            self._state = self._state.replace(grads=grads or None)
 
     def frozen_names(self) -> set[str]:
         """Parameters (canonical names) whose torch stand-in has `requires_grad=False` now."""
@@ -337,162 +372,123 @@ class Engine:
 
     def gathered_grad(self, name: str) -> np.ndarray | None:
         """One parameter's gradient on the host (unscaled): for `p.grad`, never the hot path."""
-        if self.grads is None or name not in self.grads:
+        grads = self._state.grads
+        if grads is None or name not in grads:
             return None
-        return np.asarray(self.grads[name], np.float32) / float(self.scale)
+        return np.asarray(grads[name], np.float32) / float(self.scale)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> jax.Array:
         """Scale the accumulated gradients so their global norm is at most `max_norm`, on the
         shards; returns the norm before clipping (as torch's clip_grad_norm_ does)."""
-        if self.grads is None:
+        grads = self._state.grads
+        if grads is None:
             return jnp.float32(0.0)
-        self.grads, norm = _clip_jit(self.grads, self.scale, float(max_norm), float(norm_type))
+        grads, norm = clip_by_global_norm_jit(grads, self.scale, float(max_norm), float(norm_type))
+        self._state = self._state.replace(grads=grads)
         return norm
 
-    def step(self, hyper) -> None:
-        """One optimizer update from the accumulated gradients (skipped on fp16 overflow)."""
-        if self.grads is None:
+    def step(self, hyper) -> bool:
+        """`optimizer.step()`: one micro-step; the update applies on every
+        gradient_accumulation_steps-th call (every call without accumulation), after which
+        the accumulated gradients are cleared when accumulating. Returns whether it applied."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self._state = self._state.replace(micro_step=self._state.micro_step + 1)
+        if not boundary:
+            return False
+        self.update(hyper)
+        if self.gradient_accumulation_steps > 1:  # DeepSpeed zeroes them after the boundary
+            self._state = self._state.replace(grads=None)
+        return True
+
+    def update(self, hyper) -> None:
+        """One optimizer update from the accumulated gradients now (skipped on fp16 overflow),
+        whatever the micro-step."""
+        state = self._state
+        if state.grads is None:
             return  # torch skips parameters without .grad; with none, nothing happens
-        clip = self.config.train.gradient_clipping
-        program = self._programs.get(("step",))
-        if program is None:
-            program = self._programs[("step",)] = self._build_step()
-        result = program(
-            self.params, self.master, self.opt_state, self.grads, hyper, self.loss_scale, clip
-        )
-        self.params, self.master, self.opt_state, new_loss_scale, finite = result
-        if self.loss_scale is not None:
-            if not bool(finite):  # host sync, only with fp16 loss scaling
-                self.skipped_steps += 1
-                log.warning(
-                    "zerojax: fp16 gradients overflowed; optimizer step skipped, loss scale "
-                    "%g -> %g",
-                    float(self.loss_scale["scale"]),
-                    float(new_loss_scale["scale"]),
-                )
-            self.loss_scale = new_loss_scale
-
-    def _build_step(self):
-        spec, policy = self.optimizer_spec, self.policy
-        if spec is None:
+        if self.optimizer_spec is None:
             raise RuntimeError("zerojax: no optimizer attached; pass one to zerojax.initialize")
-        loss_scale_config = policy.loss_scale
-        param_shardings = {n: self.plan.params[n] for n in self.params}
-        adam_kernel = self._fused_adam_update() if spec.family == "adam" else None
-
-        def step(params, master, opt_state, grads, hyper, loss_scale, clip):
-            scale = loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
-            grads = {n: g.astype(jnp.float32) / scale for n, g in grads.items()}
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
-            if clip is not None:
-                grads, _ = _clip(grads, jnp.float32(1.0), clip, 2.0)
-            weights = master if master is not None else params
-            full_grads = {
-                n: grads[n] if n in grads else jnp.zeros_like(weights[n])
-                for n in spec.param_names
-                if n in weights
-            }
-            new_weights, new_state = optimizers.apply_update(
-                spec, weights, full_grads, opt_state, hyper, adam_kernel=adam_kernel
+        program = self.programs.update(self.optimizer_spec)
+        params, master, opt_state, loss_scale, finite = program(
+            state.params, state.master, state.opt_state, state.grads, hyper, state.loss_scale
+        )
+        skipped = state.skipped_steps
+        # bool(finite) is a host sync: only with fp16 loss scaling.
+        if state.loss_scale is not None and not bool(finite):
+            skipped += 1
+            log.warning(
+                "zerojax: fp16 gradients overflowed; optimizer step skipped, loss scale %g -> %g",
+                float(state.loss_scale["scale"]),
+                float(loss_scale["scale"]),
             )
-            # torch skips parameters whose .grad is None (frozen after initialize, or cleared
-            # one by one): no decay, no moment update.
-            for n in spec.param_names:
-                if n in weights and n not in grads:
-                    new_weights[n] = weights[n]
-                    for key, value in new_state.items():
-                        if isinstance(value, dict) and n in value:
-                            value[n] = opt_state[key][n]
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-            new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
-            if master is not None:
-                new_master = new_weights
-                new_params = {
-                    n: new_master[n].astype(p.dtype) if n in new_master else p
-                    for n, p in params.items()
-                }
-            else:
-                new_master, new_params = None, new_weights
-            new_params = {
-                n: jax.lax.with_sharding_constraint(p, param_shardings[n])
-                for n, p in new_params.items()
-            }
-            new_loss_scale = (
-                next_loss_scale_state(loss_scale_config, loss_scale, finite)
-                if loss_scale is not None
-                else None
-            )
-            return new_params, new_master, new_state, new_loss_scale, finite
+        self._state = self._state.replace(
+            params=params,
+            master=master,
+            opt_state=opt_state,
+            loss_scale=loss_scale,
+            step=state.step + 1,
+            skipped_steps=skipped,
+        )
 
-        return jax.jit(step, static_argnums=(6,), donate_argnums=(0, 1, 2))
-
-    def _fused_adam_update(self):
-        """The fused AdamW kernel applied shard by shard (config `kernels.optimizer`), or None.
-
-        Each weight, its gradient and moments are updated where the optimizer state lives
-        (the ZeRO shards): the update is elementwise, so no collective is needed.
-        """
-        choice = self.config.kernels.choice("optimizer")
-        if choice is None:
-            return None
-        implementation, interpret = choice
-        if implementation == "auto" and not auto_picks_pallas(interpret):
-            # Off GPU, "auto" means the XLA reference, which is apply_update's own arithmetic
-            # (bitwise): the per-shard wrapper would only add compile time (~2.5 s here).
-            return None
-        from zerojax.pallas_kernels.adamw import adamw_update_sharded
-
-        def update(group, hyper, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
-            specs = {n: self.plan.opt_state.get(n, self.replicated).spec for n in weights}
-            results = adamw_update_sharded(
-                weights,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                hyper,
-                mesh=self.mesh,
-                specs=specs,
-                implementation=implementation,
-                interpret=interpret,
-                max_exp_avg_sqs=max_exp_avg_sqs,
-                maximize=group.maximize,
-                decoupled_weight_decay=group.decoupled_weight_decay,
-            )
-            weights, exp_avgs, exp_avg_sqs = results[:3]
-            return weights, exp_avgs, exp_avg_sqs, results[3] if len(results) > 3 else None
-
-        return update
+    def compiled_programs(self) -> dict[str, Any]:
+        """Program name (`zerojax.train.programs.PROGRAM_NAMES`) -> the compiled executable its
+        latest call ran (`.memory_analysis()`, `.as_text()`), for the programs run so far."""
+        return self.programs.compiled()
 
     # --- state_dict ------------------------------------------------------------------------
 
-    def state_dict_arrays(self) -> dict[str, np.ndarray]:
+    def state_dict_arrays(self) -> dict[str, tuple[np.ndarray, torch.dtype]]:
         """Every state_dict entry on the host, torch names and the module's dtypes."""
-        weights = dict(self.params)
-        if self.master is not None:
-            weights.update(self.master)
+        weights, buffers = self._state.weights, self._state.buffers
         out = {}
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             canonical = self.alias.get(name, name)
-            source = weights if canonical in weights else self.buffers
+            source = weights if canonical in weights else buffers
             out[name] = (np.asarray(source[canonical]), tensor.dtype)
         return out
 
     def load_state_dict_arrays(self, arrays: dict[str, jax.Array]) -> None:
+        state = self._state
+        weights, buffers = {}, dict(state.buffers)
         for name, value in arrays.items():
             canonical = self.alias.get(name, name)
-            if canonical in self.params:
-                self.params[canonical] = jax.device_put(
-                    value.astype(self.params[canonical].dtype), self.plan.params[canonical]
-                )
-                if self.master is not None and canonical in self.master:
-                    self.master[canonical] = jax.device_put(
-                        value.astype(self.master[canonical].dtype),
-                        self.plan.master_weights[canonical],
-                    )
-            elif canonical in self.buffers:
-                self.buffers[canonical] = jax.device_put(
-                    value.astype(self.buffers[canonical].dtype), self.replicated
-                )
+            if canonical in state.params:
+                weights[canonical] = value
+            elif canonical in buffers:
+                buffers[canonical] = jnp.asarray(value).astype(buffers[canonical].dtype)
+        self.load(state.with_weights(weights).replace(buffers=buffers))
+
+
+def _put(array, sharding):
+    if isinstance(array, jax.Array) and array.sharding == sharding:
+        return array
+    return jax.device_put(array, sharding)
+
+
+def _check_same_layout(field: str, current: Any, new: Any) -> None:
+    """Raise ValueError unless `new` has `current`'s tree structure, shapes and dtypes."""
+    current_leaves, current_tree = jax.tree_util.tree_flatten_with_path(current)
+    new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(new)
+    if current_tree != new_tree:
+        missing = {jax.tree_util.keystr(p) for p, _ in current_leaves} - {
+            jax.tree_util.keystr(p) for p, _ in new_leaves
+        }
+        extra = {jax.tree_util.keystr(p) for p, _ in new_leaves} - {
+            jax.tree_util.keystr(p) for p, _ in current_leaves
+        }
+        raise ValueError(
+            f"state.{field} does not have the engine's structure: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(extra)[:5]} (current: {current_tree}, given: {new_tree})"
+        )
+    for (path, old), (_, value) in zip(current_leaves, new_leaves, strict=True):
+        shape, dtype = np.shape(value), getattr(value, "dtype", None)
+        if tuple(shape) != tuple(np.shape(old)) or (
+            dtype is not None and np.dtype(dtype) != np.dtype(old.dtype)
+        ):
+            raise ValueError(
+                f"state.{field}{jax.tree_util.keystr(path)}: {dtype} {tuple(shape)}, the engine "
+                f"holds {old.dtype} {tuple(np.shape(old))}"
+            )
 
 
 class _WithLoss(torch.nn.Module):
@@ -518,28 +514,3 @@ class _WithLoss(torch.nn.Module):
     def forward(self, *args, **kwargs):
         *inputs, target = args
         return self._loss_fn(self._wrapped_forward(*inputs, **kwargs), target)
-
-
-@jax.jit
-def _add(a, b):
-    return jax.tree.map(lambda x, y: x + y, a, b)
-
-
-@jax.jit
-def _scaled(grads, weight):
-    return jax.tree.map(lambda g: (g * weight).astype(g.dtype), grads)
-
-
-def _clip(grads, scale, max_norm, norm_type: float):
-    """torch's clip_grad_norm_: norm of the unscaled gradients, then
-    `grads *= min(max_norm / (norm + 1e-6), 1)`; returns (clipped grads, norm)."""
-    unscaled = [g.astype(jnp.float32) / scale for g in grads.values()]
-    if norm_type == float("inf"):
-        norm = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in unscaled]))
-    else:
-        norm = sum(jnp.sum(jnp.abs(g) ** norm_type) for g in unscaled) ** (1.0 / norm_type)
-    coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
-    return {n: (g * coef).astype(g.dtype) for n, g in grads.items()}, norm
-
-
-_clip_jit = jax.jit(_clip, static_argnums=(3,))

@@ -21,7 +21,8 @@ import torch.utils._pytree as torch_pytree
 
 from zerojax.bridge.convert import Static
 from zerojax.bridge.dtypes import from_torch, to_torch
-from zerojax.train.engine import Engine, find_scalar_loss
+from zerojax.train.engine import Engine
+from zerojax.train.programs import find_scalar_loss
 
 
 class GradSnapshot(torch.Tensor):
@@ -160,7 +161,11 @@ class ZeroModule(torch.nn.Module):
     def _find_loss_path(self, converted, jax_args, jax_kwargs):
         shapes = jax.eval_shape(
             lambda a, k: converted.apply(
-                self._engine.params, self._engine.buffers, *a, rng=jax.random.key(0), **k
+                self._engine.state.params,
+                self._engine.state.buffers,
+                *a,
+                rng=jax.random.key(0),
+                **k,
             )[0],
             tuple(jax_args),
             jax_kwargs,

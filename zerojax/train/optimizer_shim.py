@@ -39,13 +39,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float | None:
         """Current fp16 loss scale (None without loss scaling)."""
-        scale = self._engine.loss_scale
+        scale = self._engine.state.loss_scale
         return None if scale is None else float(scale["scale"])
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because fp16 gradients overflowed."""
-        return self._engine.skipped_steps
+        return self._engine.state.skipped_steps
 
     def step(self, closure=None):
         if closure is not None:
@@ -53,28 +53,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # An LR scheduler built on the original optimizer watches its step() for this flag.
         self._optimizer._opt_called = True
         hyper = optimizers.hyper_from_torch(self._optimizer, self._engine.optimizer_spec)
-        self._engine.step(hyper)
-        effective_time.LEDGER.step_done()
+        if self._engine.step(hyper):
+            effective_time.LEDGER.step_done()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next `step()` applies the update: always without gradient accumulation,
+        every `gradient_accumulation_steps`-th call with it (DeepSpeed's name and meaning).
+        Step an LR scheduler only when this was True before `step()` to keep its schedule in
+        optimizer updates rather than micro-batches."""
+        return self._engine.is_gradient_accumulation_boundary()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the accumulated gradients (ignored between the micro-steps of a gradient
+        accumulation, as DeepSpeed does)."""
         self._engine.zero_grad()
 
     def state_dict(self):
         engine = self._engine
         return optimizers.state_dict_from_jax(
-            engine.optimizer_spec, engine.opt_state, self.param_groups
+            engine.optimizer_spec, engine.state.opt_state, self.param_groups
         )
 
     def load_state_dict(self, state_dict) -> None:
         engine = self._engine
-        weights = engine.master if engine.master is not None else engine.params
-        state = optimizers.load_state_dict_into_jax(
-            engine.optimizer_spec,
-            state_dict,
-            weights,
-            state_dtype=engine.policy.optimizer_state_dtype,
-        )
-        engine.opt_state = engine._place_opt_state(state)
+        opt_state = engine.optimizer_state_from_torch(state_dict)
+        engine.load(engine.state.replace(opt_state=opt_state))
         for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -1,0 +1,350 @@
+"""The pure programs of one training step, and the compiled executables that ran them.
+
+Training is five programs over the arrays of a `TrainState` (`zerojax.train.state`), each a pure
+function of its inputs, jitted and compiled once per input signature:
+
+- `forward`: the converted model on compute-dtype params (inference, no gradients);
+- `forward_vjp`: outputs plus the pullback (`jax.vjp` inside jit returns it as a pytree of
+  residuals, so `backward` is compiled once and the residuals stay on device);
+- `loss_and_grads`: forward and backward fused, when the traced model returns its own loss
+  (a scalar, `.loss` or `["loss"]`): nothing but the loss crosses into torch;
+- `backward`: the pullback of torch's cotangents, gradients placed per `plan.grads`;
+- `update`: unscale (fp16), clip, the torch-exact optimizer update, loss-scale bookkeeping.
+
+ZeRO is nothing but where arrays live, so each program is ordinary JAX with sharding
+constraints where the stage decides: params -> `plan.compute_params` inside `apply` (stage 3
+all-gathers here, per step, freed after use), gradients -> `plan.grads` (stage 2+ reduces them
+into shards), new params -> `plan.params`; the optimizer state stays on `plan.opt_state`.
+
+Every program is compiled ahead of time (`Program`), so what training ran can be inspected:
+`Program.last.memory_analysis()` is the executable the last call used, which is what
+`zerojax.memory_report` reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zerojax.bridge.convert import Converted
+from zerojax.config import Config
+from zerojax.pallas_kernels.backend import auto_picks_pallas
+from zerojax.sharding.zero import ShardingPlan
+from zerojax.train import optimizers
+from zerojax.train.precision import PrecisionPolicy, next_loss_scale_state
+
+PROGRAM_NAMES = ("forward", "forward_vjp", "loss_and_grads", "backward", "update")
+
+
+def is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def find_scalar_loss(outputs) -> Any:
+    """Path to the loss in a model's outputs: () for a scalar output, 'loss' for `.loss` or
+    `["loss"]`; None when the model returns no loss of its own.
+
+    A tuple's first element is deliberately not taken as the loss: a model returning
+    `(scalar, logits)` whose loop backpropagates something else would then be refused by the
+    fused path; such models run the general path (`forward_vjp` + `backward`) instead."""
+    if isinstance(outputs, jax.ShapeDtypeStruct | jax.Array):
+        return () if outputs.ndim == 0 and is_float(outputs) else None
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    if isinstance(loss, jax.ShapeDtypeStruct | jax.Array) and loss.ndim == 0:
+        return "loss"
+    return None
+
+
+def pick_loss(outputs, path):
+    if path == ():
+        return outputs
+    return outputs["loss"] if isinstance(outputs, dict) else outputs.loss
+
+
+def _leaf_signature(leaf) -> tuple:
+    if isinstance(leaf, jax.Array):
+        # Key arrays (the rng) have no weak_type; their dtype names the key implementation.
+        return (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), leaf.sharding)
+    return (type(leaf), np.shape(leaf), np.result_type(leaf))
+
+
+class Program:
+    """One jitted function compiled ahead of time, once per input signature (tree structure,
+    shapes, dtypes, shardings: what `jax.jit` keys its own cache on). Calling it runs the
+    compiled executable; `last` is the one the latest call ran, for `memory_analysis()`."""
+
+    def __init__(self, name: str, fn: Callable, **jit_options):
+        self.name = name
+        self._jitted = jax.jit(fn, **jit_options)
+        self._compiled: dict[Any, Any] = {}
+        self.last = None
+
+    def __call__(self, *args):
+        leaves, treedef = jax.tree.flatten(args)
+        key = (treedef, tuple(_leaf_signature(x) for x in leaves))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._jitted.lower(*args).compile()
+        self.last = compiled
+        return compiled(*args)
+
+
+class StepPrograms:
+    """The programs of one engine: its plan, precision policy, kernels and clipping baked in.
+    Each builder returns a cached `Program`; see the module docstring."""
+
+    def __init__(self, plan: ShardingPlan, policy: PrecisionPolicy, config: Config):
+        self.plan = plan
+        self.policy = policy
+        self.config = config
+        self.mesh = plan.mesh
+        self.replicated = NamedSharding(plan.mesh, PartitionSpec())
+        self._programs: dict[tuple, Program] = {}
+
+    def compiled(self) -> dict[str, Any]:
+        """Program name -> the compiled executable its latest call ran, in `PROGRAM_NAMES`
+        order, for the programs that have run."""
+        latest: dict[str, Any] = {}
+        for program in self._programs.values():
+            if program.last is not None:
+                latest[program.name] = program.last
+        return {name: latest[name] for name in PROGRAM_NAMES if name in latest}
+
+    def _cached(self, key: tuple, build: Callable[[], Program]) -> Program:
+        if key not in self._programs:
+            self._programs[key] = build()
+        return self._programs[key]
+
+    # --- the model on compute-layout params -------------------------------------------------
+
+    def apply(self, converted: Converted, params, buffers, args, kwargs, rng):
+        """The converted model on compute-dtype, compute-layout params (stage 3 gathers here)."""
+        policy = self.policy
+        compute = {}
+        for name, value in params.items():
+            value = jax.lax.with_sharding_constraint(value, self.plan.compute_params[name])
+            if is_float(value) and policy.compute_override is not None:
+                value = value.astype(policy.compute_dtype)
+            compute[name] = value
+        outputs, new_buffers = converted.apply(
+            compute,
+            buffers,
+            *args,
+            rng=rng,
+            float_dtype=policy.compute_override,
+            kernels=self.config.kernels,
+            batch_mesh=self.batch_mesh(),
+            **kwargs,
+        )
+        outputs = jax.tree.map(
+            lambda x: x.astype(policy.output_dtype) if is_float(x) else x, outputs
+        )
+        return outputs, new_buffers
+
+    def batch_mesh(self) -> tuple | None:
+        """(mesh, batch axes) for the kernels: the axes inputs split dim 0 over."""
+        axes = self.plan.input_sharding(2).spec[0]
+        if axes is None:
+            return None
+        return self.mesh, tuple(np.atleast_1d(axes).tolist())
+
+    def as_grads(self, grads):
+        """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards)."""
+        return {
+            n: jax.lax.with_sharding_constraint(
+                g.astype(self.policy.grad_dtype), self.plan.grads[n]
+            )
+            for n, g in grads.items()
+            if is_float(g)
+        }
+
+    # --- forward / backward -----------------------------------------------------------------
+
+    def forward(self, converted: Converted) -> Program:
+        """(params, buffers, args, kwargs, rng) -> (outputs, new_buffers)."""
+
+        def forward(params, buffers, args, kwargs, rng):
+            return self.apply(converted, params, buffers, args, kwargs, rng)
+
+        return self._cached(("forward", id(converted)), lambda: Program("forward", forward))
+
+    def forward_vjp(self, converted: Converted, differentiable: tuple[bool, ...]) -> Program:
+        """(params, buffers, args, kwargs, rng) -> (outputs, new_buffers, pullback);
+        `differentiable[i]` says whether positional input i gets an input gradient."""
+
+        def forward(params, buffers, args, kwargs, rng):
+            def f(params, diff_args):
+                merged = iter(diff_args)
+                full = [next(merged) if d else a for a, d in zip(args, differentiable)]
+                return self.apply(converted, params, buffers, full, kwargs, rng)
+
+            diff_args = [a for a, d in zip(args, differentiable) if d]
+            outputs, pullback, new_buffers = jax.vjp(f, params, diff_args, has_aux=True)
+            return outputs, new_buffers, pullback
+
+        return self._cached(
+            ("forward_vjp", id(converted), differentiable),
+            lambda: Program("forward_vjp", forward),
+        )
+
+    def loss_and_grads(self, converted: Converted, loss_path) -> Program:
+        """(params, buffers, args, kwargs, rng, scale) -> (outputs, new_buffers, grads): the
+        gradients of `scale * loss` (fp16 loss scaling), the model's own loss at `loss_path`."""
+
+        def fused(params, buffers, args, kwargs, rng, scale):
+            def f(params):
+                outputs, new_buffers = self.apply(converted, params, buffers, args, kwargs, rng)
+                loss = pick_loss(outputs, loss_path)
+                return loss.astype(jnp.float32) * scale, (outputs, new_buffers)
+
+            (_, (outputs, new_buffers)), grads = jax.value_and_grad(f, has_aux=True)(params)
+            return outputs, new_buffers, self.as_grads(grads)
+
+        return self._cached(
+            ("loss_and_grads", id(converted), loss_path),
+            lambda: Program("loss_and_grads", fused),
+        )
+
+    def backward(self, converted: Converted) -> Program:
+        """(pullback, cotangents, scale) -> (grads, input grads)."""
+
+        def backward(pullback, cotangents, scale):
+            cotangents = jax.tree.map(
+                lambda c: None if c is None else (c * scale).astype(c.dtype), cotangents
+            )
+            param_grads, input_grads = pullback(cotangents)
+            return self.as_grads(param_grads), input_grads
+
+        return self._cached(("backward", id(converted)), lambda: Program("backward", backward))
+
+    # --- the optimizer update ---------------------------------------------------------------
+
+    def update(self, spec: optimizers.OptimizerSpec) -> Program:
+        """(params, master, opt_state, grads, hyper, loss_scale) ->
+        (params, master, opt_state, loss_scale, finite). Params, master and optimizer state are
+        donated. Skipped (state kept) when fp16 gradients are not finite."""
+        return self._cached(("update", spec), lambda: self._build_update(spec))
+
+    def _build_update(self, spec) -> Program:
+        policy, plan = self.policy, self.plan
+        loss_scale_config = policy.loss_scale
+        clip = self.config.train.gradient_clipping
+        adam_kernel = self._fused_adam_update() if spec.family == "adam" else None
+
+        def update(params, master, opt_state, grads, hyper, loss_scale):
+            scale = loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
+            grads = {n: g.astype(jnp.float32) / scale for n, g in grads.items()}
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
+            if clip is not None:
+                grads, _ = clip_by_global_norm(grads, jnp.float32(1.0), clip, 2.0)
+            weights = master if master is not None else params
+            full_grads = {
+                n: grads[n] if n in grads else jnp.zeros_like(weights[n])
+                for n in spec.param_names
+                if n in weights
+            }
+            new_weights, new_state = optimizers.apply_update(
+                spec, weights, full_grads, opt_state, hyper, adam_kernel=adam_kernel
+            )
+            # torch skips parameters whose .grad is None (frozen after initialize, or cleared
+            # one by one): no decay, no moment update.
+            for n in spec.param_names:
+                if n in weights and n not in grads:
+                    new_weights[n] = weights[n]
+                    for key, value in new_state.items():
+                        if isinstance(value, dict) and n in value:
+                            value[n] = opt_state[key][n]
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+            new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
+            if master is not None:
+                new_master = new_weights
+                new_params = {
+                    n: new_master[n].astype(p.dtype) if n in new_master else p
+                    for n, p in params.items()
+                }
+            else:
+                new_master, new_params = None, new_weights
+            new_params = {
+                n: jax.lax.with_sharding_constraint(p, plan.params[n])
+                for n, p in new_params.items()
+            }
+            new_loss_scale = (
+                next_loss_scale_state(loss_scale_config, loss_scale, finite)
+                if loss_scale is not None
+                else None
+            )
+            return new_params, new_master, new_state, new_loss_scale, finite
+
+        return Program("update", update, donate_argnums=(0, 1, 2))
+
+    def _fused_adam_update(self):
+        """The fused AdamW kernel applied shard by shard (config `kernels.optimizer`), or None.
+
+        Each weight, its gradient and moments are updated where the optimizer state lives
+        (the ZeRO shards): the update is elementwise, so no collective is needed.
+        """
+        choice = self.config.kernels.choice("optimizer")
+        if choice is None:
+            return None
+        implementation, interpret = choice
+        if implementation == "auto" and not auto_picks_pallas(interpret):
+            # Off GPU, "auto" means the XLA reference, which is apply_update's own arithmetic
+            # (bitwise): the per-shard wrapper would only add compile time (~2.5 s here).
+            return None
+        from zerojax.pallas_kernels.adamw import adamw_update_sharded
+
+        def update(group, hyper, weights, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs):
+            specs = {n: self.plan.opt_state.get(n, self.replicated).spec for n in weights}
+            results = adamw_update_sharded(
+                weights,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                hyper,
+                mesh=self.mesh,
+                specs=specs,
+                implementation=implementation,
+                interpret=interpret,
+                max_exp_avg_sqs=max_exp_avg_sqs,
+                maximize=group.maximize,
+                decoupled_weight_decay=group.decoupled_weight_decay,
+            )
+            weights, exp_avgs, exp_avg_sqs = results[:3]
+            return weights, exp_avgs, exp_avg_sqs, results[3] if len(results) > 3 else None
+
+        return update
+
+
+# --- small gradient programs (elementwise, on the shards) ------------------------------------
+
+
+@jax.jit
+def add_grads(a, b):
+    return jax.tree.map(lambda x, y: x + y, a, b)
+
+
+@jax.jit
+def scale_grads(grads, weight):
+    return jax.tree.map(lambda g: (g * weight).astype(g.dtype), grads)
+
+
+def clip_by_global_norm(grads, scale, max_norm, norm_type: float):
+    """torch's clip_grad_norm_: norm of the unscaled gradients, then
+    `grads *= min(max_norm / (norm + 1e-6), 1)`; returns (clipped grads, norm)."""
+    unscaled = [g.astype(jnp.float32) / scale for g in grads.values()]
+    if norm_type == float("inf"):
+        norm = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in unscaled]))
+    else:
+        norm = sum(jnp.sum(jnp.abs(g) ** norm_type) for g in unscaled) ** (1.0 / norm_type)
+    coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+    return {n: (g * coef).astype(g.dtype) for n, g in grads.items()}, norm
+
+
+clip_by_global_norm_jit = jax.jit(clip_by_global_norm, static_argnums=(3,))
