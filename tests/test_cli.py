@@ -72,7 +72,8 @@ def test_plan_prints_table_and_writes_plot(files):
     lines = {line.split("  ")[0]: line.split() for line in out.splitlines()}
     assert lines["params"][1:] == ["404", "404", "4Ψ/N_d", "1.000"]
     assert lines["gradients"][1:] == ["404", "404", "4Ψ/N_d", "1.000"]
-    assert "compiled step, memory_analysis() per device" in out
+    assert "compiled programs, memory_analysis() per device:" in out
+    assert "  update: arguments" in out
     assert f"plot written to {plot}" in out
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -19,9 +19,8 @@ from zerojax.ckpt import (
 from zerojax.config import Config, ConfigError, ConfigWarning, load_config
 from zerojax.runtime.effective_time import effective_time
 from zerojax.sharding import ReplicatedParam, ShardingPlan, make_mesh, make_sharding_plan
-from zerojax.sharding.memory import memory_report
-from zerojax.sharding.step import make_train_step
 from zerojax.train import initialize
+from zerojax.train.memory_plan import memory_report
 
 __version__ = "0.1.0"
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "load_config",
     "make_mesh",
     "make_sharding_plan",
-    "make_train_step",
     "memory_report",
     "register_lowering",
     "restore_checkpoint",

@@ -98,7 +98,7 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
 
     import zerojax
     from zerojax.config import ConfigError
-    from zerojax.sharding.memory import memory_report
+    from zerojax.train.memory_plan import memory_report
 
     module, args, loss_fn = _build(load_factory(opts.factory), opts.factory)
     converted = zerojax.convert(module, args)

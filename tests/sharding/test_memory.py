@@ -4,15 +4,19 @@ Run: .venv/bin/python -m pytest -q tests/sharding/test_memory.py
 Exists because memory estimators elsewhere are off by 10x: for a model whose dims divide the
 8 devices evenly, the bytes each device really holds must be the formula's (16Psi, 4Psi+12Psi/N_d,
 2Psi+14Psi/N_d, 16Psi/N_d for mixed-precision Adam, here generalised to fp32 and bf16) within 5%,
-and the compiled stage-3 step must all-gather the params it stores split.
+and the report's compiled programs must be exactly those a training step runs: their
+memory_analysis() equals that of the executables `zerojax.initialize`'s engine ran for a real
+torch step.
 """
 
+import copy
 import re
 
 import jax
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -21,9 +25,10 @@ from bench.architectures import MLP
 from zerojax.sharding import make_mesh
 from zerojax.sharding.memory import (
     bytes_by_device,
+    compiled_memory,
     measured_bytes_per_device,
-    memory_report,
 )
+from zerojax.train.memory_plan import memory_report
 
 pytestmark = pytest.mark.multidevice
 
@@ -89,12 +94,18 @@ def test_measured_matches_zero_formula_fp32(mlp, stage):
     assert re.search(r"^total +[\d,]+ +[\d,]+ +\S+Ψ +1\.000$", text, re.MULTILINE)
     assert "replicated parameters (not split as intended): none" in text
     if stage == 3:
-        assert report.compiled is not None and report.compiled.temp > 0
-        assert report.compiled.argument >= report.measured_total - report["grads"].measured
-        assert "compiled step, memory_analysis() per device: arguments" in text
+        # The MLP returns logits: the general path (forward with vjp, backward), then update.
+        assert list(report.programs) == ["forward_vjp", "backward", "update"]
+        assert report.programs["forward_vjp"].temp > 0
+        update = report.programs["update"]
+        # The update takes params, optimizer state and gradients, and donates the first two.
+        assert update.argument >= report.measured_total
+        assert update.alias >= report["params"].measured + report["opt_state"].measured
+        assert "compiled programs, memory_analysis() per device:" in text
+        assert re.search(r"^  update: arguments [\d,]+ B", text, re.MULTILINE)
         assert re.search(r"^optimizer state +[\d,]+ +[\d,]+ +8Ψ/N_d +1\.000$", text, re.MULTILINE)
     else:
-        assert report.compiled is None
+        assert report.programs == {}
 
 
 def test_mixed_precision_is_the_paper_formula(mlp):
@@ -139,3 +150,41 @@ def test_tensor_axis_is_explained_not_hidden(mlp):
     assert report.data_parallel_size == 4
     assert report["params"].ratio < 1.0  # fc2.weight is split over tensor, the formula ignores it
     assert "the formula divides by N_d=4 only; tensor=2 splits ruled params further" in str(report)
+
+
+@pytest.mark.parametrize(
+    ("precision", "fused"),
+    [("params=float32", False), ("params=bfloat16,compute=bfloat16,master=float32", True)],
+    ids=["fp32-general", "bf16-master-fused"],
+)
+def test_report_programs_are_the_ones_training_runs(precision, fused):
+    """memory_report's programs' memory_analysis() equals that of the executables a real torch
+    step compiled in an engine from zerojax.initialize: same programs (fused loss-and-grads or
+    forward_vjp + backward, and the update with master weights when the policy has them), same
+    bytes, to the byte."""
+    torch.manual_seed(0)
+    module = MLP(IN, HIDDEN, CLASSES)
+    x, y = torch.randn(BATCH, IN), torch.randint(0, CLASSES, (BATCH,))
+    config = {"mesh": {"data": 8}, "zero_stage": 3, "precision": precision}
+    make_optimizer = lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    loss_fn = F.cross_entropy if fused else None
+    report = memory_report(
+        copy.deepcopy(module),
+        (x, y) if fused else (x,),
+        config,
+        loss_fn=loss_fn,
+        optimizer=make_optimizer,
+    )
+
+    model, optimizer = zerojax.initialize(
+        module, make_optimizer(module.parameters()), config=config, loss_fn=loss_fn, seed=0
+    )
+    loss = model(x, y) if fused else F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    trained = {n: compiled_memory(c) for n, c in model.engine.compiled_programs().items()}
+
+    expected = ["loss_and_grads", "update"] if fused else ["forward_vjp", "backward", "update"]
+    assert list(report.programs) == expected
+    assert report.programs == trained
+    assert (report["master_weights"].measured > 0) == fused

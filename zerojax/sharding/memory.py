@@ -15,27 +15,24 @@ data-parallel size) from the stage that partitions it:
 so 16 Psi, 4 Psi + 12 Psi/N_d, 2 Psi + 14 Psi/N_d and 16 Psi/N_d for stages 0-3 (fp32 without
 master weights: 16 Psi at stage 0). The formula ignores tensor/expert splits and padding, so a
 ratio away from 1.00 points at exactly those (or at parameters the plan reports as replicated).
-The compiled step's `memory_analysis()` adds what the formula leaves out: activations and
-gathered stage-3 params (temp), and donated buffers (alias).
-
-    >>> report = zerojax.memory_report(converted, (tokens,), "examples/zero3.yaml")
-    >>> print(report)
+The `memory_analysis()` of each compiled program training runs (forward and backward, fused
+or not, and the optimizer update) adds what the formula leaves out: activations and gathered
+stage-3 params (temp), and donated buffers (alias). `zerojax.memory_report`
+(`zerojax.train.memory_plan`) builds the training engine and fills in both; this module only
+measures and formats, so it needs nothing from the training side.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from zerojax.config import Config, load_config
-from zerojax.sharding.step import make_train_step, model_scalar_loss
-from zerojax.sharding.zero import ReplicatedParam, ShardingPlan, make_sharding_plan
+from zerojax.sharding.zero import ReplicatedParam, ShardingPlan
 
 __all__ = [
     "COMPONENTS",
@@ -45,7 +42,6 @@ __all__ = [
     "bytes_by_device",
     "measure_memory",
     "measured_bytes_per_device",
-    "memory_report",
 ]
 
 COMPONENTS = ("params", "grads", "opt_state", "master_weights")
@@ -100,7 +96,7 @@ class ComponentMemory:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompiledMemory:
-    """`compiled.memory_analysis()` of the train step, per device."""
+    """`compiled.memory_analysis()` of one compiled program, per device."""
 
     argument: int
     output: int
@@ -122,7 +118,9 @@ class MemoryReport:
     num_params: int
     """Psi: parameter elements (tied parameters counted once)."""
     components: tuple[ComponentMemory, ...]
-    compiled: CompiledMemory | None = None
+    programs: Mapping[str, CompiledMemory] = field(default_factory=dict)
+    """Program name (forward_vjp, backward, loss_and_grads, update, ...) -> its compiled
+    executable's memory_analysis(), for the programs that ran."""
     replicated: tuple[ReplicatedParam, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -183,12 +181,13 @@ class MemoryReport:
             rule,
             aligned[-1],
         ]
-        if self.compiled is not None:
-            m = self.compiled
+        if self.programs:
+            lines.append("compiled programs, memory_analysis() per device:")
+        for name, m in self.programs.items():
             lines.append(
-                "compiled step, memory_analysis() per device: "
-                f"arguments {m.argument:,} B, outputs {m.output:,} B, temp {m.temp:,} B, "
-                f"aliased (donated) {m.alias:,} B; peak estimate {m.peak_estimate:,} B"
+                f"  {name}: arguments {m.argument:,} B, outputs {m.output:,} B, temp "
+                f"{m.temp:,} B, aliased (donated) {m.alias:,} B; peak estimate "
+                f"{m.peak_estimate:,} B"
             )
         if self.replicated:
             lines.append(f"replicated parameters (not split as intended): {len(self.replicated)}")
@@ -214,11 +213,12 @@ def measure_memory(
     grads: Any,
     opt_state: Any,
     master_weights: Any = None,
-    compiled: Any = None,
+    programs: Mapping[str, Any] | None = None,
     notes: tuple[str, ...] = (),
 ) -> MemoryReport:
     """A `MemoryReport` for live training state: measured per-device bytes of each component
-    beside the ZeRO formula for `plan.stage`, plus `compiled.memory_analysis()` if given."""
+    beside the ZeRO formula for `plan.stage`, plus `memory_analysis()` of each compiled
+    program in `programs` (name -> compiled executable), if given."""
     devices = list(plan.mesh.devices.flat)
     nd = math.prod(plan.mesh.shape[a] for a in plan.data_parallel_axes)
     num_params = sum(math.prod(s) for s in plan.shapes.values())
@@ -258,13 +258,17 @@ def measure_memory(
         data_parallel_size=nd,
         num_params=num_params,
         components=tuple(components),
-        compiled=_compiled_memory(compiled) if compiled is not None else None,
+        programs={
+            name: memory
+            for name, compiled in (programs or {}).items()
+            if (memory := compiled_memory(compiled)) is not None
+        },
         replicated=plan.replicated,
         notes=tuple(notes),
     )
 
 
-def _compiled_memory(compiled) -> CompiledMemory | None:
+def compiled_memory(compiled) -> CompiledMemory | None:
     stats = compiled.memory_analysis()
     if stats is None:  # some backends do not report
         return None
@@ -273,131 +277,4 @@ def _compiled_memory(compiled) -> CompiledMemory | None:
         output=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes,
         alias=stats.alias_size_in_bytes,
-    )
-
-
-def _float_cast(tree: Any, dtype: str | None) -> Any:
-    if dtype is None:
-        return tree
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
-
-
-def _standin_loss(outputs: Any, batch: Any = None) -> jax.Array:
-    leaves = [x for x in jax.tree.leaves(outputs) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return sum(jnp.mean(jnp.square(x.astype(jnp.float32))) for x in leaves)
-
-
-def _example_batch(args: tuple, plan: ShardingPlan) -> tuple[tuple, list[str]]:
-    """Example args as JAX arrays, the batch dim repeated up to a multiple of the batch-axes
-    size (a batch must split evenly over them)."""
-    from zerojax.bridge.dtypes import from_torch
-
-    split = math.prod(plan.mesh.shape[a] for a in plan.batch_axes)
-    notes, batch = [], []
-    for x in args:
-        x = from_torch(x) if hasattr(x, "detach") else jnp.asarray(x)
-        dim = plan.batch_dim
-        if x.ndim > dim and x.shape[dim] % split:
-            size = x.shape[dim]
-            target = math.lcm(size, split)
-            x = jnp.concatenate([x] * (target // size), axis=dim)
-            notes.append(
-                f"example batch {size} repeated to {target} to split over "
-                f"{'x'.join(plan.batch_axes)}={split}"
-            )
-        batch.append(x)
-    return tuple(batch), notes
-
-
-def memory_report(
-    converted,
-    args: tuple,
-    config: Config | Mapping | str,
-    *,
-    mesh=None,
-    loss_fn: Callable[[Any, tuple], jax.Array] | None = None,
-    optimizer=None,
-    run_step: bool = True,
-) -> MemoryReport:
-    """Build the training state `config` describes for `converted` and measure it.
-
-    Params are placed per the plan in `precision.param_dtype`; master weights (when
-    `precision.master_dtype` is set) per `plan.master_weights`; the optimizer state
-    (`optimizer`, an optax GradientTransformation, default `optax.adamw(1e-3)`) is initialised
-    straight into its shardings, its float leaves in `precision.optimizer_state_dtype`.
-    With `run_step`, the gradients are computed by the sharded step on `args` (example inputs,
-    batch dim first) and the step is compiled for `memory_analysis()`; without it they are
-    zeros placed per `plan.grads` (the step's out_shardings, so the same bytes) and nothing is
-    compiled. `loss_fn(outputs, batch)` defaults to the model's scalar output, else a stand-in
-    mean(output^2) (the loss form does not change the state's bytes).
-    """
-    import optax
-
-    config = load_config(config)
-    plan = make_sharding_plan(converted.params, config, mesh)
-    precision = config.precision
-    optimizer = optimizer or optax.adamw(1e-3)
-    notes: list[str] = []
-
-    def update_fn(params, grads, state):
-        updates, state = optimizer.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    batch, batch_notes = _example_batch(tuple(args), plan)
-    notes += batch_notes
-    if loss_fn is None:
-        try:
-            jax.eval_shape(
-                lambda p, b: model_scalar_loss(
-                    converted.apply(p, converted.buffers, *b, rng=jax.random.key(0))[0]
-                ),
-                converted.params,
-                batch,
-            )
-            loss_fn = model_scalar_loss
-        except ValueError:
-            loss_fn = _standin_loss
-            notes.append("the model returns no scalar loss: gradients of mean(output^2)")
-    step = make_train_step(converted, plan, update_fn, loss_fn=loss_fn)
-    params = step.shard_params(_float_cast(converted.params, precision.param_dtype))
-    master = None
-    if precision.master_dtype is not None:
-        master = {
-            n: jax.device_put(np.asarray(v, precision.master_dtype), plan.master_weights[n])
-            for n, v in converted.params.items()
-        }
-
-    def init(p):
-        return _float_cast(optimizer.init(p), precision.optimizer_state_dtype)
-
-    opt_state = step.init_opt_state(init, master if master is not None else params)
-    compiled = None
-    if run_step:
-        batch = step.shard_batch(batch)
-        rng = jax.random.key(0)
-        _, grads, _ = step.loss_and_grads(params, converted.buffers, batch, rng)
-        # Gradients are reduced and accumulated in grad_reduce_dtype (what the engine holds).
-        grads = _float_cast(grads, precision.grad_reduce_dtype)
-        compiled = step.compile(params, opt_state, converted.buffers, batch, rng)
-        if master is not None:
-            notes.append("the compiled step updates params directly (master weights not in it)")
-    else:
-        grads = _float_cast(
-            {
-                n: jax.device_put(np.zeros(p.shape, p.dtype), plan.grads[n])
-                for n, p in params.items()
-            },
-            precision.grad_reduce_dtype,
-        )
-        notes.append("gradients placed per the plan; the step was not run")
-    return measure_memory(
-        plan,
-        params=params,
-        grads=grads,
-        opt_state=opt_state,
-        master_weights=master,
-        compiled=compiled,
-        notes=tuple(notes),
     )

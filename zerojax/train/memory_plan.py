@@ -1,0 +1,153 @@
+"""`zerojax.memory_report`: the memory a config costs, measured on the engine training would run.
+
+It builds the same `Engine` that `zerojax.initialize` builds (same plan, precision policy,
+master weights, optimizer state layout, kernels) from the unwrapped module, runs one real
+micro-batch through the programs training runs (the fused loss-and-gradients program when the
+model returns its own loss, else forward-with-vjp and backward) and the optimizer update, then
+reports the per-device bytes of each `TrainState` component beside the ZeRO formula
+(`zerojax.sharding.memory`) and the `memory_analysis()` of each compiled program: the very
+executables a training step calls, not a stand-in.
+
+    >>> report = zerojax.memory_report(model, (tokens,), "examples/zero3.yaml")
+    >>> print(report)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from zerojax.bridge.convert import Converted
+from zerojax.bridge.dtypes import from_torch
+from zerojax.config import Config, load_config
+from zerojax.sharding.memory import MemoryReport, measure_memory
+from zerojax.train import optimizers
+from zerojax.train.engine import Engine
+from zerojax.train.programs import find_scalar_loss, is_float
+
+__all__ = ["memory_report"]
+
+
+def memory_report(
+    model: torch.nn.Module | Converted,
+    args: tuple,
+    config: Config | Mapping | str,
+    *,
+    mesh=None,
+    loss_fn: Callable | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    run_step: bool = True,
+) -> MemoryReport:
+    """Build the training engine `config` describes for `model` and measure its state.
+
+    `model`: a torch module (not yet wrapped by `zerojax.initialize`) or a `zerojax.convert`
+    result (its module is used). `args`: example inputs, batch dim first; a batch that does not
+    split over the batch axes is repeated until it does (noted in the report). `loss_fn`: as in
+    `zerojax.initialize`, a torch `loss_fn(outputs, target)` traced with the model, `target`
+    being the last of `args`. `optimizer`: a torch optimizer over the module's parameters, or a
+    callable `params -> optimizer`; default `torch.optim.AdamW(params, lr=1e-3)`.
+
+    With `run_step`, one micro-batch runs through the training programs and one optimizer
+    update is applied (to the engine's copy; `model` is not changed), so `report.programs`
+    holds each compiled program's `memory_analysis()` and the gradients are the ones the step
+    produced. Without it nothing is compiled and the gradients are zeros placed per
+    `plan.grads` in the policy's grad dtype (the same bytes).
+    """
+    module = model.module if isinstance(model, Converted) else model
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"memory_report takes a torch.nn.Module or a zerojax.convert result, got "
+            f"{type(model).__name__}"
+        )
+    if not isinstance(config, Config):
+        config = load_config(config)
+    engine = Engine(module, config, loss_fn=loss_fn, seed=0, mesh=mesh)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    elif not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(module.parameters())
+    engine.attach_optimizer(optimizer)
+
+    notes: list[str] = []
+    if run_step:
+        grads = _run_one_step(engine, module, optimizer, tuple(args), notes)
+    else:
+        grads = {
+            n: jax.device_put(np.zeros(p.shape, engine.policy.grad_dtype), engine.plan.grads[n])
+            for n, p in engine.state.params.items()
+            if is_float(p)
+        }
+        notes.append("gradients placed per the plan; the step was not run")
+    state = engine.state
+    return measure_memory(
+        engine.plan,
+        params=state.params,
+        grads=grads,
+        opt_state=state.opt_state,
+        master_weights=state.master,
+        programs=engine.compiled_programs(),
+        notes=tuple(notes),
+    )
+
+
+def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[str]) -> Any:
+    """One micro-batch through the programs `zerojax.train.module.ZeroModule` would call, then
+    one update; returns the gradients the micro-batch produced."""
+    args = _even_batch(args, engine, notes)
+    converted = engine.converted(module.training, args, {})
+    jax_args = tuple(
+        engine.shard_input(from_torch(a)) if isinstance(a, torch.Tensor) else a for a in args
+    )
+    loss_path = None
+    if engine.fused is not False:
+        shapes = jax.eval_shape(
+            lambda a: converted.apply(
+                engine.state.params, engine.state.buffers, *a, rng=jax.random.key(0)
+            )[0],
+            jax_args,
+        )
+        loss_path = find_scalar_loss(shapes)
+    if loss_path is not None:
+        _, grads = engine.fused_forward(converted, jax_args, {}, loss_path)
+        engine.accumulate(grads)
+    else:
+        differentiable = (False,) * len(jax_args)
+        outputs, pullback = engine.forward(converted, jax_args, {}, differentiable=differentiable)
+        # torch's loss.backward() feeds the backward program one cotangent per output; ones
+        # stand in for them (the values do not change any array's bytes).
+        cotangents = jax.tree.map(
+            lambda x: jnp.ones(x.shape, x.dtype) if is_float(x) else jnp.zeros(x.shape, x.dtype),
+            outputs,
+        )
+        engine.backward(converted, pullback, cotangents)
+        notes.append(
+            "the model returns no loss of its own: forward_vjp + backward, as under a torch loss"
+        )
+    grads = engine.state.grads
+    engine.update(optimizers.hyper_from_torch(optimizer, engine.optimizer_spec))
+    return grads
+
+
+def _even_batch(args: tuple, engine: Engine, notes: list[str]) -> tuple:
+    """Example args with the batch dim repeated up to a multiple of the batch-axes size, so the
+    report shows data-parallel programs (training replicates an uneven batch instead)."""
+    plan = engine.plan
+    split = math.prod(plan.mesh.shape[a] for a in plan.batch_axes)
+    dim, out = plan.batch_dim, []
+    for x in args:
+        if isinstance(x, torch.Tensor) and x.ndim > dim and x.shape[dim] % split:
+            size = x.shape[dim]
+            target = math.lcm(size, split)
+            x = torch.cat([x] * (target // size), dim=dim)
+            notes.append(
+                f"example batch {size} repeated to {target} to split over "
+                f"{'x'.join(plan.batch_axes)}={split}"
+            )
+        out.append(x)
+    return tuple(out)
