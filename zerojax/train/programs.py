@@ -37,6 +37,7 @@ from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.sharding.zero import ShardingPlan
 from zerojax.train import optimizers
 from zerojax.train.precision import PrecisionPolicy, next_loss_scale_state
+from zerojax.train.state import weights_of
 
 PROGRAM_NAMES = ("forward", "forward_vjp", "loss_and_grads", "backward", "update")
 
@@ -244,7 +245,7 @@ class StepPrograms:
             finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
             if clip is not None:
                 grads, _ = clip_by_global_norm(grads, jnp.float32(1.0), clip, 2.0)
-            weights = master if master is not None else params
+            weights = weights_of(params, master)
             full_grads = {
                 n: grads[n] if n in grads else jnp.zeros_like(weights[n])
                 for n in spec.param_names
@@ -264,7 +265,7 @@ class StepPrograms:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
             new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
             if master is not None:
-                new_master = new_weights
+                new_master = {n: new_weights[n] for n in master}
                 new_params = {
                     n: new_master[n].astype(p.dtype) if n in new_master else p
                     for n, p in params.items()

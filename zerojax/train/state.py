@@ -22,6 +22,16 @@ import jax
 import jax.numpy as jnp
 
 
+def weights_of(params: dict[str, Any], master: dict[str, Any] | None) -> dict[str, Any]:
+    """Name -> the authoritative value of each parameter: its master weight where the policy
+    keeps one, else the param itself. The optimizer updates these (inside the update program
+    too), checkpoints store them, `state_dict()` returns them: the one place that decides
+    'master weights if present, else params'."""
+    if master is None:
+        return dict(params)
+    return {name: master.get(name, value) for name, value in params.items()}
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainState:
@@ -55,12 +65,8 @@ class TrainState:
 
     @property
     def weights(self) -> dict[str, jax.Array]:
-        """Name -> the authoritative value of each parameter: its master weight where the policy
-        keeps one, else the param itself. The optimizer updates these, checkpoints store them,
-        `state_dict()` returns them. (The one place that decides 'master if present'.)"""
-        if self.master is None:
-            return dict(self.params)
-        return {name: self.master.get(name, value) for name, value in self.params.items()}
+        """Name -> the authoritative value of each parameter (`weights_of`)."""
+        return weights_of(self.params, self.master)
 
     def with_weights(self, values: dict[str, jax.Array]) -> TrainState:
         """A copy whose parameters take `values` (name -> array, any float dtype): the master
