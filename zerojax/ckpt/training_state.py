@@ -36,7 +36,7 @@ log = logging.getLogger("zerojax")
 
 def engine_of(model: Any):
     """The Engine behind the ZeroModule returned by `zerojax.initialize`."""
-    engine = getattr(model, "_engine", None)
+    engine = getattr(model, "engine", None)
     if engine is None or not hasattr(engine, "plan"):
         raise TypeError(
             f"zerojax checkpointing needs the model returned by zerojax.initialize (a ZeroModule),"
@@ -49,8 +49,8 @@ def torch_optimizer_of(optimizer: Any, engine) -> torch.optim.Optimizer | None:
     """The user's torch optimizer behind the ZeroOptimizer (its param_groups hold the lr etc.)."""
     if optimizer is None:
         return None
-    inner = getattr(optimizer, "_optimizer", None)
-    if inner is None or getattr(optimizer, "_engine", None) is not engine:
+    inner = getattr(optimizer, "torch_optimizer", None)
+    if inner is None or getattr(optimizer, "engine", None) is not engine:
         raise TypeError(
             f"zerojax checkpointing needs the optimizer returned by zerojax.initialize together "
             f"with the model it came with, got {type(optimizer).__name__}"

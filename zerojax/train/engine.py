@@ -153,7 +153,9 @@ class Engine:
             )
         for counter in ("num_calls", "micro_step", "step", "skipped_steps"):
             value = getattr(state, counter)
-            if not isinstance(value, int | np.integer) or value < 0:
+            # 0-d integer arrays too: jax.tree.map(np.asarray, state) makes the ints those.
+            is_int = np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer)
+            if not is_int or value < 0:
                 raise ValueError(f"state.{counter} must be a non-negative int, got {value!r}")
         plan, put = self.plan, _put
         self._state = state.replace(

@@ -37,6 +37,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine.attach_optimizer(optimizer)
 
     @property
+    def engine(self) -> Engine:
+        """The engine whose TrainState holds this optimizer's state."""
+        return self._engine
+
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The user's torch optimizer (its param_groups are this object's)."""
+        return self._optimizer
+
+    @property
     def loss_scale(self) -> float | None:
         """Current fp16 loss scale (None without loss scaling)."""
         scale = self._engine.state.loss_scale
