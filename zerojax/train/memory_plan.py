@@ -29,6 +29,7 @@ from zerojax.config import Config, load_config
 from zerojax.sharding.memory import MemoryReport, measure_memory
 from zerojax.train import optimizers
 from zerojax.train.engine import Engine
+from zerojax.train.optimizer_config import build_optimizer
 from zerojax.train.programs import find_scalar_loss, is_float
 
 __all__ = ["memory_report"]
@@ -51,7 +52,8 @@ def memory_report(
     split over the batch axes is repeated until it does (noted in the report). `loss_fn`: as in
     `zerojax.initialize`, a torch `loss_fn(outputs, target)` traced with the model, `target`
     being the last of `args`. `optimizer`: a torch optimizer over the module's parameters, or a
-    callable `params -> optimizer`; default `torch.optim.AdamW(params, lr=1e-3)`.
+    callable `params -> optimizer`; default: the config's `optimizer:` section, as
+    `zerojax.initialize` builds it, else `torch.optim.AdamW(params, lr=1e-3)`.
 
     With `run_step`, one micro-batch runs through the training programs and one optimizer
     update is applied (to the engine's copy; `model` is not changed), so `report.programs`
@@ -68,7 +70,9 @@ def memory_report(
     if not isinstance(config, Config):
         config = load_config(config)
     engine = Engine(module, config, loss_fn=loss_fn, seed=0, mesh=mesh)
-    if optimizer is None:
+    if optimizer is None and config.optimizer is not None:
+        optimizer = build_optimizer(config.optimizer, module)  # as initialize builds it
+    elif optimizer is None:
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     elif not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(module.parameters())
