@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from zerojax.bridge.convert import Converted
+from zerojax.bridge.convert import Converted, Static
 from zerojax.bridge.dtypes import from_torch
 from zerojax.config import Config, load_config
 from zerojax.sharding.memory import MemoryReport, measure_memory
@@ -105,8 +105,14 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
     one update; returns the gradients the micro-batch produced."""
     args = _even_batch(args, engine, notes)
     converted = engine.converted(module.training, args, {})
+    # As ZeroModule.forward feeds them: tensors batch-sharded, other arguments Static.
     jax_args = tuple(
-        engine.shard_input(from_torch(a)) if isinstance(a, torch.Tensor) else a for a in args
+        engine.shard_input(from_torch(a))
+        if isinstance(a, torch.Tensor)
+        else a
+        if isinstance(a, np.ndarray | jax.Array)
+        else Static(a)
+        for a in args
     )
     loss_path = None
     if engine.fused is not False:
