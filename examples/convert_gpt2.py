@@ -29,9 +29,7 @@ def median_seconds(fn, steps=10):
 
 def main():
     torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=256, use_cache=False
-    )
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=1024, n_positions=256)
     model = GPT2LMHeadModel(config).eval()
     tokens = torch.randint(0, config.vocab_size, (8, 128))
     num_params = sum(p.numel() for p in model.parameters())

@@ -179,7 +179,6 @@ def main() -> None:
         attn_pdrop=0.0,
         bos_token_id=None,
         eos_token_id=None,
-        use_cache=False,
     )
     model = GPT2LMHeadModel(gpt2_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)

@@ -39,7 +39,6 @@ def llama() -> LlamaForCausalLM:
         num_attention_heads=2,  # head_dim 64, a size the flash kernel takes
         num_key_value_heads=1,
         max_position_embeddings=SEQ,
-        use_cache=False,
         attn_implementation="sdpa",
     )
     return LlamaForCausalLM(config)
@@ -57,7 +56,6 @@ def gpt2() -> GPT2LMHeadModel:
         attn_pdrop=0.0,
         bos_token_id=None,
         eos_token_id=None,
-        use_cache=False,
         attn_implementation="sdpa",
     )
     return GPT2LMHeadModel(config)

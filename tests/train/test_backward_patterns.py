@@ -258,7 +258,6 @@ def tiny_hf_gpt2():
         n_head=2,
         vocab_size=64,
         n_positions=32,
-        use_cache=False,
         attn_implementation="sdpa",
         resid_pdrop=0.0,
         embd_pdrop=0.0,
