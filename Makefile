@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-train bench-ckpt bench-kernels lint clean
+.PHONY: demo test test-all test-other-cpu bench bench-train bench-ckpt bench-kernels lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=15
 
+# Every test, slow ones included (all OpInfo samples, the bigger models).
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m '' --durations=15
+
+# The default suite as another x86-64 CPU computes it, to catch tolerances fitted to this one:
+# XLA codegen capped at OTHER_CPU_ISA (AVX2 is an AMD EPYC / pre-AVX-512 Intel; SSE4_2 is
+# older), torch's vectorized ATen kernels at ATEN_CPU_CAPABILITY, and torch without oneDNN
+# (its bf16 kernels need AVX512-BF16; elsewhere ATen's own kernels round differently).
+OTHER_CPU_ISA ?= AVX2
+test-other-cpu: $(STAMP)
+	XLA_FLAGS="$(XLA_FLAGS) --xla_cpu_max_isa=$(OTHER_CPU_ISA)" ATEN_CPU_CAPABILITY=$(if $(filter SSE4_2,$(OTHER_CPU_ISA)),default,avx2) \
+		$(PY) -m pytest -q -n 2 --torch-without-onednn --durations=15
 
 # Peers (torch2jax, torchax) live in their own venv, never in zerojax's dependencies;
 # --no-deps keeps them from replacing the pinned torch.

@@ -8,10 +8,20 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import logging
+from pathlib import Path
 
 import jax
 import pytest
 import torch
+
+from zerojax.train.effective_time import enable_compilation_cache
+
+# Compiled XLA programs persist in <repo>/.cache/jax (gitignored), through zerojax's own switch
+# (every program, however fast to compile), so a rerun loads instead of compiling: a third of a
+# bridge test file's time. Tests that call zerojax.initialize() move the cache to their config's
+# runtime.compilation_cache_dir (default ~/.cache/zerojax/jax), as it does for a user. JAX keys
+# entries by XLA_FLAGS too, so `make test-other-cpu` never loads this CPU's programs.
+enable_compilation_cache(str(Path(__file__).resolve().parents[1] / ".cache" / "jax"))
 
 
 @pytest.fixture(autouse=True)
@@ -25,5 +35,36 @@ def _seed():
 logging.getLogger("torch.__trace").setLevel(logging.INFO)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--torch-without-onednn",
+        action="store_true",
+        help="run torch eager without oneDNN (torch.backends.mkldnn), as on a CPU without "
+        "AVX512-BF16: bf16 convolutions and matmuls then take ATen's own kernels, which round "
+        "differently (see `make test-other-cpu`)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--torch-without-onednn"):
+        torch.backends.mkldnn.enabled = False
+
+
 def pytest_report_header(config):
-    return f"jax {jax.__version__} devices={jax.device_count()} torch {torch.__version__}"
+    return (
+        f"jax {jax.__version__} devices={jax.device_count()} torch {torch.__version__} "
+        f"torch-cpu={torch.backends.cpu.get_cpu_capability()} "
+        f"onednn={torch.backends.mkldnn.enabled} XLA_FLAGS={os.environ['XLA_FLAGS']!r}"
+    )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that selected no test is a failure (exit 1), never pytest's exit code 5: a `-m`/`-k`
+    or collection mistake in `make test` or .ci/run must not read as anything but red."""
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                "no tests were selected: check the -m / -k expression and the paths", red=True
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
