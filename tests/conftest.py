@@ -14,7 +14,7 @@ import jax
 import pytest
 import torch
 
-from zerojax.train.effective_time import enable_compilation_cache
+from zerojax.runtime.compilation_cache import enable_compilation_cache
 
 # Compiled XLA programs persist in <repo>/.cache/jax (gitignored), through zerojax's own switch
 # (every program, however fast to compile), so a rerun loads instead of compiling: a third of a
