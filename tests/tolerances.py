@@ -109,16 +109,21 @@ def absolute(module: torch.nn.Module) -> torch.nn.Module:
 
 def assert_within(got: torch.Tensor, expected: torch.Tensor, bound, what: str = "") -> None:
     """|got - expected| <= bound elementwise (`bound` a number or a tensor broadcastable to
-    them), compared in float64; names the worst element on failure."""
+    them), compared in float64, NaN equal to NaN; names the worst element on failure."""
     assert tuple(got.shape) == tuple(expected.shape), (
         f"{what}: shape {got.shape} vs {expected.shape}"
     )
-    error = (got.double() - expected.double()).abs()
+    got, expected = got.double(), expected.double()
+    error = (got - expected).abs()
     bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(error)
-    if error.numel() == 0:
-        return
-    worst = int((error - bound).argmax())
-    assert error.flatten()[worst] <= bound.flatten()[worst], (
-        f"{what}: |got - expected| = {float(error.flatten()[worst]):.3g} at flat index {worst} "
-        f"exceeds its bound {float(bound.flatten()[worst]):.3g}"
-    )
+    # Equal values (infinities too) and NaN in both (torch.testing's equal_nan) agree whatever
+    # the bound (which is NaN where an input is NaN or infinite).
+    bad = ~((got == expected) | (got.isnan() & expected.isnan()) | (error <= bound))
+    if bad.any():
+        worst = int(torch.where(bad, error.nan_to_num(nan=float("inf")), -1.0).argmax())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements out of bound; worst "
+            f"|got - expected| = {float(error.flatten()[worst]):.3g} at flat index {worst}, "
+            f"bound {float(bound.flatten()[worst]):.3g} (got {float(got.flatten()[worst]):.6g}, "
+            f"expected {float(expected.flatten()[worst]):.6g})"
+        )
