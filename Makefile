@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench bench-train bench-ckpt bench-kernels lint clean
+.PHONY: demo test test-all coverage bench bench-train bench-ckpt bench-kernels lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m '' --durations=15
+
+# Coverage matrix over torchvision, timm, Hugging Face and multimodal models (hours on 2 cores;
+# resumable: results are cached per model in .cache/model_coverage). Writes the README table.
+COVERAGE_ARGS ?= --jobs 2
+coverage: $(STAMP)
+	$(PY) -m tools.model_coverage $(COVERAGE_ARGS) --write-readme
 
 # Peers (torch2jax, torchax) live in their own venv, never in zerojax's dependencies;
 # --no-deps keeps them from replacing the pinned torch.
