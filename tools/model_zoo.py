@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -675,7 +676,22 @@ def describe_error(error: BaseException) -> str:
         root_text = f"{type(root).__name__}: {root_lines[0].strip() if root_lines else ''}"
         if root_text not in text:
             text = f"{text} [cause: {root_text}]"
-    return f"{type(error).__name__}: {text}"[:500]
+    where = _export_failure_site(str(error))
+    if where:
+        text = f"{text} [at {where}]"
+    return f"{type(error).__name__}: {text}"[:700]
+
+
+def _export_failure_site(message: str) -> str | None:
+    """`file:line: code` of the model line torch.export names in a data-dependent-guard error."""
+    match = re.search(
+        r'The following call raised this error:\s*File "([^"]+)", line (\d+)[^\n]*\n\s*([^\n]+)',
+        message,
+    )
+    if match is None:
+        return None
+    path = match.group(1).split("site-packages/")[-1]
+    return f"{path}:{match.group(2)}: {match.group(3).strip()}"
 
 
 # Models with hundreds of millions of parameters or large inputs: the matrix runs them last.
