@@ -22,6 +22,7 @@ PARITY = [
     "torchvision/resnet18",
     "timm/vit_tiny_patch16_224",
     "hf/bert",
+    "hf/gpt2",  # default config: use_cache on, GPT-2's tied wte/lm_head
 ]
 STEP = ["hf/bert"]
 
