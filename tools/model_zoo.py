@@ -773,6 +773,15 @@ def probes(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
 def _torch_run(built: Built, dtype: torch.dtype, probe: list[np.ndarray] | None):
     """(float output leaves as float64 numpy, per-parameter grads) of torch at `dtype`."""
     model = copy.deepcopy(built.model).to(dtype)
+    if dtype == torch.float64 and getattr(
+        getattr(model, "config", None), "_experts_implementation", None
+    ) not in (
+        None,
+        "eager",
+    ):
+        # torch's grouped_mm (HF's default MoE experts kernel) has no float64 kernel; the
+        # reference runs HF's per-expert loop, the same math. Only the reference changes.
+        model.set_experts_implementation("eager")
 
     def cast(x):
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
