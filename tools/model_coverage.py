@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -134,6 +135,19 @@ def _err(value) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
+# zerojax's CaptureError explains what torch.export can capture before torch's reason; the table
+# keeps the reason (and the model line, when torch names one).
+_CAPTURE_PREAMBLE = re.compile(
+    r"; zerojax converts only what torch\.export can trace \(.*?\)\. torch's reason:"
+)
+
+
+def _short(cause: str) -> str:
+    """A cause for the table: boilerplate dropped, cut to 400 characters."""
+    cause = _CAPTURE_PREAMBLE.sub(":", cause)
+    return cause if len(cause) <= 400 else cause[:399] + "…"
+
+
 def _row(result: dict) -> str:
     parity, step = result["parity"], result["step"]
     name = result["name"].split("/", 1)[1]
@@ -151,8 +165,7 @@ def _row(result: dict) -> str:
         causes.append(f"parity ({parity.get('stage', '?')}): {parity.get('cause', '?')}")
     if not step.get("passed") and step.get("cause") != parity.get("cause"):
         causes.append(f"step ({step.get('stage', '?')}): {step.get('cause', '?')}")
-    # Each cause cut to its first 300 characters: the class and the line that says why.
-    cause = "; ".join(c[:300] for c in causes).replace("|", "\\|").replace("\n", " ")
+    cause = "; ".join(_short(c) for c in causes).replace("|", "\\|").replace("\n", " ")
     status = "pass" if passed(result) else "**fail**"
     return (
         f"| {name} | {status} | {converts} | {forward} | {gradient} | {zero3} | "
