@@ -127,8 +127,13 @@ def run_one(name: str, cache_dir: pathlib.Path, timeout: float, commit: str) -> 
 # --------------------------------------------------------------------------- report
 
 
+def _true(value) -> bool:
+    """A verdict from a cached result (older results hold numpy bools written as strings)."""
+    return value is True or value == "True"
+
+
 def passed(result: dict) -> bool:
-    return bool(result["parity"].get("passed") and result["step"].get("passed"))
+    return _true(result["parity"].get("passed")) and _true(result["step"].get("passed"))
 
 
 def _err(value) -> str:
@@ -151,19 +156,19 @@ def _short(cause: str) -> str:
 def _row(result: dict) -> str:
     parity, step = result["parity"], result["step"]
     name = result["name"].split("/", 1)[1]
-    converts = "yes" if parity.get("converts") else "**no**"
+    converts = "yes" if _true(parity.get("converts")) else "**no**"
     if "forward_error" in parity:
         forward = f"{_err(parity['forward_error'])} / {_err(parity['forward_error_torch_fp32'])}"
-        forward = forward if parity.get("forward_ok") else f"**{forward}**"
+        forward = forward if _true(parity.get("forward_ok")) else f"**{forward}**"
         gradient = f"{_err(parity['gradient_error'])} / {_err(parity['gradient_error_torch_fp32'])}"
-        gradient = gradient if parity.get("gradient_ok") else f"**{gradient}**"
+        gradient = gradient if _true(parity.get("gradient_ok")) else f"**{gradient}**"
     else:
         forward = gradient = "-"
-    zero3 = "yes" if step.get("passed") else "**no**"
+    zero3 = "yes" if _true(step.get("passed")) else "**no**"
     causes = []
-    if not parity.get("passed"):
+    if not _true(parity.get("passed")):
         causes.append(f"parity ({parity.get('stage', '?')}): {parity.get('cause', '?')}")
-    if not step.get("passed") and step.get("cause") != parity.get("cause"):
+    if not _true(step.get("passed")) and step.get("cause") != parity.get("cause"):
         causes.append(f"step ({step.get('stage', '?')}): {step.get('cause', '?')}")
     cause = "; ".join(_short(c) for c in causes).replace("|", "\\|").replace("\n", " ")
     status = "pass" if passed(result) else "**fail**"
@@ -206,9 +211,9 @@ def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
         ran = [results[n] for n in names if n in results]
         lines.append(
             f"| {POPULATIONS[family]} | {len(names)} | **{sum(map(passed, ran))}** | "
-            f"{sum(bool(r['parity'].get('converts')) for r in ran)} | "
-            f"{sum(bool(r['parity'].get('passed')) for r in ran)} | "
-            f"{sum(bool(r['step'].get('passed')) for r in ran)} | {len(names) - len(ran)} |"
+            f"{sum(_true(r['parity'].get('converts')) for r in ran)} | "
+            f"{sum(_true(r['parity'].get('passed')) for r in ran)} | "
+            f"{sum(_true(r['step'].get('passed')) for r in ran)} | {len(names) - len(ran)} |"
         )
     commits = sorted({r.get("commit", "?") for r in results.values()})
     lines += [
