@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-other-cpu bench bench-train bench-ckpt bench-kernels lint clean
+.PHONY: demo test test-all test-other-cpu coverage bench bench-train bench-ckpt bench-kernels lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ OTHER_CPU_ISA ?= AVX2
 test-other-cpu: $(STAMP)
 	XLA_FLAGS="$(XLA_FLAGS) --xla_cpu_max_isa=$(OTHER_CPU_ISA)" ATEN_CPU_CAPABILITY=$(if $(filter SSE4_2,$(OTHER_CPU_ISA)),default,avx2) \
 		$(PY) -m pytest -q -n 2 --torch-without-onednn --durations=15
+
+# Coverage matrix over torchvision, timm, Hugging Face and multimodal models (hours on 2 cores;
+# resumable: results are cached per model in .cache/model_coverage). Writes the README table.
+COVERAGE_ARGS ?= --jobs 2
+coverage: $(STAMP)
+	$(PY) -m tools.model_coverage $(COVERAGE_ARGS) --write-readme
 
 # Peers (torch2jax, torchax) live in their own venv, never in zerojax's dependencies;
 # --no-deps keeps them from replacing the pinned torch.
