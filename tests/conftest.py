@@ -14,7 +14,12 @@ import jax
 import pytest
 import torch
 
+from tools.cpu_torchvision import define_missing_schemas
 from zerojax.runtime.compilation_cache import enable_compilation_cache
+
+# transformers imports torchvision whenever it is installed (the dev extra has it for the model
+# zoo), and the registry's CUDA-built torchvision only imports after this (see the module).
+define_missing_schemas()
 
 # Compiled XLA programs persist in <repo>/.cache/jax (gitignored), through zerojax's own switch
 # (every program, however fast to compile), so a rerun loads instead of compiling: a third of a

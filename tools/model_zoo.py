@@ -33,10 +33,8 @@ eval mode for Hugging Face models, whose attention dropout is a config value).
 be finite, every parameter finite, and parameters must have changed.
 
 torchvision: the registry's wheel is a CUDA build whose C extension cannot load beside the CPU
-torch; `import torchvision` then fails registering fake kernels for `torchvision::nms` and
-`torchvision::qnms`, ops the missing extension would have defined. `import_torchvision()`
-defines those two schemas with `torch.library` first (the model definitions are pure Python;
-the detection ops stay unusable). timm imports torchvision, so use `import_timm()`.
+torch; `import_torchvision()` defines the op schemas it needs first (tools/cpu_torchvision.py).
+timm imports torchvision, so use `import_timm()`.
 """
 
 from __future__ import annotations
@@ -53,6 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tools.cpu_torchvision import define_missing_schemas
 
 FORWARD_BOUND = 1e-5
 """Absolute bound on forward relative error for well-conditioned fp32 models (as in
@@ -76,30 +76,13 @@ ZERO3_CONFIG = {
     "runtime": {"compilation_cache_dir": None, "report_effective_time": False},
 }
 
-_TORCHVISION_OP_SCHEMAS = {
-    # Defined by torchvision's C extension (csrc/ops/nms.cpp); torchvision/_meta_registrations.py
-    # registers fake kernels for exactly these two at import, whatever the extension's state.
-    "nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-}
-
 
 def import_torchvision():
     """`import torchvision`, defining the C extension's op schemas it needs when it failed to load."""
-    for name, schema in _TORCHVISION_OP_SCHEMAS.items():
-        if not _op_exists(name):
-            torch.library.define(f"torchvision::{name}", schema)
+    define_missing_schemas()
     import torchvision
 
     return torchvision
-
-
-def _op_exists(name: str) -> bool:
-    try:
-        getattr(torch.ops.torchvision, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def import_timm():
