@@ -6,12 +6,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-all test-other-cpu coverage bench bench-train bench-ckpt bench-kernels lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch 2.13.0 CPU is pinned here: it installs from local disk; an unpinned torch pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# The registry's torchvision (dev extra) is a CUDA build; see tools/cpu_torchvision.py.
+	cp tools/cpu_torchvision.py "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.py"
+	echo "import _zerojax_cpu_torchvision; _zerojax_cpu_torchvision.install_hook()" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.pth"
 	touch $(STAMP)
 
 demo: $(STAMP)

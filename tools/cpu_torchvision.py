@@ -4,14 +4,19 @@ The registry's torchvision wheel is a CUDA build: its C extension cannot load be
 torch 2.13, and `import torchvision` then fails registering fake kernels for `torchvision::nms`
 and `torchvision::qnms`, ops the missing extension would have defined. Its model definitions
 are pure Python, so defining those two schemas first is enough for them (the detection ops
-themselves stay unusable). transformers imports torchvision whenever it is installed, so the
-test suite calls `define_missing_schemas()` before anything imports transformers
-(tests/conftest.py), and tools/model_zoo.py before it imports torchvision or timm.
+themselves stay unusable). transformers imports torchvision whenever it is installed, so with
+the dev extra every `from transformers import ...` would fail. Hence:
+
+- `make` copies this file into the dev venv with a `.pth` line that calls `install_hook()`:
+  every Python of that venv (the demo, the examples, a user's script) defines the schemas
+  just before torchvision is first imported. Nothing is imported at start-up.
+- tests/conftest.py and tools/model_zoo.py call `define_missing_schemas()` themselves, so they
+  also work in an environment set up without the Makefile.
 """
 
 from __future__ import annotations
 
-import torch
+import sys
 
 _SCHEMAS = {
     # As torchvision's csrc/ops/nms.cpp defines them.
@@ -22,14 +27,24 @@ _SCHEMAS = {
 
 def define_missing_schemas() -> None:
     """Define the torchvision op schemas its C extension would have; a no-op where it loaded."""
+    import torch
+
     for name, schema in _SCHEMAS.items():
-        if not _op_exists(name):
+        try:
+            getattr(torch.ops.torchvision, name)
+        except (AttributeError, RuntimeError):
             torch.library.define(f"torchvision::{name}", schema)
 
 
-def _op_exists(name: str) -> bool:
-    try:
-        getattr(torch.ops.torchvision, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
+class _BeforeTorchvision:
+    """A meta-path finder that only runs `define_missing_schemas` when torchvision is first
+    imported, then steps aside (it finds nothing itself)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            define_missing_schemas()
+
+
+def install_hook() -> None:
+    sys.meta_path.insert(0, _BeforeTorchvision())
