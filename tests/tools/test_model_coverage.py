@@ -23,6 +23,7 @@ PARITY = [
     "timm/vit_tiny_patch16_224",
     "hf/bert",
     "hf/gpt2",  # default config: use_cache on, GPT-2's tied wte/lm_head
+    "multimodal/llava",  # vision tower + projector + LM; an assert-only chain in capture
 ]
 STEP = ["hf/bert"]
 

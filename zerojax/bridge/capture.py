@@ -4,7 +4,8 @@ The table is torch's core-ATen decomposition table minus the ops zerojax lowers 
 scaled_dot_product_attention (torch's decomposition yields bad strides, pytorch#141107, and
 keeping it whole lets the bridge route it to a fused attention kernel), and every op a user
 registered a lowering for. Custom ops without a lowering are then traced through their Python
-implementation where they have one (custom_ops.py).
+implementation where they have one (custom_ops.py). Last, runtime assertions and the values
+computed only for them leave the graph (assertions.py): a compiled program cannot raise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch._decomp import core_aten_decompositions
 
 from zerojax.bridge import custom_ops
+from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
 
@@ -61,7 +63,7 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
                 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
                 table = custom_ops.without_kept_whole(decomposition_table())
                 decomposed = exported.run_decompositions(table)
-                return custom_ops.decompose_unlowered(decomposed, table)
+                decomposed = custom_ops.decompose_unlowered(decomposed, table)
         except Exception as error:  # torch raises many types here; all mean "cannot capture"
             reason = f"{type(error).__name__}: {error}"
             raise CaptureError(
@@ -69,3 +71,6 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
                 f"what torch.export can trace (no data-dependent Python control flow, no "
                 f"untraceable calls). torch's reason:\n{reason}"
             ) from error
+    if drop_assertions(decomposed.graph_module.graph):
+        decomposed.graph_module.recompile()
+    return decomposed
