@@ -36,7 +36,7 @@ POPULATIONS = {
     "torchvision-seg": "torchvision segmentation (every model)",
     "timm": "timm (sample of CNNs, ViTs, hierarchical, hybrid)",
     "hf": "Hugging Face transformers",
-    "multimodal": "multimodal (LLaVA, Qwen2-VL)",
+    "multimodal": "multimodal (LLaVA, Qwen2-VL, Qwen2.5-VL)",
 }
 
 

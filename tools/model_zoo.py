@@ -11,7 +11,7 @@ Populations (random init, tiny configs, no downloads):
   the model takes one;
 - `hf`: Hugging Face transformers models built from their config *as a user gets it*: only the
   sizes are shrunk (layers, hidden, heads, vocab, image size), `use_cache` and dropout untouched;
-- `multimodal`: LLaVA and Qwen2-VL from tiny configs.
+- `multimodal`: LLaVA, Qwen2-VL and Qwen2.5-VL from tiny configs.
 
 Each case builds `(model, args, kwargs)` in train mode. Two checks:
 
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import re
 import time
@@ -563,24 +564,37 @@ def _llava(batch: int) -> Built:
     return Built(model, (ids,), {"pixel_values": pixels, "labels": labels})
 
 
-def _qwen2_vl(batch: int) -> Built:
+def _qwen_vl(generation: str, batch: int) -> Built:
+    """Qwen2-VL (`"2"`) or Qwen2.5-VL (`"2_5"`, windowed vision attention) from tiny configs."""
     import transformers
 
+    prefix = {"2": "Qwen2VL", "2_5": "Qwen2_5_VL"}[generation]
     # M-RoPE's (temporal, height, width) sections must add up to head_dim / 2 = 8; the default
-    # [16, 24, 24] fits the full-size head_dim of 128.
+    # [16, 24, 24] fits the full-size head_dim of 128. Special ids inside the shrunk vocabulary
+    # (the defaults are ~151k, which would keep a 151k-row embedding).
     rope = {"rope_theta": 1000000.0, "rope_type": "default", "mrope_section": [2, 3, 3]}
-    text = _shrunk_config(transformers.Qwen2VLTextConfig, {"rope_parameters": rope})
-    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 4, "patch_size": 4}
-    # Special ids moved inside the shrunk vocabulary (defaults are ~151k).
+    text = _shrunk_config(
+        getattr(transformers, f"{prefix}TextConfig"),
+        {"rope_parameters": rope, "vocab_size": VOCAB, "bos_token_id": 2, "eos_token_id": 3},
+    )
+    vision = {"depth": 2, "hidden_size": 64, "num_heads": 4, "patch_size": 4}
+    if generation == "2":
+        vision |= {"embed_dim": 32}
+        grid = (1, 4, 4)  # temporal, height, width patches per image
+    else:
+        # Windows of 16 px = 2 x 2 merged patches; the second block attends globally.
+        vision |= {"hidden_size": 32, "intermediate_size": 64, "out_hidden_size": text.hidden_size}
+        vision |= {"window_size": 16, "fullatt_block_indexes": [1]}
+        grid = (1, 8, 8)  # two windows per side
     special = {
         "image_token_id": VOCAB - 1,
         "video_token_id": VOCAB - 2,
         "vision_start_token_id": VOCAB - 3,
         "vision_end_token_id": VOCAB - 4,
     }
-    cfg = transformers.Qwen2VLConfig(text_config=text.to_dict(), vision_config=vision, **special)
-    model = transformers.Qwen2VLForConditionalGeneration(cfg)
-    grid = (1, 4, 4)  # temporal, height, width patches per image
+    config_cls = getattr(transformers, f"{prefix}Config")
+    cfg = config_cls(text_config=text.to_dict(), vision_config=vision, **special)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg)
     patches = grid[0] * grid[1] * grid[2]
     merge = cfg.vision_config.spatial_merge_size**2
     image_token = cfg.image_token_id
@@ -593,7 +607,7 @@ def _qwen2_vl(batch: int) -> Built:
     grid_thw = torch.tensor([grid] * batch)
     labels = ids.clone()
     labels[ids == image_token] = -100
-    # What Qwen2-VL's processor returns beside input_ids: 1 marks image tokens (M-RoPE).
+    # What the processor returns beside input_ids: 1 marks image tokens (M-RoPE).
     mm_token_type_ids = (ids == image_token).int()
     kwargs = {
         "pixel_values": pixels,
@@ -607,7 +621,16 @@ def multimodal_cases() -> list[ModelCase]:
     return [
         ModelCase("multimodal/llava", "multimodal", _seeded(_llava), parity_in_train_mode=False),
         ModelCase(
-            "multimodal/qwen2_vl", "multimodal", _seeded(_qwen2_vl), parity_in_train_mode=False
+            "multimodal/qwen2_vl",
+            "multimodal",
+            _seeded(functools.partial(_qwen_vl, "2")),
+            parity_in_train_mode=False,
+        ),
+        ModelCase(
+            "multimodal/qwen2_5_vl",
+            "multimodal",
+            _seeded(functools.partial(_qwen_vl, "2_5")),
+            parity_in_train_mode=False,
         ),
     ]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import warnings
 
 import torch
@@ -21,6 +22,7 @@ from zerojax.bridge import custom_ops
 from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
+from zerojax.bridge.value_inputs import FoldConstants, integer_input_paths, mark_value_known
 
 aten = torch.ops.aten
 
@@ -51,13 +53,29 @@ def _training_mode(module: torch.nn.Module, train: bool):
             m.training = mode
 
 
-def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
-    """torch.export `module` on (args, kwargs) in train/eval mode and decompose to core ATen."""
+def capture(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    train: bool,
+    value_inputs: frozenset[str] = frozenset(),
+):
+    """torch.export `module` on (args, kwargs) in train/eval mode and decompose to core ATen.
+
+    `value_inputs` names integer inputs (`value_inputs.input_key`) the program is specialised
+    on: traced as constants, not taken as inputs (value_inputs.py).
+    """
     # A Hugging Face model returns (and takes) its KV cache: export must see into it.
     register_cache_pytrees(module)
+    fold = contextlib.nullcontext()
+    if value_inputs:
+        args, kwargs = mark_value_known(args, kwargs, value_inputs)
+        fold = FoldConstants()
     with _training_mode(module, train):
         try:
-            exported = torch.export.export(module, args, kwargs, strict=False)
+            with fold:
+                exported = torch.export.export(module, args, kwargs, strict=False)
             with warnings.catch_warnings():
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.
                 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
@@ -74,3 +92,68 @@ def capture(module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool):
     if drop_assertions(decomposed.graph_module.graph):
         decomposed.graph_module.recompile()
     return decomposed
+
+
+def find_host_read_inputs(
+    module: torch.nn.Module, args: tuple, kwargs: dict, *, train: bool
+) -> frozenset[str]:
+    """The integer inputs the program must be specialised on to be captured (value_inputs.py).
+
+    First every integer input is value-known and tagged, and the inputs whose values reach a
+    host read are collected; then inputs are dropped from that set, largest first, while the
+    capture still succeeds without them: a host read that only feeds a runtime check (LLaVA's
+    token count over `input_ids`) does not need its input specialised, as torch.export keeps
+    such a check as an assertion in the graph. Empty when the model cannot be captured even
+    with every integer input known (its host reads then come from floating-point values).
+    """
+    candidates = integer_input_paths(args, kwargs)
+    if not candidates:
+        return frozenset()
+    with _training_mode(module, train):
+        reads = _host_reads(module, args, kwargs, candidates)
+        if not reads:
+            return frozenset()
+        sizes = dict(zip(integer_input_paths(args, kwargs), _integer_sizes(args, kwargs)))
+        needed = set(reads)
+        for key in sorted(reads, key=lambda k: -sizes[k]):
+            trial = needed - {key}
+            if trial and _exports(module, args, kwargs, trial):
+                needed = trial
+    return frozenset(needed)
+
+
+def _host_reads(module, args, kwargs, candidates) -> set[str]:
+    """Export with every candidate value-known and tagged: the candidates read on the host."""
+    marked_args, marked_kwargs = mark_value_known(args, kwargs, candidates, tag=True)
+    fold = FoldConstants()
+    try:
+        with fold, _quiet_failure():
+            torch.export.export(module, marked_args, marked_kwargs, strict=False)
+    except Exception:  # noqa: BLE001 - any failure: specialising would not help
+        return set()
+    return set(fold.host_reads)
+
+
+def _exports(module, args, kwargs, value_inputs) -> bool:
+    marked_args, marked_kwargs = mark_value_known(args, kwargs, value_inputs)
+    try:
+        with FoldConstants(), _quiet_failure():
+            torch.export.export(module, marked_args, marked_kwargs, strict=False)
+    except Exception:  # noqa: BLE001 - any failure means "not without these"
+        return False
+    return True
+
+
+def _integer_sizes(args, kwargs) -> list[int]:
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return [
+        leaf.numel()
+        for leaf in leaves
+        if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
+    ]
+
+
+def _quiet_failure():
+    """torch.export prints the partial graph of a failed export to stderr: a trial here may
+    fail by design, and its graph (every parameter's shape) would bury the user's output."""
+    return contextlib.redirect_stderr(io.StringIO())

@@ -13,11 +13,13 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.export._tree_utils import reorder_kwargs
 
-from zerojax.bridge.capture import capture
+from zerojax.bridge.capture import capture, find_host_read_inputs
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch, to_torch_dtype
+from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import contains_cache, drop_caches, register_cache_pytrees
 from zerojax.bridge.interpreter import GraphFunction
 from zerojax.bridge.output_tree import register_output_types
+from zerojax.bridge.value_inputs import drop_value_known_leaves, input_key
 
 log = logging.getLogger("zerojax")
 
@@ -30,18 +32,23 @@ class Static:
     Python scalars passed through `jax.jit` become traced arrays, strings are refused; wrapped in
     `Static`, a value becomes part of the treedef instead: static under jit, and a new value
     compiles a new program, as it traces a new one here. `Converted.apply` unwraps it.
+
+    A numpy array in `Static` is compared by value: the way to pass an input whose values decide
+    shapes (`Converted.value_inputs`, e.g. Qwen2-VL's `image_grid_thw`) under `jax.jit`.
     """
 
     value: Any
 
     def __eq__(self, other):
-        return (
-            type(other) is Static
-            and type(other.value) is type(self.value)
-            and (other.value == self.value)
-        )
+        if type(other) is not Static or type(other.value) is not type(self.value):
+            return False
+        if isinstance(self.value, np.ndarray):
+            return self.value.dtype == other.value.dtype and np.array_equal(self.value, other.value)
+        return bool(other.value == self.value)
 
     def __hash__(self):
+        if isinstance(self.value, np.ndarray):
+            return hash((self.value.dtype.str, self.value.shape, self.value.tobytes()))
         return hash((type(self.value), repr(self.value)))
 
 
@@ -61,6 +68,13 @@ class Converted:
     pytree of arrays in and out. In train mode a cache the model builds on its own is dropped
     from the outputs (`past_key_values` is None): a training step would otherwise return every
     layer's keys and values. Passing `use_cache=True` or a cache keeps it.
+
+    `value_inputs` names the integer inputs whose *values* the model reads on the host to decide
+    shapes (Qwen2-VL's `image_grid_thw`: `torch.split(x, lengths.tolist())`). torch.export
+    cannot trace such a read; when a capture fails on one, the inputs behind it are found and
+    the program is specialised on their values: they are part of its cache key (new values
+    trace a new program, as new shapes do) and must be concrete: outside `jax.jit`, or wrapped
+    in `Static(np.asarray(x))` under it (`zerojax.initialize` does this itself).
     """
 
     def __init__(
@@ -77,6 +91,7 @@ class Converted:
         self.name = type(module).__name__
         # read_values=False: only the program (the caller holds the arrays, e.g. sharded).
         self.params, self.buffers, self.alias = state_arrays(module, read_values=read_values)
+        self.value_inputs: frozenset[str] = frozenset()
         # Before the first program key is computed: a cache argument must flatten to its arrays.
         register_cache_pytrees(module)
         self._programs: dict[Any, tuple[GraphFunction, Any, Any]] = {}
@@ -109,7 +124,7 @@ class Converted:
         program, in_spec, out_spec = self._program_for(
             args, kwargs, reason="new input shapes or non-tensor arguments"
         )
-        leaves = torch_pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
+        leaves = drop_value_known_leaves(args, reorder_kwargs(kwargs, in_spec), self.value_inputs)
         # Non-array leaves are graph inputs too (export specialized on their values, which are
         # in the program's key): they are passed through as they are.
         inputs = [_as_jax(leaf) if _is_array(leaf) else leaf for leaf in leaves]
@@ -129,8 +144,39 @@ class Converted:
 
     __call__ = apply
 
+    def _capture(self, args, kwargs):
+        """capture(), specialising on the inputs read on the host if a plain capture cannot."""
+        try:
+            return capture(
+                self.module, args, kwargs, train=self.train, value_inputs=self.value_inputs
+            )
+        except CaptureError as error:
+            if self.value_inputs or not _is_data_dependent(error):
+                raise
+            found = find_host_read_inputs(self.module, args, kwargs, train=self.train)
+            if not found:
+                raise
+            try:
+                exported = capture(self.module, args, kwargs, train=self.train, value_inputs=found)
+            except CaptureError as specialised_error:
+                error.add_note(
+                    f"zerojax also tried specialising the program on the values of "
+                    f"{', '.join(sorted(found))} (read on the host by the model); that capture "
+                    f"failed too: {specialised_error}"
+                )
+                raise error from None
+        log.warning(
+            "zerojax: %s reads the values of input(s) %s on the host (Python control flow or "
+            "shapes computed from them); the program is specialised on their values and traced "
+            "again when they change",
+            self.name,
+            ", ".join(sorted(found)),
+        )
+        self.value_inputs = found
+        return exported
+
     def _program_for(self, args, kwargs, *, reason):
-        key = _signature_key(args, kwargs)
+        key = _signature_key(args, kwargs, self.value_inputs, self.name)
         entry = self._programs.get(key)
         if entry is None:
             if reason is not None:
@@ -146,7 +192,8 @@ class Converted:
             # value): JAX work torch.export triggers on the side (it reads each parameter's
             # .grad, which a zerojax engine gathers) must stay concrete, not join that trace.
             with jax.ensure_compile_time_eval():
-                exported = capture(self.module, example_args, example_kwargs, train=self.train)
+                exported = self._capture(example_args, example_kwargs)
+            key = _signature_key(args, kwargs, self.value_inputs, self.name)
             program = GraphFunction(
                 exported, train=self.train, alias=self.alias, model_name=self.name
             )
@@ -231,16 +278,39 @@ def _as_torch_example(leaf):
     return to_torch(leaf).to(torch_dtype)
 
 
-def _signature_key(args, kwargs):
-    """Cache key: the pytree structure plus (shape, dtype) of arrays / value of other leaves."""
+def _is_data_dependent(error: CaptureError) -> bool:
+    """Whether torch.export failed on a guard on values (GuardOnDataDependentSymNode & co)."""
+    text = str(error)
+    return "data-dependent" in text or "data dependent" in text
+
+
+def _signature_key(args, kwargs, value_inputs=frozenset(), model_name=""):
+    """Cache key: the pytree structure plus (shape, dtype) of arrays / value of other leaves,
+    and the values of `value_inputs`."""
     # jax.jit passes keyword arguments sorted by name: the key must not depend on their order.
-    leaves, spec = torch_pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
+    leaves, spec = torch_pytree.tree_flatten_with_path((args, dict(sorted(kwargs.items()))))
+    spec = torch_pytree.tree_structure((args, dict(sorted(kwargs.items()))))
     described = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
+    for path, leaf in leaves:
+        if value_inputs and input_key(path) in value_inputs:
+            described.append(_value_of(leaf, input_key(path), model_name))
+        elif isinstance(leaf, torch.Tensor):
             described.append((tuple(leaf.shape), str(to_jax_dtype(leaf.dtype))))
         elif _is_array(leaf):
             described.append((tuple(leaf.shape), str(jnp.result_type(leaf))))
         else:
             described.append(repr(leaf))
     return str(spec), tuple(described)
+
+
+def _value_of(leaf, key: str, model_name: str):
+    """A value input's (dtype, shape, values): concrete, or an error saying how to pass it."""
+    if isinstance(leaf, jax.core.Tracer):
+        raise TypeError(
+            f"{model_name} reads the values of input '{key}' on the host, so the program is "
+            f"specialised on them; under jax.jit pass it as a static value: "
+            f"zerojax.bridge.Static(np.asarray({key}))"
+        )
+    array = leaf.numpy(force=True) if isinstance(leaf, torch.Tensor) else np.asarray(leaf)
+    # By value, not dtype: torch's int64 ids arrive as JAX int32 in later calls.
+    return ("value", array.shape, array.astype(np.int64).tobytes())

@@ -21,6 +21,7 @@ import torch.utils._pytree as torch_pytree
 
 from zerojax.bridge.convert import Static
 from zerojax.bridge.dtypes import from_torch, to_torch
+from zerojax.bridge.value_inputs import input_key
 from zerojax.train.engine import Engine
 from zerojax.train.programs import find_scalar_loss
 
@@ -115,13 +116,27 @@ class ZeroModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         engine = self._engine
         converted = engine.converted(self.training, args, kwargs)
-        flat, spec = torch_pytree.tree_flatten((args, kwargs))
-        tensor_positions = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+        flat_with_paths, spec = torch_pytree.tree_flatten_with_path((args, kwargs))
+        flat = [leaf for _, leaf in flat_with_paths]
+        # Inputs whose values the model reads on the host (Qwen2-VL's image_grid_thw) are part
+        # of the program's key: static, by value, never sharded (Converted.value_inputs).
+        value_positions = {
+            i
+            for i, (path, leaf) in enumerate(flat_with_paths)
+            if isinstance(leaf, torch.Tensor) and input_key(path) in converted.value_inputs
+        }
+        tensor_positions = [
+            i
+            for i, leaf in enumerate(flat)
+            if isinstance(leaf, torch.Tensor) and i not in value_positions
+        ]
         # Non-tensor arguments (return_loss=True, output_hidden_states=True) ride in the JAX
         # tree structure, static under jit: a traced bool would break the model's `if`.
         jax_flat = [
             leaf if isinstance(leaf, (np.ndarray, jax.Array)) else Static(leaf) for leaf in flat
         ]
+        for i in value_positions:
+            jax_flat[i] = Static(flat[i].numpy(force=True))
         for i in tensor_positions:
             jax_flat[i] = engine.shard_input(from_torch(flat[i]))
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
