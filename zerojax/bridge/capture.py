@@ -22,7 +22,12 @@ from zerojax.bridge import custom_ops
 from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
-from zerojax.bridge.value_inputs import FoldConstants, integer_input_paths, mark_value_known
+from zerojax.bridge.value_inputs import (
+    FoldConstants,
+    integer_input_paths,
+    mark_value_known,
+    reads_values_on_host,
+)
 
 aten = torch.ops.aten
 
@@ -74,7 +79,7 @@ def capture(
         fold = FoldConstants()
     with _training_mode(module, train):
         try:
-            with fold:
+            with fold, _quiet_failure():
                 exported = torch.export.export(module, args, kwargs, strict=False)
             with warnings.catch_warnings():
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.
@@ -101,10 +106,10 @@ def find_host_read_inputs(
 
     First every integer input is value-known and tagged, and the inputs whose values reach a
     host read are collected; then inputs are dropped from that set, largest first, while the
-    capture still succeeds without them: a host read that only feeds a runtime check (LLaVA's
-    token count over `input_ids`) does not need its input specialised, as torch.export keeps
-    such a check as an assertion in the graph. Empty when the model cannot be captured even
-    with every integer input known (its host reads then come from floating-point values).
+    capture still succeeds without them and leaves no host read in the graph: a read that only
+    feeds a runtime check (LLaVA's token count over `input_ids`) does not need its input
+    specialised, the check becomes an assertion that is dropped. Empty when no set of integer
+    inputs gives such a capture (host reads of floating-point values, say).
     """
     candidates = integer_input_paths(args, kwargs)
     if not candidates:
@@ -115,6 +120,8 @@ def find_host_read_inputs(
             return frozenset()
         sizes = dict(zip(integer_input_paths(args, kwargs), _integer_sizes(args, kwargs)))
         needed = set(reads)
+        if not _exports(module, args, kwargs, needed):
+            return frozenset()
         for key in sorted(reads, key=lambda k: -sizes[k]):
             trial = needed - {key}
             if trial and _exports(module, args, kwargs, trial):
@@ -135,13 +142,16 @@ def _host_reads(module, args, kwargs, candidates) -> set[str]:
 
 
 def _exports(module, args, kwargs, value_inputs) -> bool:
+    """Whether specialising on `value_inputs` captures a graph with no host read left."""
     marked_args, marked_kwargs = mark_value_known(args, kwargs, value_inputs)
     try:
         with FoldConstants(), _quiet_failure():
-            torch.export.export(module, marked_args, marked_kwargs, strict=False)
+            exported = torch.export.export(module, marked_args, marked_kwargs, strict=False)
     except Exception:  # noqa: BLE001 - any failure means "not without these"
         return False
-    return True
+    graph = exported.graph_module.graph
+    drop_assertions(graph)
+    return not reads_values_on_host(graph)
 
 
 def _integer_sizes(args, kwargs) -> list[int]:
@@ -154,6 +164,7 @@ def _integer_sizes(args, kwargs) -> list[int]:
 
 
 def _quiet_failure():
-    """torch.export prints the partial graph of a failed export to stderr: a trial here may
-    fail by design, and its graph (every parameter's shape) would bury the user's output."""
+    """torch.export prints the partial graph of a failed export to stderr; a failed capture
+    raises CaptureError with torch's reason, and the first capture of a model with value inputs
+    fails by design: the graph (every parameter's shape) would bury the user's output."""
     return contextlib.redirect_stderr(io.StringIO())

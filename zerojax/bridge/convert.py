@@ -19,7 +19,11 @@ from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import contains_cache, drop_caches, register_cache_pytrees
 from zerojax.bridge.interpreter import GraphFunction
 from zerojax.bridge.output_tree import register_output_types
-from zerojax.bridge.value_inputs import drop_value_known_leaves, input_key
+from zerojax.bridge.value_inputs import (
+    drop_value_known_leaves,
+    input_key,
+    reads_values_on_host,
+)
 
 log = logging.getLogger("zerojax")
 
@@ -145,26 +149,42 @@ class Converted:
     __call__ = apply
 
     def _capture(self, args, kwargs):
-        """capture(), specialising on the inputs read on the host if a plain capture cannot."""
-        try:
+        """capture(), specialised on the inputs the model reads on the host where needed.
+
+        Needed when torch.export fails on a guard on values, or succeeds but leaves host reads
+        (`item()`) of values in the graph, which a jitted program cannot run (module docstring
+        of value_inputs.py). Without a specialisation that helps, the plain result stands.
+        """
+        if self.value_inputs:
             return capture(
                 self.module, args, kwargs, train=self.train, value_inputs=self.value_inputs
             )
+        try:
+            exported = capture(self.module, args, kwargs, train=self.train)
         except CaptureError as error:
-            if self.value_inputs or not _is_data_dependent(error):
+            if not _is_data_dependent(error):
                 raise
-            found = find_host_read_inputs(self.module, args, kwargs, train=self.train)
-            if not found:
-                raise
-            try:
-                exported = capture(self.module, args, kwargs, train=self.train, value_inputs=found)
-            except CaptureError as specialised_error:
-                error.add_note(
-                    f"zerojax also tried specialising the program on the values of "
-                    f"{', '.join(sorted(found))} (read on the host by the model); that capture "
-                    f"failed too: {specialised_error}"
-                )
-                raise error from None
+            failure = error
+        else:
+            if not reads_values_on_host(exported.graph):
+                return exported
+            failure = None
+        found = find_host_read_inputs(self.module, args, kwargs, train=self.train)
+        if not found:
+            if failure is not None:
+                raise failure
+            return exported
+        try:
+            specialised = capture(self.module, args, kwargs, train=self.train, value_inputs=found)
+        except CaptureError as specialised_error:
+            if failure is None:
+                return exported
+            failure.add_note(
+                f"zerojax also tried specialising the program on the values of "
+                f"{', '.join(sorted(found))} (read on the host by the model); that capture "
+                f"failed too: {specialised_error}"
+            )
+            raise failure from None
         log.warning(
             "zerojax: %s reads the values of input(s) %s on the host (Python control flow or "
             "shapes computed from them); the program is specialised on their values and traced "
@@ -173,7 +193,7 @@ class Converted:
             ", ".join(sorted(found)),
         )
         self.value_inputs = found
-        return exported
+        return specialised
 
     def _program_for(self, args, kwargs, *, reason):
         key = _signature_key(args, kwargs, self.value_inputs, self.name)

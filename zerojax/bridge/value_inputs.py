@@ -203,6 +203,13 @@ class FoldConstants(TorchFunctionMode):
         return func(*plain_args, **plain_kwargs)
 
 
+def reads_values_on_host(graph: torch.fx.Graph) -> bool:
+    """Whether a captured graph turns a tensor's values into Python numbers (`item()`), which a
+    jitted program cannot do."""
+    host_reads = (aten._local_scalar_dense.default, aten.item.default)
+    return any(node.target in host_reads for node in graph.nodes)
+
+
 def integer_input_paths(args: tuple, kwargs: dict) -> list[str]:
     """Key paths (`input_key`) of the integer and boolean tensors among the inputs."""
     flat, _ = torch_pytree.tree_flatten_with_path((args, kwargs))
