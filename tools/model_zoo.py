@@ -423,6 +423,10 @@ _HF_MODELS: list[tuple] = [
             "topk_group": 1,
             "first_k_dense_replace": 1,
             "head_dim": 8,  # DeepSeek's rotary part of a head: qk_rope_head_dim
+            # Multi-head latent attention expands its latent into one key per query head, as
+            # DeepSeek's own configs say (128 and 128): the generic GQA size of 2 would make
+            # attention group 4 query heads over keys that already have 4 heads.
+            "num_key_value_heads": 4,
         },
     ),
     # encoders
