@@ -689,7 +689,11 @@ def describe_error(error: BaseException) -> str:
     where = _export_failure_site(str(error))
     if where:
         text = f"{text} [at {where}]"
-    return f"{type(error).__name__}: {text}"[:700]
+    # zerojax's own diagnosis, added as a note to torch's error (e.g. LayerDrop).
+    for note in getattr(error, "__notes__", ()):
+        if note.startswith("zerojax:"):
+            text = f"{text} [{note}]"
+    return f"{type(error).__name__}: {text}"[:900]
 
 
 def _export_failure_site(message: str) -> str | None:

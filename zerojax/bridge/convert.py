@@ -172,6 +172,13 @@ class Converted:
         found = find_host_read_inputs(self.module, args, kwargs, train=self.train)
         if not found:
             if failure is not None:
+                failure.add_note(
+                    "zerojax: no input decides this value (specialising on input values cannot "
+                    "help): the model computes it from a random draw or floating-point data. "
+                    "Hugging Face LayerDrop is such random Python control flow (`torch.rand([]) "
+                    "< config.layerdrop` picks whether a layer runs, in train mode): build the "
+                    "model with layerdrop=0.0 to train it here."
+                )
                 raise failure
             return exported
         try:
