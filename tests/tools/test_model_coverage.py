@@ -24,8 +24,11 @@ PARITY = [
     "hf/bert",
     "hf/gpt2",  # default config: use_cache on, GPT-2's tied wte/lm_head
     "multimodal/llava",  # vision tower + projector + LM; an assert-only chain in capture
+    # Inputs whose values decide shapes (image_grid_thw); ~25 s, its stand-ins run by default
+    # in tests/bridge/test_value_inputs.py and tests/train/test_value_inputs_training.py.
+    pytest.param("multimodal/qwen2_vl", marks=pytest.mark.slow),
 ]
-STEP = ["hf/bert"]
+STEP = ["hf/bert", pytest.param("multimodal/qwen2_vl", marks=pytest.mark.slow)]
 
 
 def _explain(name: str, result: dict) -> str:
