@@ -24,7 +24,7 @@ from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
 from zerojax.bridge.value_inputs import (
     FoldConstants,
-    integer_input_paths,
+    integer_inputs,
     mark_value_known,
     reads_values_on_host,
 )
@@ -111,14 +111,14 @@ def find_host_read_inputs(
     specialised, the check becomes an assertion that is dropped. Empty when no set of integer
     inputs gives such a capture (host reads of floating-point values, say).
     """
-    candidates = integer_input_paths(args, kwargs)
+    sizes = integer_inputs(args, kwargs)
+    candidates = list(sizes)
     if not candidates:
         return frozenset()
     with _training_mode(module, train):
         reads = _host_reads(module, args, kwargs, candidates)
         if not reads:
             return frozenset()
-        sizes = dict(zip(integer_input_paths(args, kwargs), _integer_sizes(args, kwargs)))
         needed = set(reads)
         if not _exports(module, args, kwargs, needed):
             return frozenset()
@@ -152,15 +152,6 @@ def _exports(module, args, kwargs, value_inputs) -> bool:
     graph = exported.graph_module.graph
     drop_assertions(graph)
     return not reads_values_on_host(graph)
-
-
-def _integer_sizes(args, kwargs) -> list[int]:
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    return [
-        leaf.numel()
-        for leaf in leaves
-        if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
-    ]
 
 
 def _quiet_failure():

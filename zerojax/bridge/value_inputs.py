@@ -13,8 +13,9 @@ is part of the program's input spec, hence its cache key). While export runs, `F
 evaluates eagerly, on real data, every torch call whose tensor arguments are all value-known
 (factories included: `torch.arange(h)` with a host int `h`), so `.tolist()` and `.item()` return
 real numbers; a value-known tensor that meets a traced one becomes a constant of the graph.
-Random ops are never folded (their draw would be baked in); an in-place write of traced values
-into a value-known tensor cannot be folded and fails the capture.
+Random ops are never folded (their draw would be baked in), nor `empty` (its memory is filled
+afterwards, often with traced values); an in-place write of traced values into a value-known
+tensor cannot be folded and fails the capture.
 
 Which inputs: `find_host_read_inputs` runs the same capture with every integer input
 value-known, each tagged with its name, and reports the inputs whose values reached a host read
@@ -64,6 +65,7 @@ _IN_PLACE_DUNDERS = frozenset(
         "__irshift__",
     }
 )
+_UNINITIALISED = ("empty", "new_empty")
 # Advanced indexing is shape-dynamic only with boolean masks; integer indices keep shapes.
 _INDEXING = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default)
 
@@ -172,7 +174,9 @@ class FoldConstants(TorchFunctionMode):
         kwargs = kwargs or {}
         flat, spec = torch_pytree.tree_flatten((args, kwargs), is_leaf=_is_tensor)
         known = [x for x in flat if isinstance(x, ValueKnown)]
-        if all(isinstance(x, ValueKnown) for x in flat if _is_tensor(x)):
+        foldable = all(isinstance(x, ValueKnown) for x in flat if _is_tensor(x))
+        # Uninitialised memory is filled afterwards, often with traced values: keep it traced.
+        if foldable and not getattr(func, "__name__", "").startswith(_UNINITIALISED):
             sources = frozenset().union(*(x.sources for x in known))
             plain_args, plain_kwargs = torch_pytree.tree_unflatten([_plain(x) for x in flat], spec)
             watch = _WatchFoldedOps()
@@ -210,14 +214,15 @@ def reads_values_on_host(graph: torch.fx.Graph) -> bool:
     return any(node.target in host_reads for node in graph.nodes)
 
 
-def integer_input_paths(args: tuple, kwargs: dict) -> list[str]:
-    """Key paths (`input_key`) of the integer and boolean tensors among the inputs."""
+def integer_inputs(args: tuple, kwargs: dict) -> dict[str, int]:
+    """Key (`input_key`) -> number of elements of the integer and boolean tensors among the
+    inputs, in input order."""
     flat, _ = torch_pytree.tree_flatten_with_path((args, kwargs))
-    return [
-        input_key(path)
+    return {
+        input_key(path): leaf.numel()
         for path, leaf in flat
         if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex()
-    ]
+    }
 
 
 def input_key(path) -> str:
