@@ -316,7 +316,6 @@ def _signature_key(args, kwargs, value_inputs=frozenset(), model_name=""):
     and the values of `value_inputs`."""
     # jax.jit passes keyword arguments sorted by name: the key must not depend on their order.
     leaves, spec = torch_pytree.tree_flatten_with_path((args, dict(sorted(kwargs.items()))))
-    spec = torch_pytree.tree_structure((args, dict(sorted(kwargs.items()))))
     described = []
     for path, leaf in leaves:
         if value_inputs and input_key(path) in value_inputs:
@@ -331,7 +330,7 @@ def _signature_key(args, kwargs, value_inputs=frozenset(), model_name=""):
 
 
 def _value_of(leaf, key: str, model_name: str):
-    """A value input's (dtype, shape, values): concrete, or an error saying how to pass it."""
+    """A value input's (shape, values) for the key: concrete, or an error saying how to pass it."""
     if isinstance(leaf, jax.core.Tracer):
         raise TypeError(
             f"{model_name} reads the values of input '{key}' on the host, so the program is "
