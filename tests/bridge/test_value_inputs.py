@@ -107,3 +107,18 @@ def test_random_ops_on_constants_are_not_folded():
         for seed in (0, 1)
     ]
     assert draws[0].shape == (3, 2) and not np.array_equal(draws[0], draws[1])
+
+
+def test_a_guard_on_computed_values_is_not_blamed_on_token_ids():
+    """`ids` is read (by a check), but the guard comes from float data: specialising on `ids`
+    cannot help, and the error says that no input decides the value."""
+
+    class CountsPositives(nn.Module):
+        def forward(self, ids, x):
+            torch._check_tensor_all((ids >= 0).all())
+            return x * int((x > 0).sum())
+
+    ids, x = torch.randint(0, 9, (2, 3)), torch.randn(2, 3)
+    with pytest.raises(CaptureError) as raised:
+        zerojax.convert(CountsPositives(), (ids, x))
+    assert "no input decides this value" in "\n".join(raised.value.__notes__)
