@@ -131,7 +131,9 @@ class ZeroModule(torch.nn.Module):
         )
         if not recording:
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
-            return _to_torch_tree(outputs)
+            leaves, treedef = jax.tree.flatten(outputs)
+            kept = (engine.state.params, engine.state.buffers, jax_args, jax_kwargs)
+            return jax.tree.unflatten(treedef, hand_over(leaves, kept))
 
         tensor_inputs = [flat[i] for i in tensor_positions]
         # The fused program returns no input gradients: inputs that need one (a wrapped model
@@ -190,11 +192,14 @@ class ZeroModule(torch.nn.Module):
                         "zerojax.initialize."
                     )
             weight = grad_leaves[loss_leaf]
-            engine.accumulate(grads, None if weight is None else jnp.float32(weight.item()))
+            # `loss.backward()` passes 1: no weight, so no separate pass over the gradients.
+            weight = None if weight is None else weight.item()
+            engine.accumulate(grads, None if weight in (None, 1.0) else jnp.float32(weight))
             return [None] * len(tensor_inputs)
 
+        kept = (engine.state.params, engine.state.buffers, grads, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
+            lambda: hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
@@ -228,8 +233,9 @@ class ZeroModule(torch.nn.Module):
             cotangents = jax.tree.unflatten(treedef, cotangents)
             return [to_torch(g) for g in engine.backward(converted, pullback, cotangents)]
 
+        kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
+            lambda: hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
@@ -287,6 +293,55 @@ def _loss_leaf_index(outputs, loss_path) -> int:
     return jax.tree.leaves(marked).index(True)
 
 
-def _to_torch_tree(outputs):
-    leaves, treedef = jax.tree.flatten(outputs)
-    return jax.tree.unflatten(treedef, [to_torch(x) for x in leaves])
+# dtypes DLPack carries between JAX and torch as they are (others, e.g. float8, are copied).
+_DLPACK_DTYPES = frozenset(
+    np.dtype(d)
+    for d in (
+        np.float16, np.float32, np.float64, jnp.bfloat16, np.int8, np.int16, np.int32,
+        np.int64, np.uint8, np.bool_, np.complex64, np.complex128,
+    )
+)  # fmt: skip
+
+
+def hand_over(leaves: list, kept) -> list[torch.Tensor]:
+    """The program's output arrays as torch tensors, zero-copy where that is safe.
+
+    A single-device CPU output whose buffer is its own (no array in `kept` -- state, inputs,
+    residuals the engine keeps -- and no other output shares it) is handed to torch through
+    DLPack: the tensor *is* the buffer, so an output the loop never reads (the logits next to
+    the loss) costs nothing, and one it reads costs no copy. Nothing in JAX reads such a
+    buffer again, so torch may also change it in place. Everything else is copied to the host
+    (`to_torch`): sharded or replicated outputs (a host array must be assembled anyway), and any
+    buffer also held elsewhere, which an in-place torch op would otherwise change behind JAX's
+    back (compiled programs do not forward inputs to outputs, so this is a guard, not a path
+    a step takes).
+    """
+    zero_copy = [_single_cpu_buffer(x) for x in leaves]
+    if any(zero_copy):
+        shared = {_buffer_address(x) for x in jax.tree.leaves(kept) if isinstance(x, jax.Array)} - {
+            None
+        }
+        seen: set[int] = set()
+        for i, leaf in enumerate(leaves):
+            if zero_copy[i]:
+                address = _buffer_address(leaf)
+                zero_copy[i] = address not in shared and address not in seen
+                seen.add(address)
+    return [torch.from_dlpack(x) if z else to_torch(x) for x, z in zip(leaves, zero_copy)]
+
+
+def _single_cpu_buffer(x) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and x.size > 0
+        and x.dtype in _DLPACK_DTYPES
+        and len(x.sharding.device_set) == 1
+        and next(iter(x.sharding.device_set)).platform == "cpu"
+    )
+
+
+def _buffer_address(x) -> int | None:
+    """Where a single-device array's buffer starts (None for arrays with several or none)."""
+    if len(x.sharding.device_set) != 1 or x.size == 0 or x.is_deleted():
+        return None
+    return x.unsafe_buffer_pointer()
