@@ -27,6 +27,7 @@ from zerojax.sharding import make_mesh
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule, hand_over, release_parameters
 from zerojax.train.optimizer_shim import ZeroOptimizer
+from zerojax.train.programs import Program
 
 pytestmark = pytest.mark.multidevice
 
@@ -94,6 +95,17 @@ def test_hand_over_shares_a_fresh_buffer_and_copies_shared_ones():
     torch.testing.assert_close(bf16_t, (torch.arange(8.0) / 3.0).to(torch.bfloat16))
     torch.testing.assert_close(ints_t, torch.arange(8, dtype=torch.int32) * 3)
     torch.testing.assert_close(sharded_t, torch.arange(16.0) + 0.5)
+
+
+def test_compiled_outputs_never_share_a_buffer_with_inputs_or_each_other():
+    """What `hand_over`'s identity check relies on: a compiled program (`Program`, as the engine
+    runs them) returns fresh, distinct buffers even for an input returned as it is and for one
+    value returned twice."""
+    x = jnp.arange(8.0) + 1.0
+    outputs = Program("forward", lambda x: (x, x * 2.0, x * 2.0))(x)
+    addresses = {o.unsafe_buffer_pointer() for o in outputs}
+    assert len(addresses) == 3 and x.unsafe_buffer_pointer() not in addresses
+    assert all(o is not x for o in outputs)
 
 
 def tiny_hf_gpt2():
