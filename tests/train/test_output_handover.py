@@ -178,7 +178,8 @@ class Tanh(nn.Module):
 def test_general_path_residuals_survive_in_place_changes_to_the_output():
     model, reference = wrap_on_one_device(Tanh())
     x = torch.randn(4, 8)
-    out, expected = model(x), reference(x)
+    x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, expected = model(x_ours), reference(x_ref)
     torch.testing.assert_close(out, expected, **TOL)
     # (out * w).sum() saves only w: torch lets the output change after the loss is taken, and
     # the JAX pullback must still use its own residuals (tanh's output), not this buffer.
@@ -188,10 +189,12 @@ def test_general_path_residuals_survive_in_place_changes_to_the_output():
     loss.backward()
     expected_loss.backward()
     assert_grads_match(model, reference)
+    # The input gradient, a fresh output of the backward program, is handed over too.
+    torch.testing.assert_close(x_ours.grad, x_ref.grad, **TOL)
 
     # Overwrite it for good after the backward: the next call is unaffected.
     out.detach().fill_(-1.0)
-    torch.testing.assert_close(model(x), expected, **TOL)
+    torch.testing.assert_close(model(x), expected.detach(), **TOL)
 
 
 class ReturnsItsBuffer(nn.Module):

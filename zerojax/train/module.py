@@ -222,16 +222,21 @@ class ZeroModule(torch.nn.Module):
             converted, tuple(jax_args), jax_kwargs, differentiable=differentiable
         )
         leaves, treedef = jax.tree.flatten(outputs)
+        # Shapes and dtypes only: holding the output arrays until the backward would keep
+        # their device buffers (and, for sharded ones, the host copy NumPy caches) alive.
+        specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
 
         def backward(grad_leaves):
             cotangents = [
-                jnp.zeros(leaf.shape, leaf.dtype)
-                if grad is None or not jnp.issubdtype(leaf.dtype, jnp.floating)
-                else from_torch(grad).astype(leaf.dtype)
-                for leaf, grad in zip(leaves, grad_leaves, strict=True)
+                jnp.zeros(spec.shape, spec.dtype)
+                if grad is None or not jnp.issubdtype(spec.dtype, jnp.floating)
+                else from_torch(grad).astype(spec.dtype)
+                for spec, grad in zip(specs, grad_leaves, strict=True)
             ]
             cotangents = jax.tree.unflatten(treedef, cotangents)
-            return [to_torch(g) for g in engine.backward(converted, pullback, cotangents)]
+            input_grads = engine.backward(converted, pullback, cotangents)
+            # Fresh outputs of the backward program: handed over like the forward's.
+            return hand_over(list(input_grads), kept=())
 
         kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
