@@ -1,7 +1,9 @@
 """The torch front end of a wrapped model: `model(x)` runs JAX, `loss.backward()` pulls back.
 
 `ZeroModule.forward` converts the torch inputs to (batch-sharded) JAX arrays, runs the engine's
-forward program and hands back torch tensors. When autograd is recording, those tensors come
+forward program and hands back torch tensors (`hand_over`: on one CPU device the output buffers
+themselves, through DLPack, so outputs a loop never reads -- the logits next to the loss -- cost
+no copy; elsewhere host copies). When autograd is recording, those tensors come
 out of `_JaxCall`, a `torch.autograd.Function` whose backward calls the JAX pullback: the
 parameter gradients go into the engine's sharded accumulator, input gradients go back to torch
 (so a wrapped model can feed another one, or a torch loss, as in GANs and distillation).
