@@ -254,9 +254,13 @@ def main() -> None:
         shape = "GPT-2 2 layers, width 64, batch 2 x 64 tokens (--quick: not for publication)"
     else:
         shape = "GPT-2 4 layers, width 256, 8 heads, vocabulary 1024, batch 8 x 256 tokens"
+    # Torch eager slows far more than XLA under CPU contention (issue 14: ~4x vs ~1.5x), which
+    # flips the ratio: the load average says whether these numbers are fit to publish.
+    print(f"load average (1, 5, 15 min) at start: {os.getloadavg()}", file=sys.stderr)
     num_params = sum(p.numel() for p in build(options.quick)[0].parameters())
     print(f"## Train step: forward + backward + AdamW ({shape}, {num_params / 1e6:.2f}M params)\n")
     print(steady_state_table(options.quick, steps))
+    print(f"\nLoad average (1, 5, 15 min) after the steady-state runs: {os.getloadavg()}")
     print(
         f"\nMedian of {steps} steps after {WARMUP_STEPS} untimed steps; one CPU device "
         f"(mesh data=1) for every contender; {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; "

@@ -42,6 +42,7 @@ from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
 from zerojax.train.programs import (
     StepPrograms,
     add_grads,
+    add_scaled_grads,
     clip_by_global_norm_jit,
     find_scalar_loss,
     is_float,
@@ -334,12 +335,16 @@ class Engine:
         gas = self.gradient_accumulation_steps
         if gas > 1:  # DeepSpeed's loss / gas, as one multiply on the gradients
             weight = jnp.float32(1.0 / gas) * (jnp.float32(1.0) if weight is None else weight)
-        if weight is not None:
-            grads = scale_grads(grads, weight)
+        # One pass over the gradients at most: `loss.backward()`'s cotangent is 1, which
+        # needs no multiply (x * 1.0 == x exactly), and a weight is folded into the add.
         current = self._state.grads
-        self._state = self._state.replace(
-            grads=grads if current is None else add_grads(current, grads)
-        )
+        if current is None:
+            accumulated = grads if weight is None else scale_grads(grads, weight)
+        elif weight is None:
+            accumulated = add_grads(current, grads)
+        else:
+            accumulated = add_scaled_grads(current, grads, weight)
+        self._state = self._state.replace(grads=accumulated)
 
     def in_accumulation_window(self) -> bool:
         """True between the micro-steps of one accumulation (after a step() that did not reach

@@ -1,7 +1,9 @@
 """The torch front end of a wrapped model: `model(x)` runs JAX, `loss.backward()` pulls back.
 
 `ZeroModule.forward` converts the torch inputs to (batch-sharded) JAX arrays, runs the engine's
-forward program and hands back torch tensors. When autograd is recording, those tensors come
+forward program and hands back torch tensors (`hand_over`: on one CPU device the output buffers
+themselves, through DLPack, so outputs a loop never reads -- the logits next to the loss -- cost
+no copy; elsewhere host copies). When autograd is recording, those tensors come
 out of `_JaxCall`, a `torch.autograd.Function` whose backward calls the JAX pullback: the
 parameter gradients go into the engine's sharded accumulator, input gradients go back to torch
 (so a wrapped model can feed another one, or a torch loss, as in GANs and distillation).
@@ -146,7 +148,9 @@ class ZeroModule(torch.nn.Module):
         )
         if not recording:
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
-            return _to_torch_tree(outputs)
+            leaves, treedef = jax.tree.flatten(outputs)
+            kept = (engine.state.params, engine.state.buffers, jax_args, jax_kwargs)
+            return jax.tree.unflatten(treedef, hand_over(leaves, kept))
 
         tensor_inputs = [flat[i] for i in tensor_positions]
         # The fused program returns no input gradients: inputs that need one (a wrapped model
@@ -205,11 +209,14 @@ class ZeroModule(torch.nn.Module):
                         "zerojax.initialize."
                     )
             weight = grad_leaves[loss_leaf]
-            engine.accumulate(grads, None if weight is None else jnp.float32(weight.item()))
+            # `loss.backward()` passes 1: no weight, so no separate pass over the gradients.
+            weight = None if weight is None else weight.item()
+            engine.accumulate(grads, None if weight in (None, 1.0) else jnp.float32(weight))
             return [None] * len(tensor_inputs)
 
+        kept = (engine.state.params, engine.state.buffers, grads, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
+            lambda: hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
@@ -232,19 +239,25 @@ class ZeroModule(torch.nn.Module):
             converted, tuple(jax_args), jax_kwargs, differentiable=differentiable
         )
         leaves, treedef = jax.tree.flatten(outputs)
+        # Shapes and dtypes only: holding the output arrays until the backward would keep
+        # their device buffers (and, for sharded ones, the host copy NumPy caches) alive.
+        specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
 
         def backward(grad_leaves):
             cotangents = [
-                jnp.zeros(leaf.shape, leaf.dtype)
-                if grad is None or not jnp.issubdtype(leaf.dtype, jnp.floating)
-                else from_torch(grad).astype(leaf.dtype)
-                for leaf, grad in zip(leaves, grad_leaves, strict=True)
+                jnp.zeros(spec.shape, spec.dtype)
+                if grad is None or not jnp.issubdtype(spec.dtype, jnp.floating)
+                else from_torch(grad).astype(spec.dtype)
+                for spec, grad in zip(specs, grad_leaves, strict=True)
             ]
             cotangents = jax.tree.unflatten(treedef, cotangents)
-            return [to_torch(g) for g in engine.backward(converted, pullback, cotangents)]
+            input_grads = engine.backward(converted, pullback, cotangents)
+            # Fresh outputs of the backward program: handed over like the forward's.
+            return hand_over(list(input_grads), kept=())
 
+        kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: [to_torch(x) for x in leaves], backward, self._anchor, *tensor_inputs
+            lambda: hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
@@ -302,6 +315,47 @@ def _loss_leaf_index(outputs, loss_path) -> int:
     return jax.tree.leaves(marked).index(True)
 
 
-def _to_torch_tree(outputs):
-    leaves, treedef = jax.tree.flatten(outputs)
-    return jax.tree.unflatten(treedef, [to_torch(x) for x in leaves])
+# dtypes DLPack carries between JAX and torch as they are (others, e.g. float8, are copied).
+_DLPACK_DTYPES = frozenset(
+    np.dtype(d)
+    for d in (
+        np.float16, np.float32, np.float64, jnp.bfloat16, np.int8, np.int16, np.int32,
+        np.int64, np.uint8, np.bool_, np.complex64, np.complex128,
+    )
+)  # fmt: skip
+
+
+def hand_over(leaves: list, kept) -> list[torch.Tensor]:
+    """The program's output arrays as torch tensors, zero-copy where that is safe.
+
+    A single-device CPU output whose buffer is its own is handed to torch through DLPack: the
+    tensor *is* the buffer, so an output the loop never reads (the logits next to the loss)
+    costs nothing, and one it reads costs no copy. Nothing in JAX reads that buffer again, so
+    torch may also change it in place. Its own: XLA gives every output of an executable a
+    distinct, fresh buffer (no donation on the forward programs), so the only way an output can
+    share one is to *be* an array the engine keeps -- one of `kept` (state, inputs, residuals),
+    were JAX ever to forward an input to an output -- or to appear twice among the outputs;
+    those, like sharded or replicated outputs (a host array must be assembled anyway), are
+    copied (`to_torch`). Identity, not buffer addresses, is checked against `kept`: it costs
+    microseconds for the ~200 residual arrays of a GPT-2 pullback where addresses cost ms.
+    """
+    zero_copy = [_single_cpu_buffer(x) for x in leaves]
+    if any(zero_copy):
+        kept_ids = {id(x) for x in jax.tree.leaves(kept)}
+        seen: set[int] = set()
+        for i, leaf in enumerate(leaves):
+            if zero_copy[i]:
+                address = leaf.unsafe_buffer_pointer()
+                zero_copy[i] = id(leaf) not in kept_ids and address not in seen
+                seen.add(address)
+    return [torch.from_dlpack(x) if z else to_torch(x) for x, z in zip(leaves, zero_copy)]
+
+
+def _single_cpu_buffer(x) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and x.size > 0
+        and x.dtype in _DLPACK_DTYPES
+        and len(x.sharding.device_set) == 1
+        and next(iter(x.sharding.device_set)).platform == "cpu"
+    )

@@ -332,6 +332,12 @@ def add_grads(a, b):
 
 
 @jax.jit
+def add_scaled_grads(a, b, weight):
+    """`add_grads(a, scale_grads(b, weight))` in one pass (same roundings)."""
+    return jax.tree.map(lambda x, y: x + (y * weight).astype(y.dtype), a, b)
+
+
+@jax.jit
 def scale_grads(grads, weight):
     return jax.tree.map(lambda g: (g * weight).astype(g.dtype), grads)
 
