@@ -25,6 +25,12 @@ batch 2 are ill-conditioned (torch fp32 itself is 0.2 relative gradient error fr
 ResNet-50), so a fixed bound would fail correct conversions; zerojax's XLA program rounds in a
 different order than torch's kernels, so its error is of the same size as torch fp32's but
 independent of it; 10x leaves room for that spread while a wrong lowering is off by O(1).
+torch fp32's own error is the worse of two equally valid fp32 evaluations where the model takes
+images: contiguous and `channels_last` (torch's kernels then accumulate in another order). One
+order can be lucky where the conditioning is poor: timm ResNeSt-14d at batch 2 normalizes two
+values per channel in its split-attention BatchNorm, and `bn1.bias`'s gradient is 4e-6 off
+float64 contiguous but 1.0e-2 off in channels_last (zerojax: 1.0e-2; at batch 8 torch
+contiguous is the one 3e-3 off, zerojax 9e-6).
 Dropout is off for parity (`nn.Dropout`/stochastic-depth modules set to p=0 for vision models,
 eval mode for Hugging Face models, whose attention dropout is a config value).
 
@@ -818,6 +824,25 @@ def _torch_run(built: Built, dtype: torch.dtype, probe: list[np.ndarray] | None)
     return [leaf.detach().double().numpy() for leaf in leaves], grads, probe
 
 
+def _takes_images(built: Built) -> bool:
+    """A floating 4-D (N, C, H, W) argument: torch has a channels_last evaluation of it."""
+    return any(
+        isinstance(a, torch.Tensor) and a.is_floating_point() and a.ndim == 4 for a in built.args
+    )
+
+
+def _channels_last(built: Built) -> Built:
+    """The same model and inputs in torch's channels_last memory format (same values)."""
+
+    def convert(x):
+        if isinstance(x, torch.Tensor) and x.ndim == 4:
+            return x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    model = copy.deepcopy(built.model).to(memory_format=torch.channels_last)
+    return Built(model, tuple(map(convert, built.args)), built.kwargs, built.target)
+
+
 def relative_error(got: np.ndarray, expected: np.ndarray, floor: float = 0.0) -> float:
     got = np.asarray(got, dtype=np.float64)
     assert got.shape == expected.shape, f"shape {got.shape} vs {expected.shape}"
@@ -879,6 +904,10 @@ def check_parity(case: ModelCase) -> dict:
         result["stage"] = "torch"
         out64, grad64, probe = _torch_run(built, torch.float64, None)
         out32, grad32, _ = _torch_run(built, torch.float32, probe)
+        fp32_runs = [(out32, grad32)]
+        if _takes_images(built):
+            fp32_runs.append(_torch_run(_channels_last(built), torch.float32, probe)[:2])
+        result["torch_fp32_orders"] = len(fp32_runs)
 
         result["stage"] = "convert"
         converted = zerojax.convert(copy.deepcopy(built.model), built.args, built.kwargs)
@@ -900,7 +929,7 @@ def check_parity(case: ModelCase) -> dict:
 
         result["stage"] = "compare"
         result["forward_error"] = _forward_error(leaves, out64)
-        result["forward_error_torch_fp32"] = _forward_error(out32, out64)
+        result["forward_error_torch_fp32"] = max(_forward_error(o, out64) for o, _ in fp32_runs)
         # Frozen parameters (requires_grad=False, e.g. Whisper's sinusoidal positions) have no
         # torch gradient; zerojax differentiates every param, so they are left out here.
         frozen = {
@@ -911,7 +940,10 @@ def check_parity(case: ModelCase) -> dict:
         grads = {name: g for name, g in grads.items() if name not in frozen}
         reference = {name: grad64[name] for name in grads}
         zj_errors = _gradient_errors({k: np.asarray(v) for k, v in grads.items()}, reference)
-        fp32_errors = _gradient_errors({k: grad32[k] for k in grads}, reference)
+        fp32_errors = {}
+        for _, grad in fp32_runs:
+            errors = _gradient_errors({k: grad[k] for k in grads}, reference)
+            fp32_errors = {k: max(e, fp32_errors.get(k, 0.0)) for k, e in errors.items()}
         worst = max(zj_errors, key=zj_errors.get, default=None)
         result["gradient_error"] = zj_errors[worst] if worst else 0.0
         result["gradient_worst_param"] = worst
