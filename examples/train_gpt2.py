@@ -13,6 +13,8 @@ Checkpoints go to the config's `checkpoint.directory` (.cache/checkpoints/gpt2-a
 without it starts that directory afresh). Inspect or export them with `zerojax ckpt`.
 
 Run: make demo   (or .venv/bin/python examples/train_gpt2.py [--config FILE] [--steps N] [--resume])
+Many processes: torchrun --nproc-per-node 2 examples/train_gpt2.py  (the same 8-device mesh as 2
+processes x 4 simulated devices; each rank feeds its half of every batch, as under DDP).
 About 1.5 minutes on 2 CPU cores; a second run starts faster (persistent compile cache in .cache/).
 At exit zerojax prints where the time went (init, compile, checkpoints, training steps).
 """
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import zerojax
+from zerojax.config.files import read_config_file
 from zerojax.sharding.memory import measure_memory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,10 +79,15 @@ def split_problems(seed: int, num_test: int = 1000):
 def batches(train_pairs, batch_size: int, steps: int, seed: int, start: int = 0):
     """(inputs, targets): inputs are the first 8 tokens, targets the next-token labels with the
     prompt positions set to -100 (cross_entropy's ignore_index), so only answers count.
-    `start` skips the batches a resumed run has already trained on."""
+    `start` skips the batches a resumed run has already trained on. With several processes
+    each yields its contiguous share of the same global batch (every rank draws it from the
+    same generator), so the job trains on exactly the batches one process would."""
     generator = torch.Generator().manual_seed(seed)
+    rank, world_size = zerojax.distributed.rank(), zerojax.distributed.world_size()
+    share = batch_size // world_size
     for step in range(steps):
         rows = train_pairs[torch.randint(len(train_pairs), (batch_size,), generator=generator)]
+        rows = rows[rank * share : (rank + 1) * share]
         if step < start:
             continue
         tokens = encode(rows[:, 0], rows[:, 1])
@@ -161,9 +169,18 @@ def held_out_accuracy(model, test_pairs, show: int = 8) -> float:
 
 def main() -> None:
     args = parse_args()
-    config = zerojax.load_config(args.config)  # loaded once; JAX has not started yet
+    world_size = zerojax.distributed.world_size()  # from torchrun's environment; 1 otherwise
+    raw_config = read_config_file(args.config)
+    if world_size > 1 and raw_config.get("devices", {}).get("num_cpu_devices"):
+        # num_cpu_devices is per process: split the 8 simulated devices over the processes, so
+        # the mesh (and the training) is the single-process demo's.
+        raw_config["devices"]["num_cpu_devices"] //= world_size
+    config = zerojax.load_config(raw_config)  # loaded once; JAX has not started yet
+    # Every rank runs this script; one prints (rank 0, as with torch DDP).
+    if zerojax.distributed.rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     checkpoint_dir = Path(config.checkpoint.directory)
-    if not args.resume and checkpoint_dir.exists():
+    if not args.resume and checkpoint_dir.exists() and zerojax.distributed.rank() == 0:
         shutil.rmtree(checkpoint_dir)  # the example's own directory: a fresh run starts anew
 
     start = time.perf_counter()
@@ -189,7 +206,8 @@ def main() -> None:
     print(
         f"GPT-2 ({gpt2_config.n_layer} layers, width {gpt2_config.n_embd}, {num_params:,} "
         f"parameters), batch {args.batch_size} x {PROMPT_LEN + ANSWER_LEN - 1} tokens, on "
-        f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices, "
+        f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices "
+        f"({world_size} process{'es' if world_size > 1 else ''}), "
         f"config {os.path.relpath(args.config)}"
     )
     warmup = max(1, args.steps // 20)  # then cosine decay to zero

@@ -1,5 +1,6 @@
 """zerojax: an ordinary PyTorch model and training loop as one sharded JAX/XLA program."""
 
+from zerojax import distributed
 from zerojax.bridge import (
     CaptureError,
     Converted,
@@ -38,6 +39,7 @@ __all__ = [
     "ShardingPlan",
     "UnsupportedOpError",
     "convert",
+    "distributed",
     "effective_time",
     "initialize",
     "load_config",

@@ -374,7 +374,9 @@ class Checkpointer:
     def _clean_partial_saves(self) -> None:
         """Remove step directories a dead writer left half-written (never listed as steps)."""
         self._cleaned = True
-        if not os.path.isdir(self.directory):
+        # Several processes share the directory: only process 0 cleans, before it creates this
+        # step's temporary directory (another process cleaning later would delete that).
+        if jax.process_index() != 0 or not os.path.isdir(self.directory):
             return
         for name in os.listdir(self.directory):
             if _TMP_MARKER in name:

@@ -29,6 +29,7 @@ from zerojax.config.sections import (
     parse_train,
     parse_zero,
 )
+from zerojax.distributed.launcher import read_launcher_env
 
 __all__ = ["TOP_LEVEL_KEYS", "load_config"]
 
@@ -52,7 +53,8 @@ def _device_count(devices: DevicesConfig, num_devices: int | None) -> int:
     if num_devices is not None:
         return as_int("num_devices", num_devices, minimum=1)
     if devices.num_cpu_devices is not None:
-        return devices.num_cpu_devices
+        # Per process: under torchrun/SLURM the mesh spans every process's simulated devices.
+        return devices.num_cpu_devices * read_launcher_env().world_size
     import jax  # initialises JAX's backends: the mesh must be checked against real devices
 
     apply_devices(devices)  # the platform must be chosen before JAX starts
@@ -94,7 +96,9 @@ def load_config(
     `ds_config.json`; return a frozen `Config`.
 
     `num_devices` is the device count the mesh must fill; by default `devices.num_cpu_devices`
-    or, failing that, `jax.device_count()` (which starts JAX's backends). Raises `ConfigError`
+    times the launcher's world size (torchrun/SLURM; 1 for a plain run) or, failing that,
+    `jax.device_count()` (which starts JAX's backends: under a multi-process launcher, call
+    `zerojax.distributed.initialize()` first, as `zerojax.initialize` does). Raises `ConfigError`
     for any invalid value; warns (`ConfigWarning`) for each DeepSpeed key zerojax ignores.
 
         >>> cfg = load_config({"mesh": {"data": -1}, "zero_stage": 3}, num_devices=8)

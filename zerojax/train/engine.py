@@ -35,9 +35,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted, state_arrays
 from zerojax.config import Config
+from zerojax.distributed.arrays import host_copy
 from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import optimizers
+from zerojax.train.data_parallel import ProcessLocalBatches, rank0_seed
 from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
 from zerojax.train.programs import (
     StepPrograms,
@@ -78,6 +80,8 @@ class Engine:
         self.plan = make_sharding_plan(params, config, self.mesh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.programs = StepPrograms(self.plan, self.policy, config)
+        # Several processes (torchrun/SLURM): DDP's per-process batches (train/data_parallel.py).
+        self.process_local = ProcessLocalBatches(self.plan) if jax.process_count() > 1 else None
         self.optimizer_spec: optimizers.OptimizerSpec | None = None
         policy = self.policy
 
@@ -86,7 +90,14 @@ class Engine:
                 array = array.astype(dtype)
             # Through host memory: device_put onto a replicated sharding may reuse the input's
             # buffer, which donation would then invalidate.
-            return jax.device_put(np.asarray(array), sharding)
+            try:
+                return jax.device_put(np.asarray(array), sharding)
+            except AssertionError as exc:  # several processes: JAX compares every process's value
+                raise ValueError(
+                    f"zerojax: a model tensor of shape {np.shape(array)} differs between processes; "
+                    "build the model identically on every rank (torch.manual_seed before "
+                    "constructing it), as DDP starts every rank from rank 0's parameters"
+                ) from exc
 
         master = None
         if policy.master_dtype is not None and policy.master_dtype != policy.param_dtype:
@@ -96,6 +107,9 @@ class Engine:
                 if is_float(a)
             }
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
+        if self.process_local is not None:
+            seed = rank0_seed(seed)  # one dropout stream for the job
+        rng = self._placed_rng(jax.random.key(seed))
         self._state = TrainState(
             params={
                 n: place(a, self.plan.params[n], policy.param_dtype) for n, a in params.items()
@@ -104,9 +118,12 @@ class Engine:
             buffers={n: place(a, self.replicated) for n, a in buffers.items()},
             opt_state=None,
             grads=None,
-            rng=jax.random.key(seed),
+            rng=rng,
             loss_scale=(
-                jax.device_put(initial_loss_scale_state(policy.loss_scale), self.replicated)
+                jax.device_put(
+                    jax.tree.map(np.asarray, initial_loss_scale_state(policy.loss_scale)),
+                    self.replicated,
+                )
                 if policy.loss_scale is not None
                 else None
             ),
@@ -184,10 +201,21 @@ class Engine:
                 if state.loss_scale is None
                 else {k: put(v, self.replicated) for k, v in state.loss_scale.items()}
             ),
+            rng=self._placed_rng(state.rng),
             num_calls=int(state.num_calls),
             micro_step=int(state.micro_step),
             step=int(state.step),
             skipped_steps=int(state.skipped_steps),
+        )
+
+    def _placed_rng(self, rng: jax.Array) -> jax.Array:
+        """With several processes the key is a global (replicated) array, which Orbax can save;
+        with one it stays as it is."""
+        if self.process_local is None or not rng.is_fully_addressable:
+            return rng
+        key_data = np.asarray(jax.random.key_data(rng))
+        return jax.random.wrap_key_data(
+            jax.device_put(key_data, self.replicated), impl=jax.random.key_impl(rng)
         )
 
     # Read-only views of the state's fields (tests and reports read them; nothing writes them).
@@ -241,6 +269,8 @@ class Engine:
             args, kwargs = torch_pytree.tree_map_only(
                 torch.Tensor, torch.Tensor.detach, (args, kwargs)
             )
+            if self.process_local is not None:  # traced at the global batch's shapes
+                args, kwargs = self.process_local.global_example(args, kwargs)
             with effective_time.LEDGER.measure("trace_compile", source="torch.export"):
                 self._converted[train] = Converted(
                     self.traced_module, args, kwargs, train=train, read_values=False
@@ -263,7 +293,12 @@ class Engine:
 
         An uneven batch (the last one of an epoch, say) is replicated instead: every device
         computes it whole, with the same result, at data-parallel-size times the work. It is
-        logged once per shape, since every such batch compiles its own programs."""
+        logged once per shape, since every such batch compiles its own programs.
+
+        With several processes `array` is this process's rows, and the result the global batch
+        (`zerojax.train.data_parallel`)."""
+        if self.process_local is not None:
+            return self.process_local.global_input(array)
         sharding = self.plan.input_sharding(array.ndim)
         for dim, axes in enumerate(sharding.spec):
             if axes is None:
@@ -382,7 +417,7 @@ class Engine:
         grads = self._state.grads
         if grads is None or name not in grads:
             return None
-        return np.asarray(grads[name], np.float32) / float(self.scale)
+        return host_copy(grads[name]).astype(np.float32) / float(self.scale)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> jax.Array:
         """Scale the accumulated gradients so their global norm is at most `max_norm`, on the
@@ -451,7 +486,7 @@ class Engine:
         for name, tensor in self.module.state_dict(keep_vars=True).items():
             canonical = self.alias.get(name, name)
             source = weights if canonical in weights else buffers
-            out[name] = (np.asarray(source[canonical]), tensor.dtype)
+            out[name] = (host_copy(source[canonical]), tensor.dtype)
         return out
 
     def load_state_dict_arrays(self, arrays: dict[str, jax.Array]) -> None:
@@ -469,6 +504,15 @@ class Engine:
 def _put(array, sharding):
     if isinstance(array, jax.Array) and array.sharding == sharding:
         return array
+    if (
+        isinstance(array, jax.Array)
+        and array.is_fully_addressable
+        and not sharding.is_fully_addressable
+    ):
+        # Several processes: a host-local array (a loaded state_dict) is this process's copy of
+        # the global value; device_put takes that from host memory (and checks the processes
+        # agree), not from a device array.
+        array = np.asarray(array)
     return jax.device_put(array, sharding)
 
 

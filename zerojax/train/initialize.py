@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from zerojax import distributed
 from zerojax.config import Config, apply_devices, load_config
 from zerojax.runtime import effective_time
 from zerojax.runtime.compilation_cache import enable_compilation_cache
@@ -47,9 +48,17 @@ def initialize(
     `model.state_dict()`, which gathers it. The config's `runtime` section turns on JAX's
     persistent compilation cache and the effective-training-time report (see
     `zerojax.train.effective_time`).
+
+    Under torchrun or SLURM with several processes this joins the job first
+    (`zerojax.distributed.initialize`), `devices.num_cpu_devices` counts each process's devices,
+    and the semantics are DDP's: each process feeds its own rows, `model(x)` returns them, and the
+    update uses the gradient averaged over processes (see `zerojax.train.data_parallel`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() takes a torch.nn.Module, got {type(model).__name__}")
+    # Under torchrun/SLURM with several processes: join the job before anything starts JAX's
+    # backends (load_config may, to count devices); a no-op for one process.
+    distributed.initialize()
     # The one load: everything below takes this Config.
     config = load_config({"mesh": {"data": -1}} if config is None else config)
     apply_devices(config.devices)  # before anything below starts JAX's backends
@@ -61,7 +70,11 @@ def initialize(
     runtime = config.runtime
     enable_compilation_cache(runtime.compilation_cache_dir)
     ledger = effective_time.LEDGER
-    ledger.begin(log_path=runtime.effective_time_log, report_at_exit=runtime.report_effective_time)
+    # Several processes: one report, rank 0's (a per-job summary over ranks is issue 10 item 4).
+    ledger.begin(
+        log_path=runtime.effective_time_log,
+        report_at_exit=runtime.report_effective_time and distributed.rank() == 0,
+    )
     with ledger.measure("init", model=type(model).__name__):
         engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)
         ledger.attach(engine)

@@ -142,6 +142,9 @@ class ZeroModule(torch.nn.Module):
         for i in tensor_positions:
             jax_flat[i] = engine.shard_input(from_torch(flat[i]))
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
+        # Several processes: outputs with the batch's rows go back as this process's rows.
+        local = engine.process_local
+        self._global_rows = local.global_rows(jax_flat) if local is not None else None
         inputs_require_grad = any(flat[i].requires_grad for i in tensor_positions)
         recording = torch.is_grad_enabled() and (
             inputs_require_grad or any(p.requires_grad for p in self.module.parameters())
@@ -150,7 +153,7 @@ class ZeroModule(torch.nn.Module):
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
             leaves, treedef = jax.tree.flatten(outputs)
             kept = (engine.state.params, engine.state.buffers, jax_args, jax_kwargs)
-            return jax.tree.unflatten(treedef, hand_over(leaves, kept))
+            return jax.tree.unflatten(treedef, self._hand_over(leaves, kept))
 
         tensor_inputs = [flat[i] for i in tensor_positions]
         # The fused program returns no input gradients: inputs that need one (a wrapped model
@@ -216,7 +219,7 @@ class ZeroModule(torch.nn.Module):
 
         kept = (engine.state.params, engine.state.buffers, grads, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
+            lambda: self._hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
@@ -243,7 +246,21 @@ class ZeroModule(torch.nn.Module):
         # their device buffers (and, for sharded ones, the host copy NumPy caches) alive.
         specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
 
+        global_rows = self._global_rows
+
         def backward(grad_leaves):
+            local = engine.process_local
+            if local is not None:
+                cotangents = [
+                    local.global_cotangent(
+                        spec, None if grad is None else np.asarray(from_torch(grad)), global_rows
+                    )
+                    for spec, grad in zip(specs, grad_leaves, strict=True)
+                ]
+                input_grads = engine.backward(
+                    converted, pullback, jax.tree.unflatten(treedef, cotangents)
+                )
+                return [to_torch(local.local_input_grad(g, global_rows)) for g in input_grads]
             cotangents = [
                 jnp.zeros(spec.shape, spec.dtype)
                 if grad is None or not jnp.issubdtype(spec.dtype, jnp.floating)
@@ -257,9 +274,17 @@ class ZeroModule(torch.nn.Module):
 
         kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
+            lambda: self._hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
+
+    def _hand_over(self, leaves: list, kept) -> list[torch.Tensor]:
+        """The outputs as torch tensors: `hand_over` in one process; with several, this
+        process's rows of each (`zerojax.train.data_parallel`)."""
+        local = self._engine.process_local
+        if local is None:
+            return hand_over(leaves, kept)
+        return [to_torch(local.local_output(x, self._global_rows)) for x in leaves]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients. nn.Module's version would read (gather) every

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from zerojax.distributed.arrays import host_copy
 from zerojax.pallas_kernels.adamw.bias_correction import adam_bias_corrections
 
 __all__ = [
@@ -529,7 +530,8 @@ def apply_update(
 
 
 def _to_torch(x: Any) -> torch.Tensor:
-    array = np.asarray(jax.device_get(x))
+    # host_copy: with several processes, the shards of every process (all must call this).
+    array = host_copy(x) if isinstance(x, jax.Array) else np.asarray(x)
     if array.dtype == jnp.bfloat16:
         return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
     return torch.from_numpy(array.copy())
