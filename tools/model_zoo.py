@@ -31,7 +31,7 @@ order can be lucky where the conditioning is poor: timm ResNeSt-14d at batch 2 n
 values per channel in its split-attention BatchNorm, and `bn1.bias`'s gradient is 4e-6 off
 float64 contiguous but 1.0e-2 off in channels_last (zerojax: 1.0e-2; at batch 8 torch
 contiguous is the one 3e-3 off, zerojax 9e-6).
-Dropout is off for parity (`nn.Dropout`/stochastic-depth modules set to p=0 for vision models,
+Dropout is off for parity (`nn.Dropout`/stochastic-depth modules and timm's `drop_rate` set to 0 for vision models,
 eval mode for Hugging Face models, whose attention dropout is a config value).
 
 `check_zero3_step`: the user's loop through `zerojax.initialize` with ZeRO-3 over an 8-way
@@ -878,6 +878,9 @@ def _zero_dropout(model: torch.nn.Module) -> None:
             for attr in ("p", "drop_prob"):
                 if isinstance(getattr(module, attr, None), float):
                     setattr(module, attr, 0.0)
+        # timm heads call F.dropout(x, self.drop_rate, self.training) (GhostNet, ...).
+        if isinstance(getattr(module, "drop_rate", None), float):
+            module.drop_rate = 0.0
 
 
 def check_parity(case: ModelCase) -> dict:
