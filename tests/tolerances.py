@@ -127,3 +127,71 @@ def assert_within(got: torch.Tensor, expected: torch.Tensor, bound, what: str = 
             f"bound {float(bound.flatten()[worst]):.3g} (got {float(got.flatten()[worst]):.6g}, "
             f"expected {float(expected.flatten()[worst]):.6g})"
         )
+
+
+# Accuracy assumed of one library's float32 elementary function (exp, log, tanh, erf, rsqrt,
+# ...), in ulps of the result: torch's CPU kernels use Sleef's u10 (1.0 ulp) and u20 (2.0 ulps)
+# variants (exp_u20 in the CPU flash-attention kernel) and glibc (1-2 ulps); XLA:CPU uses its
+# own polynomial approximations. Measured against float64 on 2^20 random points per function,
+# with default and --xla_cpu_max_isa=AVX2 codegen alike: XLA exp 1.0, log 1.06, rsqrt 1.0,
+# logistic 1.9, log1p 2.5, tanh 4.4, erf 5.4, expm1 5.7 ulps; torch <= 1.9 ulps. So each side is
+# within LIBM_ULPS ulps, and two libraries' results of one function within 2 * LIBM_ULPS.
+LIBM_ULPS = 6
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    weights_dtype=torch.float32,
+    out_dtype=torch.float32,
+) -> torch.Tensor:
+    """Elementwise bound on |o1 - o2| between two evaluations of scaled dot-product attention
+    o = softmax(q k^T scale + mask) v, each accumulating in float32 with exact (already rounded)
+    inputs, rounding the softmax weights to `weights_dtype` before P @ V and the output to
+    `out_dtype`. q [..., L, d], k [..., S, d], v [..., S, dv] (kv heads already repeated).
+
+    Per side, to first order (u = float32 unit roundoff, e = exact weights, p = normalized):
+    * score s_ij: a d-term dot, the scale multiply and the mask add, |ds_ij| <= (d + 2) u A_ij
+      with A = |q| |k|^T scale + |mask|;
+    * weight e_ij = exp(s_ij - m_i) has relative error eta_ij <= |ds_ij| + u |s_ij - m_i|
+      (the rounded subtraction) + LIBM_ULPS ulps (exp);
+    * o_i = sum_j e_ij v_j / sum_j e_ij: the numerator is within sum_j e_ij |v_j| (eta_ij +
+      (S + 1) u + u_w) (product and S-term sum, weight rounding u_w), the denominator within
+      sum_j e_ij (eta_ij + S u), the division adds u |o_i| and the output rounding u_out |o_i|.
+    Two evaluations differ by at most twice that. Fully masked rows (torch gives 0) bound 0.
+    """
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    u = unit_roundoff(torch.float32)
+    d, num_keys = q.shape[-1], k.shape[-2]
+    scale = d**-0.5 if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    a = q.abs() @ k.abs().transpose(-1, -2) * scale
+    allowed = torch.ones(s.shape[-2:], dtype=torch.bool)
+    if causal:
+        allowed = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    allowed = allowed.expand_as(s)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask.expand_as(s)
+        else:
+            s = s + mask.double()
+            a = a + mask.double().abs()
+            allowed = allowed & torch.isfinite(mask).expand_as(s)
+    s = s.masked_fill(~allowed, -torch.inf)
+    m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    p = torch.exp(s - m).nan_to_num(0.0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    eta = (d + 2) * u * a + u * (s - m).abs() + LIBM_ULPS * eps(torch.float32)
+    eta = eta.masked_fill(~allowed, 0.0)
+    o = p @ v
+    u_w = unit_roundoff(weights_dtype) if weights_dtype != torch.float32 else 0.0
+    numerator = (p * (eta + (num_keys + 1) * u + u_w)) @ v.abs()
+    denominator = (p * (eta + num_keys * u)).sum(-1, keepdim=True) * o.abs()
+    u_out = unit_roundoff(out_dtype) if out_dtype != torch.float32 else 0.0
+    per_side = numerator + denominator + (u + u_out) * o.abs()
+    return 2 * per_side
