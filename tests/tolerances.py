@@ -139,41 +139,17 @@ def assert_within(got: torch.Tensor, expected: torch.Tensor, bound, what: str = 
 LIBM_ULPS = 6
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    causal: bool = False,
-    weights_dtype=torch.float32,
-    out_dtype=torch.float32,
-) -> torch.Tensor:
-    """Elementwise bound on |o1 - o2| between two evaluations of scaled dot-product attention
-    o = softmax(q k^T scale + mask) v, each accumulating in float32 with exact (already rounded)
-    inputs, rounding the softmax weights to `weights_dtype` before P @ V and the output to
-    `out_dtype`. q [..., L, d], k [..., S, d], v [..., S, dv] (kv heads already repeated).
-
-    Per side, to first order (u = float32 unit roundoff, e = exact weights, p = normalized):
-    * score s_ij: a d-term dot, the scale multiply and the mask add, |ds_ij| <= (d + 2) u A_ij
-      with A = |q| |k|^T scale + |mask|;
-    * weight e_ij = exp(s_ij - m_i) has relative error eta_ij <= |ds_ij| + u |s_ij - m_i|
-      (the rounded subtraction) + LIBM_ULPS ulps (exp);
-    * o_i = sum_j e_ij v_j / sum_j e_ij: the numerator is within sum_j e_ij |v_j| (eta_ij +
-      (S + 1) u + u_w) (product and S-term sum, weight rounding u_w), the denominator within
-      sum_j e_ij (eta_ij + S u), the division adds u |o_i| and the output rounding u_out |o_i|.
-    Two evaluations differ by at most twice that. Fully masked rows (torch gives 0) bound 0.
-    """
-    q, k, v = (t.detach().double() for t in (q, k, v))
+def _attention_weights(q, k, mask, scale, causal):
+    """(p, eta, allowed) in float64 for softmax(q k^T scale + mask): the exact weights, the
+    bound on one float32 side's relative error of each unnormalized weight exp(s_ij - m_i)
+    (see `attention`), and where keys are attended."""
     u = unit_roundoff(torch.float32)
-    d, num_keys = q.shape[-1], k.shape[-2]
-    scale = d**-0.5 if scale is None else scale
+    d = q.shape[-1]
     s = q @ k.transpose(-1, -2) * scale
     a = q.abs() @ k.abs().transpose(-1, -2) * scale
     allowed = torch.ones(s.shape[-2:], dtype=torch.bool)
     if causal:
-        allowed = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        allowed = allowed.tril()  # top-left aligned, as torch
     allowed = allowed.expand_as(s)
     if mask is not None:
         if mask.dtype == torch.bool:
@@ -187,11 +163,237 @@ def attention(
     p = torch.exp(s - m).nan_to_num(0.0)
     p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     eta = (d + 2) * u * a + u * (s - m).abs() + LIBM_ULPS * eps(torch.float32)
-    eta = eta.masked_fill(~allowed, 0.0)
+    return p, eta.masked_fill(~allowed, 0.0), allowed
+
+
+def _low(dtype) -> float:
+    """Unit roundoff of rounding a float32 intermediate to `dtype` (0 when it stays float32)."""
+    return 0.0 if _name(dtype) == "float32" else unit_roundoff(dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    weights_dtype=torch.float32,
+    out_dtype=torch.float32,
+    sides: int = 2,
+) -> torch.Tensor:
+    """Elementwise bound on |o1 - o2| between two evaluations of scaled dot-product attention
+    o = softmax(q k^T scale + mask) v, each accumulating in float32 with exact (already rounded)
+    inputs, rounding the softmax weights to `weights_dtype` before P @ V and the output to
+    `out_dtype`. q [..., L, d], k [..., S, d], v [..., S, dv] (kv heads already repeated).
+    `sides=1` bounds one evaluation against the exact (float64) result.
+
+    Per side, to first order (u = float32 unit roundoff, e = exact weights, p = normalized):
+    * score s_ij: a d-term dot, the scale multiply and the mask add, |ds_ij| <= (d + 2) u A_ij
+      with A = |q| |k|^T scale + |mask|;
+    * weight e_ij = exp(s_ij - m_i) has relative error eta_ij <= |ds_ij| + u |s_ij - m_i|
+      (the rounded subtraction) + LIBM_ULPS ulps (exp);
+    * o_i = sum_j e_ij v_j / sum_j e_ij: the numerator is within sum_j e_ij |v_j| (eta_ij +
+      (S + 1) u + u_w) (product and S-term sum, weight rounding u_w), the denominator within
+      sum_j e_ij (eta_ij + S u), the division adds u |o_i| and the output rounding u_out |o_i|.
+    Two evaluations differ by at most twice that. Fully masked rows (torch gives 0) bound 0.
+    """
+    q, k, v = (t.detach().double() for t in (q, k, v))
+    u = unit_roundoff(torch.float32)
+    num_keys = k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p, eta, _ = _attention_weights(q, k, mask, scale, causal)
     o = p @ v
-    u_w = unit_roundoff(weights_dtype) if weights_dtype != torch.float32 else 0.0
-    numerator = (p * (eta + (num_keys + 1) * u + u_w)) @ v.abs()
+    numerator = (p * (eta + (num_keys + 1) * u + _low(weights_dtype))) @ v.abs()
     denominator = (p * (eta + num_keys * u)).sum(-1, keepdim=True) * o.abs()
-    u_out = unit_roundoff(out_dtype) if out_dtype != torch.float32 else 0.0
-    per_side = numerator + denominator + (u + u_out) * o.abs()
-    return 2 * per_side
+    return sides * (numerator + denominator + (u + _low(out_dtype)) * o.abs())
+
+
+def attention_gradients(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    d_out: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    low_dtype=torch.float32,
+    dropout_p: float = 0.0,
+    sides: int = 2,
+) -> dict[str, torch.Tensor]:
+    """Elementwise bounds on the difference of two evaluations of attention's gradients under
+    the cotangent `d_out`: {"dq", "dk", "dv", "ds"} (ds: the score gradient, which a learned
+    additive mask receives). Shapes as `attention`, kv heads already repeated (sum the kv
+    bounds over a group for GQA). Each side accumulates in float32 and may round the weights P,
+    the score gradient dS and the results to `low_dtype` (flash kernels feed bf16 P and dS to
+    their matmuls). `sides=1` bounds one evaluation against the exact result.
+
+    Running-error analysis (Higham 3.3): each intermediate's error is bounded by u times its
+    magnitude, the same computation on absolute values. Per side:
+    * P: relative error 2 max_j eta_ij + (S + 2) u (+ u_low): a weight's own error and the
+      normalizing sum's; O = P V as in `attention`; D_i = sum_c dO_ic O_ic (dv terms);
+    * dP = dO V^T: (dv + 1) u |dO| |V|^T (+ u_low: rounded to low_dtype, as autodiff through a
+      bf16 cast does); D from the output rounded to low_dtype adds u_low |dO| . |O|;
+      dS = P (dP - D): the errors of P, dP and D, plus two roundings (and u_low) of
+      M_dS = P (|dO| |V|^T + |dO| . |O|);
+    * dQ = dS K scale, dK = dS^T Q scale, dV = P^T dO: the input errors times the absolute
+      other factor, plus (terms + 2) u times the absolute product, plus u_low of the result.
+    Dropout (keep mask / (1 - p) on P) makes every term at most 1 / (1 - p) times larger and
+    adds the rounding of the rescale (u on P).
+    """
+    q, k, v, d_out = (t.detach().double() for t in (q, k, v, d_out))
+    u, u_low = unit_roundoff(torch.float32), _low(low_dtype)
+    length, num_keys, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    p, eta, _ = _attention_weights(q, k, mask, scale, causal)
+    p_err = p * (2 * eta.amax(-1, keepdim=True) + (num_keys + 3) * u + u_low)
+    o_mag = p @ v.abs()
+    o_err = p_err @ v.abs() + (num_keys + 1) * u * o_mag
+    dov = d_out.abs() @ v.abs().transpose(-1, -2)
+    do_o = (d_out.abs() * o_mag).sum(-1, keepdim=True)
+    dp_minus_d = dov + do_o
+    ds_mag = p * dp_minus_d
+    ds_err = (
+        p_err * dp_minus_d
+        + p
+        * (
+            ((dv + 1) * u + u_low) * dov
+            + (d_out.abs() * o_err).sum(-1, keepdim=True)
+            + (dv * u + u_low) * do_o
+        )
+        + (2 * u + u_low) * ds_mag
+    )
+    kt, qt = k.abs(), q.abs()
+    dq = (ds_err @ kt + (num_keys + 2) * u * (ds_mag @ kt)) * scale
+    dk = (
+        ds_err.transpose(-1, -2) @ qt + (length + 2) * u * (ds_mag.transpose(-1, -2) @ qt)
+    ) * scale
+    dv_err = p_err.transpose(-1, -2) @ d_out.abs() + (length + 1) * u * (
+        p.transpose(-1, -2) @ d_out.abs()
+    )
+    bounds = {
+        "dq": dq + u_low * (ds_mag @ kt) * scale,
+        "dk": dk + u_low * (ds_mag.transpose(-1, -2) @ qt) * scale,
+        "dv": dv_err + u_low * (p.transpose(-1, -2) @ d_out.abs()),
+        "ds": ds_err,
+    }
+    return {name: sides * bound / (1 - dropout_p) for name, bound in bounds.items()}
+
+
+def _sum_to(values: torch.Tensor, shape) -> torch.Tensor:
+    """Sum `values` over the dims along which a tensor of `shape` was broadcast to them."""
+    target = tuple(shape)
+    padded = (1,) * (values.ndim - len(target)) + target
+    dims = tuple(i for i, size in enumerate(padded) if size == 1 and values.shape[i] != 1)
+    return (values.sum(dims, keepdim=True) if dims else values).reshape(target)
+
+
+def _normalization_terms(x, dims, epsilon, rms):
+    """float64 (x_hat, rstd, n, theta, x_hat error bound of one float32 side) for
+    (x - mean) * rsqrt(var + epsilon) over `dims` (rms: x * rsqrt(mean(x^2) + epsilon))."""
+    u = unit_roundoff(torch.float32)
+    n = math.prod(x.shape[d] for d in dims)
+    mean = torch.zeros_like(x.mean(dims, keepdim=True)) if rms else x.mean(dims, keepdim=True)
+    centered = x - mean
+    var = centered.square().mean(dims, keepdim=True)
+    rstd = (var + epsilon).rsqrt()
+    x_hat = centered * rstd
+    # mean: an n-term sum and a division; the (biased) variance: within (n + 3) u mean(x^2)
+    # whatever the algorithm (two-pass, Welford, E[x^2] - E[x]^2; Higham 1.9); rsqrt: a library
+    # function of the perturbed variance (relative error halves under the square root).
+    mean_error = 0.0 if rms else n * u * x.abs().mean(dims, keepdim=True)
+    var_error = (n + 3) * u * x.square().mean(dims, keepdim=True)
+    theta = var_error / (2 * (var + epsilon)) + LIBM_ULPS * eps(torch.float32)
+    x_hat_error = rstd * mean_error + x_hat.abs() * (theta + 2 * u)
+    return x_hat, rstd, n, theta, x_hat_error, mean_error
+
+
+def normalization(
+    x: torch.Tensor,
+    dims: tuple[int, ...],
+    epsilon: float,
+    *,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    rms: bool = False,
+    normalized_dtype=torch.float32,
+    out_dtype=torch.float32,
+    sides: int = 2,
+) -> dict[str, torch.Tensor]:
+    """Elementwise bounds {"out", "mean", "rstd"} on the difference of two evaluations of a
+    normalization over `dims` in float32 (layer/group/batch/instance norm; `rms`: RMSNorm)
+    from the same exactly representable inputs: y = (x - mean) * rsqrt(var + epsilon) * w + b.
+    `weight`/`bias` broadcast against x; `normalized_dtype`: x_hat rounded to it before the
+    weight multiply (HF's RMSNorm); `out_dtype`: y rounded to it. `sides=1`: against exact.
+
+    Per side, to first order (u = float32 unit roundoff, n = elements per group):
+    |d mean| <= n u mean|x|; |d var| <= (n + 3) u mean(x^2); rstd relative error theta <=
+    |d var| / (2 (var + epsilon)) + LIBM_ULPS ulps; x_hat = (x - mean) rstd within
+    rstd |d mean| + |x_hat| (theta + 2 u) (the subtraction and the product round); y adds
+    |w| times that, u |x_hat w| and u |y| (multiply, add), and the roundings to
+    normalized_dtype (of x_hat, times |w|) and out_dtype (of y)."""
+    x = x.detach().double()
+    x_hat, rstd, _, theta, x_hat_error, mean_error = _normalization_terms(x, dims, epsilon, rms)
+    w = torch.ones(()) if weight is None else weight.detach().double()
+    b = torch.zeros(()) if bias is None else bias.detach().double()
+    u = unit_roundoff(torch.float32)
+    y = x_hat * w + b
+    out = w.abs() * (x_hat_error + _low(normalized_dtype) * x_hat.abs())
+    out = out + (u if weight is not None else 0.0) * (x_hat * w).abs()
+    out = out + ((u if bias is not None else 0.0) + _low(out_dtype)) * y.abs()
+    return {
+        "out": sides * out,
+        "mean": sides * torch.as_tensor(mean_error).expand_as(rstd),
+        "rstd": sides * theta * rstd,
+    }
+
+
+def normalization_gradients(
+    x: torch.Tensor,
+    dims: tuple[int, ...],
+    epsilon: float,
+    d_out: torch.Tensor,
+    *,
+    weight: torch.Tensor | None = None,
+    bias_shape=None,
+    rms: bool = False,
+    low_dtype=torch.float32,
+    sides: int = 2,
+) -> dict[str, torch.Tensor]:
+    """Elementwise bounds {"dx", "dw", "db"} on the difference of two evaluations of a
+    normalization's gradients under `d_out` (see `normalization`), accumulating in float32 and
+    rounding the results to `low_dtype` (and, for autodiff in low_dtype, the per-element
+    products feeding dw). dw/db have the shape of `weight` / `bias_shape` (summed over the
+    dims they broadcast along); absent ones are left out.
+
+    dx = rstd (g - mean(g) - x_hat mean(g x_hat)) with g = dy w (layer norm; RMSNorm drops
+    mean(g)), whichever way it is evaluated (closed form or autodiff through mean, var and
+    rsqrt, whose terms have the same magnitudes): with G = |dy| |w| and
+    M = rstd (G + mean G + |x_hat| mean(G |x_hat|)), one side errs by at most
+    theta M + (n + 5) u M + rstd (|x_hat| mean(G dx_hat) + dx_hat mean(G |x_hat|)), dx_hat the
+    x_hat error. dw = sum dy x_hat over the broadcast dims (R terms): sum |dy| dx_hat +
+    (R + 1) u sum |dy x_hat|; db = sum dy: R u sum |dy|. Each result adds u_low of itself, and
+    dw the products' rounding u_low sum |dy x_hat|."""
+    x, dy = x.detach().double(), d_out.detach().double()
+    x_hat, rstd, n, theta, x_hat_error, _ = _normalization_terms(x, dims, epsilon, rms)
+    w = torch.ones(()) if weight is None else weight.detach().double()
+    u, u_low = unit_roundoff(torch.float32), _low(low_dtype)
+    g = dy.abs() * w.abs()
+    g_mean = 0.0 if rms else g.mean(dims, keepdim=True)
+    gx = (g * x_hat.abs()).mean(dims, keepdim=True)
+    magnitude = rstd * (g + g_mean + x_hat.abs() * gx)
+    dx = (theta + (n + 5) * u + u_low) * magnitude + rstd * (
+        x_hat.abs() * (g * x_hat_error).mean(dims, keepdim=True) + x_hat_error * gx
+    )
+    bounds = {"dx": sides * dx}
+    if weight is not None:
+        products = (dy * x_hat).abs()
+        count = products.numel() // weight.numel()
+        dw = dy.abs() * x_hat_error + ((count + 1) * u + u_low) * products
+        bounds["dw"] = sides * (_sum_to(dw, weight.shape) + u_low * _sum_to(products, weight.shape))
+    if bias_shape is not None:
+        count = dy.numel() // math.prod(bias_shape)
+        bounds["db"] = sides * (count * u + u_low) * _sum_to(dy.abs(), bias_shape)
+    return bounds
