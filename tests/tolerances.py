@@ -320,13 +320,16 @@ def normalization(
     rms: bool = False,
     normalized_dtype=torch.float32,
     out_dtype=torch.float32,
+    stats_dtype=torch.float32,
     sides: int = 2,
 ) -> dict[str, torch.Tensor]:
     """Elementwise bounds {"out", "mean", "rstd"} on the difference of two evaluations of a
     normalization over `dims` in float32 (layer/group/batch/instance norm; `rms`: RMSNorm)
     from the same exactly representable inputs: y = (x - mean) * rsqrt(var + epsilon) * w + b.
     `weight`/`bias` broadcast against x; `normalized_dtype`: x_hat rounded to it before the
-    weight multiply (HF's RMSNorm); `out_dtype`: y rounded to it. `sides=1`: against exact.
+    weight multiply (HF's RMSNorm); `out_dtype`: y rounded to it; `stats_dtype`: mean and rstd
+    rounded to it before the transform (torch's CPU batch norm keeps them in the parameters'
+    dtype): u_s |w| (rstd |mean| + |x_hat|) more. `sides=1`: against exact.
 
     Per side, to first order (u = float32 unit roundoff, n = elements per group):
     |d mean| <= n u mean|x|; |d var| <= (n + 3) u mean(x^2); rstd relative error theta <=
@@ -340,7 +343,9 @@ def normalization(
     b = torch.zeros(()) if bias is None else bias.detach().double()
     u = unit_roundoff(torch.float32)
     y = x_hat * w + b
-    out = w.abs() * (x_hat_error + _low(normalized_dtype) * x_hat.abs())
+    mean = 0.0 if rms else x.mean(dims, keepdim=True).abs()
+    stats = _low(stats_dtype) * (rstd * mean + x_hat.abs())
+    out = w.abs() * (x_hat_error + _low(normalized_dtype) * x_hat.abs() + stats)
     out = out + (u if weight is not None else 0.0) * (x_hat * w).abs()
     out = out + ((u if bias is not None else 0.0) + _low(out_dtype)) * y.abs()
     return {
@@ -364,8 +369,8 @@ def normalization_gradients(
 ) -> dict[str, torch.Tensor]:
     """Elementwise bounds {"dx", "dw", "db"} on the difference of two evaluations of a
     normalization's gradients under `d_out` (see `normalization`), accumulating in float32 and
-    rounding the results to `low_dtype` (and, for autodiff in low_dtype, the per-element
-    products feeding dw). dw/db have the shape of `weight` / `bias_shape` (summed over the
+    rounding to `low_dtype` the results and, as autodiff in low_dtype does, g = dy w, x_hat
+    and the per-element products feeding dw (2 u_low on dx, 3 on dw). dw/db have the shape of `weight` / `bias_shape` (summed over the
     dims they broadcast along); absent ones are left out.
 
     dx = rstd (g - mean(g) - x_hat mean(g x_hat)) with g = dy w (layer norm; RMSNorm drops
@@ -384,14 +389,14 @@ def normalization_gradients(
     g_mean = 0.0 if rms else g.mean(dims, keepdim=True)
     gx = (g * x_hat.abs()).mean(dims, keepdim=True)
     magnitude = rstd * (g + g_mean + x_hat.abs() * gx)
-    dx = (theta + (n + 5) * u + u_low) * magnitude + rstd * (
+    dx = (theta + (n + 5) * u + 2 * u_low) * magnitude + rstd * (
         x_hat.abs() * (g * x_hat_error).mean(dims, keepdim=True) + x_hat_error * gx
     )
     bounds = {"dx": sides * dx}
     if weight is not None:
         products = (dy * x_hat).abs()
         count = products.numel() // weight.numel()
-        dw = dy.abs() * x_hat_error + ((count + 1) * u + u_low) * products
+        dw = dy.abs() * x_hat_error + ((count + 1) * u + 2 * u_low) * products
         bounds["dw"] = sides * (_sum_to(dw, weight.shape) + u_low * _sum_to(products, weight.shape))
     if bias_shape is not None:
         count = dy.numel() // math.prod(bias_shape)
