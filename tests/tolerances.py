@@ -402,3 +402,41 @@ def normalization_gradients(
         count = dy.numel() // math.prod(bias_shape)
         bounds["db"] = sides * (count * u + u_low) * _sum_to(dy.abs(), bias_shape)
     return bounds
+
+
+# Probabilistic rounding-error analysis (Higham & Mary, "A new approach to probabilistic
+# rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019, Thm 2.4): modelling rounding
+# errors as independent, mean-zero and bounded, a sum of terms X_i with |X_i| <= c_i is, by
+# Hoeffding's inequality, within LAMBDA * sqrt(sum c_i^2) of its expectation with probability
+# >= 1 - 2 exp(-LAMBDA^2 / 2) (1 - 3e-8 for LAMBDA = 6). Used only where the worst case (all
+# errors aligned, sum c_i) exceeds the quantity compared, e.g. bf16 errors summed over a
+# layer's width after a LayerNorm; failing with probability ~1e-8 per element compared.
+LAMBDA = 6.0
+
+
+def independent_sum(bounds: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """LAMBDA * sqrt(sum bounds^2) over `dim`: the probabilistic bound on a sum of independent
+    mean-zero errors each within `bounds` (see LAMBDA)."""
+    return LAMBDA * bounds.square().sum(dim).sqrt()
+
+
+# Where no useful bound exists (a whole network in bf16: the worst case, every rounding aligned,
+# exceeds the values themselves), a low-precision result is held to the error torch's own
+# low-precision run of the same computation makes against a float64 reference, normwise: both
+# round at the same points (inputs, parameters, each layer's result) with the same unit
+# roundoff, so their errors are draws of one distribution, and the norm over many elements
+# concentrates (relative spread ~ 1 / sqrt(elements)). TORCH_ERROR_FACTOR allows for XLA
+# rounding at more points than torch's fused kernels (e.g. each op of an elementwise chain in
+# bf16) and for that spread.
+TORCH_ERROR_FACTOR = 3.0
+
+
+def assert_within_torch_error(got, torch_low, exact, what: str = "") -> None:
+    """||got - exact|| <= TORCH_ERROR_FACTOR ||torch_low - exact|| (2-norms, float64)."""
+    got, torch_low, exact = (torch.as_tensor(t).double() for t in (got, torch_low, exact))
+    ours = float((got - exact).norm())
+    theirs = float((torch_low - exact).norm())
+    assert ours <= TORCH_ERROR_FACTOR * theirs, (
+        f"{what}: error {ours:.3g} against float64 exceeds {TORCH_ERROR_FACTOR} x torch's own "
+        f"{theirs:.3g}"
+    )

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerojax
+from tests import tolerances
 from zerojax.sharding.memory import measure_memory
 
 pytestmark = pytest.mark.multidevice
@@ -27,11 +28,6 @@ pytestmark = pytest.mark.multidevice
 BATCH, IN, CLASSES, STEPS = 32, 16, 4, 20
 MIXED = "params=bfloat16,compute=bfloat16,master=float32"
 PURE_BF16 = "params=bfloat16,compute=bfloat16,optimizer_state=bfloat16,grad_reduce=bfloat16"
-BF16_TRACKING_TOL = 0.01
-"""bf16 compute + fp32 master: max |loss - fp32 torch loss| over STEPS steps with losses going
-1.26 -> 0.4 (measured: 0.0015)."""
-PURE_BF16_TRACKING_TOL = 0.03
-"""Pure bf16 states (params, grads, Adam moments in bf16, no master): measured 0.0038."""
 
 
 class Classifier(nn.Module):
@@ -43,6 +39,23 @@ class Classifier(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.norm(F.gelu(self.fc1(x))))
+
+
+def references(module: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None):
+    """(float64, torch bf16) outputs of `module` on x, or their losses given labels y: the
+    exact result, and torch's own run of the bf16 policy (parameters and input rounded to
+    bf16, each layer's result rounded)."""
+    with torch.no_grad():
+        exact = copy.deepcopy(module).double()(x.double())
+        low = copy.deepcopy(module).bfloat16()(x.bfloat16()).double()
+    if y is None:
+        return exact, low
+    return F.cross_entropy(exact, y).item(), F.cross_entropy(low, y).item()
+
+
+def resync(reference: nn.Module, model) -> None:
+    """Load the engine's weights (fp32 master, or the bf16 params widened) into the reference."""
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
 
 
 class Task:
@@ -98,7 +111,7 @@ def bytes_per_param(engine) -> dict[str, float]:
 
 
 def test_bf16_compute_with_fp32_master_tracks_fp32():
-    model, optimizer, reference, ref_optimizer = setup(MIXED)
+    model, optimizer, reference, _ = setup(MIXED)
     engine = model.engine
     assert {str(a.dtype) for a in engine.params.values()} == {"bfloat16"}
     assert {str(a.dtype) for a in engine.master.values()} == {"float32"}
@@ -111,14 +124,21 @@ def test_bf16_compute_with_fp32_master_tracks_fp32():
     assert out.dtype == torch.float32  # output_dtype
     torch.testing.assert_close(out, out.to(torch.bfloat16).float(), rtol=0, atol=0)
     assert (out - expected).abs().max() > 1e-4  # really computed in bf16, not fp32
-    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.02)
-    losses, ref_losses = [], []
+    # A worst-case bf16 bound exceeds these logits (LayerNorm rstd ~6, 64-wide sums): held to
+    # torch's own bf16 error instead (tolerances.assert_within_torch_error).
+    tolerances.assert_within_torch_error(out, *reversed(references(reference, x)), "logits")
+    # Tracking: at every step, from the engine's own weights (resynced into the reference; the
+    # trajectories themselves diverge, Adam turning gradient rounding into lr-sized steps), the
+    # bf16 loss errs against float64 no more than torch's bf16 loss does; and the run learns.
+    losses, exact, torch_bf16 = [], [], []
     for _ in range(STEPS):
         x, y = task.batch()
+        resync(reference, model)
+        loss64, loss16 = references(reference, x, y)
+        exact.append(loss64)
+        torch_bf16.append(loss16)
         losses.append(step(model, optimizer, x, y))
-        ref_losses.append(step(reference, ref_optimizer, x, y))
-    gaps = [abs(a - b) for a, b in zip(losses, ref_losses)]
-    assert max(gaps) <= BF16_TRACKING_TOL, f"bf16 vs fp32 loss gaps {gaps}"
+    tolerances.assert_within_torch_error(losses, torch_bf16, exact, "losses")
     assert losses[-1] < 0.5 * losses[0]
     # state_dict gives torch's dtypes, from the fp32 master copy.
     state = model.state_dict()
@@ -128,7 +148,7 @@ def test_bf16_compute_with_fp32_master_tracks_fp32():
 
 
 def test_pure_bf16_states_learn():
-    model, optimizer, reference, ref_optimizer = setup(PURE_BF16)
+    model, optimizer, reference, _ = setup(PURE_BF16)
     engine = model.engine
     assert engine.master is None
     task = Task()
@@ -136,16 +156,18 @@ def test_pure_bf16_states_learn():
     F.cross_entropy(model(x), y).backward()
     assert {str(g.dtype) for g in engine.grads.values()} == {"bfloat16"}
     optimizer.zero_grad()
-    losses, ref_losses = [], []
+    losses, exact, torch_bf16 = [], [], []
     for _ in range(STEPS):
         x, y = task.batch()
+        resync(reference, model)  # bf16 parameters, exact in fp32
+        loss64, loss16 = references(reference, x, y)
+        exact.append(loss64)
+        torch_bf16.append(loss16)
         losses.append(step(model, optimizer, x, y))
-        ref_losses.append(step(reference, ref_optimizer, x, y))
+    tolerances.assert_within_torch_error(losses, torch_bf16, exact, "losses")
     assert {str(a.dtype) for a in engine.params.values()} == {"bfloat16"}
     assert {str(a.dtype) for a in engine.opt_state["exp_avg"].values()} == {"bfloat16"}
     assert losses[-1] < 0.5 * losses[0], losses
-    gaps = [abs(a - b) for a, b in zip(losses, ref_losses)]
-    assert max(gaps) <= PURE_BF16_TRACKING_TOL, f"pure bf16 vs fp32 loss gaps {gaps}"
     assert model.state_dict()["fc1.weight"].dtype == torch.float32
 
 
