@@ -3,8 +3,10 @@
 Run: `.venv/bin/python -m pytest -q tests/train/test_backward_patterns.py -p no:cacheprovider`.
 Why: `loss.backward()` on a wrapped model's output runs a JAX pullback (or, on the fused path,
 adds gradients computed in the forward program) and accumulates into sharded buffers. Each test
-runs one backward pattern (issue 4) on a wrapped model and on a deep copy in plain torch, and
-compares every `p.grad` (read through the lazy gather) and every input gradient with torch's.
+runs one backward pattern (issue 4) on a wrapped model, on a deep copy in plain torch and on a
+float64 copy, and requires every `p.grad` (read through the lazy gather), input gradient and
+output to err against float64 no more than torch's float32 does (tolerances.
+assert_within_torch_error: normwise, all parameters at once).
 The models sit on 8 simulated devices at ZeRO-3 with the batch split over `data`, so the
 gathers, the sharded accumulation and the batch-sharded inputs are all on the path.
 """
@@ -20,39 +22,76 @@ from torch import nn
 
 import zerojax
 from bench.architectures import CNN, MLP
+from tests import tolerances
 
 pytestmark = pytest.mark.multidevice
 
 # The patch lets one loop clip both models with torch.nn.utils.clip_grad_norm_.
 ZERO3 = {"mesh": {"data": -1}, "zero_stage": 3, "train": {"patch_clip_grad_norm": True}}
-TOL = {"rtol": 1e-5, "atol": 1e-6}
-GRAD_TOL = 1e-5
-"""Gradients: max |ours - torch| <= GRAD_TOL * max |torch| per parameter (float32 sums over a
-batch reorder differently in XLA and in torch)."""
 BATCH = 8  # divisible by the 8-way data axis: inputs really are batch-sharded
 
 
+class Float64(nn.Module):
+    """A float64 copy of a module that takes and gives the loop's float32 tensors' places:
+    floating inputs are widened on the way in (outputs stay float64, so the loss is float64
+    too, except where torch narrows, e.g. binary_cross_entropy_with_logits)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = copy.deepcopy(module).double()
+
+    def forward(self, *args, **kwargs):
+        def widen(x):
+            return x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return self.module(*map(widen, args), **{k: widen(v) for k, v in kwargs.items()})
+
+
+EXACT: dict[int, Float64] = {}
+"""id(plain-torch reference) -> its float64 twin, made from the same initial module."""
+
+
+def twin(reference: nn.Module) -> Float64:
+    EXACT[id(reference)] = Float64(reference)
+    return EXACT[id(reference)]
+
+
+def exact_of(reference: nn.Module) -> Float64:
+    return EXACT[id(reference)]
+
+
 def wrap(module: nn.Module, config=ZERO3, **kwargs) -> tuple[nn.Module, nn.Module]:
-    """(wrapped model, plain-torch deep copy taken before zerojax releases the parameters)."""
+    """(wrapped model, plain-torch deep copy taken before zerojax releases the parameters); the
+    copy's float64 twin is exact_of(copy)."""
     reference = copy.deepcopy(module)
+    twin(reference)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     wrapped, _ = zerojax.initialize(module, optimizer, config=config, **kwargs)
     return wrapped, reference
 
 
-def assert_grads_match(wrapped: nn.Module, reference: nn.Module, tol: float = GRAD_TOL) -> None:
+def assert_close_to_exact(ours, theirs, exact, what: str = "") -> None:
+    """ours errs against float64 no more than torch's float32 does (tolerances)."""
+    tolerances.assert_within_torch_error(ours.detach(), theirs.detach(), exact.detach(), what)
+
+
+def assert_grads_match(wrapped: nn.Module, reference: nn.Module) -> None:
+    """Every parameter gradient, all at once, within torch's own float32 error of float64."""
     ours = dict(wrapped.module.named_parameters())
     theirs = dict(reference.named_parameters())
-    assert ours.keys() == theirs.keys()
+    exact = dict(exact_of(reference).module.named_parameters())
+    assert ours.keys() == theirs.keys() == exact.keys()
+    graded = {}
     for name, ref in theirs.items():
         grad = ours[name].grad
         if ref.grad is None:
             assert grad is None or not grad.abs().any(), name
             continue
         assert grad is not None, f"{name}: no gradient"
-        scale = float(ref.grad.abs().max())
-        error = float((grad - ref.grad).abs().max())
-        assert error <= tol * max(scale, 1e-6), f"{name}: max error {error:.3g}, scale {scale:.3g}"
+        graded[name] = (grad, ref.grad, exact[name].grad)
+    tolerances.assert_params_within_torch_error(
+        *({n: g[i].detach() for n, g in graded.items()} for i in range(3)), what="gradients"
+    )
 
 
 class TwoHeads(nn.Module):
@@ -73,7 +112,7 @@ class TwoHeads(nn.Module):
 def test_scalar_loss_backward():
     model, reference = wrap(MLP())
     x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         F.cross_entropy(m(x), y).backward()
     assert_grads_match(model, reference)
 
@@ -81,10 +120,10 @@ def test_scalar_loss_backward():
 def test_nonscalar_backward_with_gradient():
     model, reference = wrap(MLP())
     x, grad = torch.randn(BATCH, 32), torch.randn(BATCH, 10)
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         out = m(x)
         assert out.requires_grad and out.shape == (BATCH, 10)
-        out.backward(grad)
+        out.backward(grad.to(out.dtype))
     assert_grads_match(model, reference)
 
 
@@ -92,7 +131,7 @@ def test_several_outputs_feed_one_loss():
     model, reference = wrap(TwoHeads())
     x = torch.randn(BATCH, 16)
     y, target = torch.randint(0, 5, (BATCH,)), torch.randn(BATCH, 3)
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         logits, rest = m(x)
         # "aux" is returned but unused by the loss: its cotangent is None on the torch side.
         loss = F.cross_entropy(logits, y) + F.mse_loss(rest["reg"], target)
@@ -104,9 +143,11 @@ def test_input_gradients_flow_back_to_torch():
     model, reference = wrap(MLP())
     x = torch.randn(BATCH, 32)
     x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    x_exact = x.double().requires_grad_()
     model(x_ours).pow(2).sum().backward()
     reference(x_ref).pow(2).sum().backward()
-    torch.testing.assert_close(x_ours.grad, x_ref.grad, **TOL)
+    exact_of(reference)(x_exact).pow(2).sum().backward()
+    assert_close_to_exact(x_ours.grad, x_ref.grad, x_exact.grad, "input gradient")
     assert_grads_match(model, reference)
 
 
@@ -117,7 +158,7 @@ def test_two_wrapped_models_combined_loss():
     b, b_ref = wrap(MLP(in_features=32, hidden=32, num_classes=4))
     z, y = torch.randn(BATCH, 16), torch.randint(0, 4, (BATCH,))
     real = torch.randn(BATCH, 32)
-    for ma, mb in ((a, b), (a_ref, b_ref)):
+    for ma, mb in ((a, b), (a_ref, b_ref), (exact_of(a_ref), exact_of(b_ref))):
         fake = ma(z)
         loss = F.cross_entropy(mb(fake), y) + 0.5 * mb(real).square().mean()
         loss.backward()
@@ -130,7 +171,7 @@ def test_gan_discriminator_step_on_detached_fake():
     g, g_ref = wrap(MLP(in_features=16, hidden=32, num_classes=32))
     d, d_ref = wrap(MLP(in_features=32, hidden=32, num_classes=1))
     z, real = torch.randn(BATCH, 16), torch.randn(BATCH, 32)
-    for mg, md in ((g, d), (g_ref, d_ref)):
+    for mg, md in ((g, d), (g_ref, d_ref), (exact_of(g_ref), exact_of(d_ref))):
         fake = mg(z).detach()
         ones, zeros = torch.ones(BATCH, 1), torch.zeros(BATCH, 1)
         loss = F.binary_cross_entropy_with_logits(
@@ -146,10 +187,10 @@ def test_frozen_model_still_passes_input_gradients():
     parameters get no gradient, but the gradient must still reach what feeds it."""
     a, a_ref = wrap(MLP(in_features=16, hidden=32, num_classes=32))
     frozen, frozen_ref = wrap(MLP(in_features=32, hidden=32, num_classes=4))
-    for p in (*frozen.parameters(), *frozen_ref.parameters()):
+    for p in (*frozen.parameters(), *frozen_ref.parameters(), *exact_of(frozen_ref).parameters()):
         p.requires_grad_(False)
     z = torch.randn(BATCH, 16)
-    for ma, mf in ((a, frozen), (a_ref, frozen_ref)):
+    for ma, mf in ((a, frozen), (a_ref, frozen_ref), (exact_of(a_ref), exact_of(frozen_ref))):
         mf(ma(z)).square().mean().backward()
     assert_grads_match(a, a_ref)
     assert all(p.grad is None for p in frozen.module.parameters())
@@ -158,7 +199,7 @@ def test_frozen_model_still_passes_input_gradients():
 def test_same_model_called_twice_before_one_backward():
     model, reference = wrap(MLP(in_features=32, hidden=32, num_classes=32))
     x1, x2 = torch.randn(BATCH, 32), torch.randn(BATCH, 32)
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         # Two independent calls and one composed call (the output fed back in).
         loss = m(x1).square().mean() + m(m(x2)).abs().mean()
         loss.backward()
@@ -168,7 +209,7 @@ def test_same_model_called_twice_before_one_backward():
 def test_gradient_accumulation_sums_over_backward_calls():
     model, reference = wrap(MLP())
     batches = [(torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))) for _ in range(3)]
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         for x, y in batches:
             (F.cross_entropy(m(x), y) / len(batches)).backward()
     assert_grads_match(model, reference)
@@ -177,7 +218,7 @@ def test_gradient_accumulation_sums_over_backward_calls():
 def test_retain_graph_then_second_backward():
     model, reference = wrap(MLP())
     x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         out = m(x)
         F.cross_entropy(out, y).backward(retain_graph=True)
         out.square().mean().backward()  # the same graph again, another loss
@@ -188,6 +229,7 @@ def test_zero_grad_then_fresh_backward():
     """optimizer.zero_grad() (p.grad = None) drops what earlier backwards accumulated."""
     module = MLP()
     reference = copy.deepcopy(module)
+    twin(reference)
     model, optimizer = zerojax.initialize(
         module, torch.optim.SGD(module.parameters(), lr=0.1), config=ZERO3
     )
@@ -199,7 +241,7 @@ def test_zero_grad_then_fresh_backward():
     for p in model.module.parameters():
         p.grad = None  # torch's own zero_grad(set_to_none=True) spelling
     assert all(p.grad is None for p in model.module.parameters())
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         F.cross_entropy(m(x), y).backward()
     assert_grads_match(model, reference)
 
@@ -210,8 +252,9 @@ def test_no_grad_forward_records_nothing():
     with torch.no_grad():
         out = model(x)
         expected = reference(x)
+        exact = exact_of(reference)(x)
     assert not out.requires_grad and out.grad_fn is None
-    torch.testing.assert_close(out, expected, **TOL)
+    assert_close_to_exact(out, expected, exact, "output")
     assert all(p.grad is None for p in model.module.parameters())
 
 
@@ -219,32 +262,31 @@ def test_eval_mode_uses_running_stats_and_disables_dropout():
     """CNN with BatchNorm and dropout: train-mode forwards update the running statistics
     (compared with torch's), eval mode then uses them and drops nothing, deterministically."""
     model, reference = wrap(CNN())
+    exact = exact_of(reference)
     for _ in range(2):
         x = torch.randn(BATCH, 3, 16, 16)
         with torch.no_grad():
-            model(x)
-            reference(x)
+            for m in (model, reference, exact):
+                m(x)
     ours, theirs = model.state_dict(), reference.state_dict()
-    for name in (
-        "bn1.running_mean",
-        "bn1.running_var",
-        "bn2.running_mean",
-        "bn1.num_batches_tracked",
-    ):
-        torch.testing.assert_close(
-            ours[name], theirs[name], msg=lambda m, name=name: f"{name}: {m}", **TOL
-        )
+    exact_state = exact.module.state_dict()
+    names = ("bn1.running_mean", "bn1.running_var", "bn2.running_mean")
+    tolerances.assert_params_within_torch_error(
+        {n: ours[n] for n in names}, theirs, {n: exact_state[n] for n in names}, "running stats"
+    )
+    assert ours["bn1.num_batches_tracked"] == theirs["bn1.num_batches_tracked"]
 
-    model.eval()
-    reference.eval()
+    for m in (model, reference, exact):
+        m.eval()
     assert not model.training and not model.module.training
     x = torch.randn(BATCH, 3, 16, 16)
     first = model(x)
-    torch.testing.assert_close(first, reference(x), **TOL)
-    torch.testing.assert_close(model(x), first)  # no dropout: the same output twice
+    assert_close_to_exact(first, reference(x), exact(x), "eval output")
+    torch.testing.assert_close(model(x), first, rtol=0, atol=0)  # no dropout: same twice
     # Eval mode still trains if asked (e.g. fine-tuning with frozen BN statistics).
     first.sum().backward()
     reference(x).sum().backward()
+    exact(x).sum().backward()
     assert_grads_match(model, reference)
     model.train()
     assert model.module.training
@@ -271,13 +313,24 @@ def test_hugging_face_loss_runs_fused():
     tokens = torch.randint(0, 64, (BATCH, 16))
     out = model(tokens, labels=tokens)
     expected = reference(tokens, labels=tokens)
+    # (Hugging Face computes the float64 twin's loss from logits narrowed to float32: the
+    # reference carries float32 rounding of the loss, a few u, far below the others' errors.)
+    exact = exact_of(reference)(tokens, labels=tokens)
     assert out.loss.ndim == 0 and out.loss.requires_grad
-    torch.testing.assert_close(out.loss, expected.loss, **TOL)
-    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    # One loss: with its forward's float32 rounding as a floor (accumulation lengths: width
+    # 32, head_dim 16, 16 keys, MLP 128, norms 32, vocabulary 64, 120 predicted tokens, and ~10
+    # library functions, per side).
+    rounds = 2 * (32 + 16 + 16 + 32 + 128 + 32 + 64 + 120 + 10 * tolerances.LIBM_ULPS)
+    floor = tolerances.rounded_intermediates(torch.float32, rounds, exact.loss.abs().detach())
+    tolerances.assert_within_torch_error(
+        out.loss.detach(), expected.loss.detach(), exact.loss.detach(), "loss", floor
+    )
+    assert_close_to_exact(out.logits, expected.logits, exact.logits, "logits")
     assert "loss_and_grads" in model.engine.compiled_programs()
     (out.loss * 0.5).backward()  # a weighted loss scales the fused gradients
     (expected.loss * 0.5).backward()
-    assert_grads_match(model, reference, tol=1e-4)
+    (exact.loss * 0.5).backward()
+    assert_grads_match(model, reference)
 
     # Another output of a fused model cannot join the loss: a clear error, not wrong grads.
     out = model(tokens, labels=tokens)
@@ -289,26 +342,37 @@ def test_hugging_face_loss_runs_fused():
 def test_hugging_face_unfused_allows_other_outputs():
     model, reference = wrap(tiny_hf_gpt2(), fused=False)
     tokens = torch.randint(0, 64, (BATCH, 16))
-    for m in (model, reference):
+    for m in (model, reference, exact_of(reference)):
         out = m(tokens, labels=tokens)
         (out.loss + 0.1 * out.logits.square().mean()).backward()
     assert "loss_and_grads" not in model.engine.compiled_programs()
-    assert_grads_match(model, reference, tol=1e-4)
+    assert_grads_match(model, reference)
 
 
 def test_loss_fn_runs_fused_when_called_with_target():
     module = MLP()
     reference = copy.deepcopy(module)
+    exact_model = twin(reference)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     model, _ = zerojax.initialize(module, optimizer, config=ZERO3, loss_fn=F.cross_entropy)
     batches = [(torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))) for _ in range(2)]
     for x, y in batches:  # two calls: accumulation on the fused path too
         loss = model(x, y)
         expected = F.cross_entropy(reference(x), y)
+        exact = F.cross_entropy(exact_model(x), y)
         assert loss.ndim == 0
-        torch.testing.assert_close(loss, expected, **TOL)
+        # One loss: an error norm of one element does not concentrate, so with the forward's
+        # own float32 rounding as a floor (accumulation 32 + 64 + 64 + LayerNorm 64 + the
+        # batch 8 + 10 classes, and ~4 library functions, per side).
+        floor = tolerances.rounded_intermediates(
+            torch.float32, 2 * (32 + 3 * 64 + 8 + 10 + 4 * tolerances.LIBM_ULPS), exact.abs()
+        )
+        tolerances.assert_within_torch_error(
+            loss.detach(), expected.detach(), exact.detach(), "loss", floor.detach()
+        )
         loss.backward()
         expected.backward()
+        exact.backward()
     assert "loss_and_grads" in model.engine.compiled_programs()
     assert_grads_match(model, reference)
 
@@ -316,9 +380,11 @@ def test_loss_fn_runs_fused_when_called_with_target():
     # fused program returns no input gradients) and the gradient arrives.
     x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
     x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    x_exact = x.double().requires_grad_()
     model(x_ours * 2, y).backward()
     F.cross_entropy(reference(x_ref * 2), y).backward()
-    torch.testing.assert_close(x_ours.grad, x_ref.grad, **TOL)
+    F.cross_entropy(exact_model(x_exact * 2), y).backward()
+    assert_close_to_exact(x_ours.grad, x_ref.grad, x_exact.grad, "input gradient")
     assert_grads_match(model, reference)
 
 
@@ -327,23 +393,27 @@ def test_parameters_frozen_after_initialize_get_no_gradient_and_no_update():
     parameters get no `.grad` and AdamW leaves them alone (no decay, no moments), as in torch."""
     module = MLP()
     reference = copy.deepcopy(module)
+    exact = twin(reference)
     model, optimizer = zerojax.initialize(
         module, torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1), config=ZERO3
     )
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
-    for m in (model.module, reference):
+    exact_optimizer = torch.optim.AdamW(exact.parameters(), lr=1e-2, weight_decay=0.1)
+    for m in (model.module, reference, exact.module):
         m.fc1.requires_grad_(False)
     for _ in range(2):
         x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
-        for m in (model, reference):
+        for m in (model, reference, exact):
             F.cross_entropy(m(x), y).backward()
         assert model.module.fc1.weight.grad is None
         assert_grads_match(model, reference)
-        for m, opt in ((model, optimizer), (reference, ref_optimizer)):
+        for m, opt in ((model, optimizer), (reference, ref_optimizer), (exact, exact_optimizer)):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
     ours, theirs = model.state_dict(), reference.state_dict()
     torch.testing.assert_close(ours["fc1.weight"], theirs["fc1.weight"], rtol=0, atol=0)
-    for name in theirs:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6)
+    # AdamW turns rounding differences into up to lr-sized steps: held to torch's own float32
+    # error against the float64 run, all parameters at once.
+    exact_state = exact.module.state_dict()
+    tolerances.assert_params_within_torch_error(ours, theirs, exact_state, "trained parameters")
