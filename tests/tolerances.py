@@ -139,6 +139,37 @@ def assert_within(got: torch.Tensor, expected: torch.Tensor, bound, what: str = 
 LIBM_ULPS = 6
 
 
+# Elementwise results (tests/bridge/parity.py's default): per side, the function within
+# LIBM_ULPS plus up to 4 roundings of a composite's own steps (gelu = x/2 (1 + erf(x/sqrt2)),
+# mish, softplus, ...; torch's gelu measured 6.8 ulps), relative to the result (rtol), or, where
+# the result cancels towards zero (x * 3 + 1, FMA contraction on one side only), relative to the
+# operands, which these tests draw from randn, below INPUT_MAGNITUDE (P(|z| > 8) = 1.2e-15).
+ELEMENTWISE_ULPS = LIBM_ULPS + 4
+INPUT_MAGNITUDE = 8.0
+ELEMENTWISE = {
+    "rtol": 2 * ELEMENTWISE_ULPS * 2.0**-23,
+    "atol": 2 * ELEMENTWISE_ULPS * 2.0**-23 * INPUT_MAGNITUDE,
+}
+
+# Special functions (lgamma, digamma, polygamma, Bessel, erfcx, ndtri): torch uses Cephes, XLA
+# jax.scipy's own series; measured against float64 on 2^14 points of the tests' domains, both
+# ISAs, in ulps of max(|f|, 1): XLA lgamma 19.1, erfcx 12.8, trigamma 10.8, digamma 9.2; torch
+# erfcx 12.8, digamma 6.6, others <= 5. SPECIAL_ULPS per side covers them; the scale
+# max(|f|, 1) is rtol on |f| plus atol at 1.
+SPECIAL_ULPS = 24
+SPECIAL = {"rtol": 2 * SPECIAL_ULPS * 2.0**-23, "atol": 2 * SPECIAL_ULPS * 2.0**-23}
+
+# Gradients through elementwise ops and short reductions (parity.check_grad's default): per
+# side a derivative formula (ELEMENTWISE_ULPS) times the cotangent (1 rounding) and sums over
+# at most GRADIENT_TERMS broadcast or reduced elements (every default caller reduces over <= 40:
+# batch norm's 4 x 3 x 3 = 36 is the longest), relative to the cotangent scale (randn, 1).
+GRADIENT_TERMS = 40
+GRADIENT = {
+    "rtol": 2 * (ELEMENTWISE_ULPS + 1 + GRADIENT_TERMS) * 2.0**-23,
+    "atol": 2 * (ELEMENTWISE_ULPS + 1 + GRADIENT_TERMS) * 2.0**-23,
+}
+
+
 def _attention_weights(q, k, mask, scale, causal):
     """(p, eta, allowed) in float64 for softmax(q k^T scale + mask): the exact weights, the
     bound on one float32 side's relative error of each unnormalized weight exp(s_ij - m_i)
