@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import zerojax
 from bench.architectures import MLP
+from tests import tolerances
 from zerojax.config import ConfigError
 
 pytestmark = pytest.mark.multidevice
@@ -117,19 +118,26 @@ def test_optimizer_section_builds_the_optimizer_and_trains_like_torch():
     assert type(built) is torch.optim.AdamW
     assert built.defaults["lr"] == 2e-2 and built.defaults["betas"] == (0.8, 0.95)
     assert built.defaults["weight_decay"] == 0.1
+    exact = copy.deepcopy(reference).double()
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=2e-2, betas=(0.8, 0.95))
     ref_optimizer.param_groups[0]["weight_decay"] = 0.1
+    exact_optimizer = torch.optim.AdamW(exact.parameters(), lr=2e-2, betas=(0.8, 0.95))
+    exact_optimizer.param_groups[0]["weight_decay"] = 0.1
     for _ in range(2):
         x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-        for m, opt in ((model, optimizer), (reference, ref_optimizer)):
-            F.cross_entropy(m(x), y).backward()
+        for m, opt, inputs in (
+            (model, optimizer, x),
+            (reference, ref_optimizer, x),
+            (exact, exact_optimizer, x.double()),
+        ):
+            F.cross_entropy(m(inputs), y).backward()
             opt.step()
             opt.zero_grad()
-    # zerojax's AdamW differs from torch's by <= 1 ulp on ~1% of elements per step
-    # (train/optimizers.py); on unit-scale params after 2 steps that is < 1e-6.
-    ours = model.state_dict()
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    # AdamW turns gradient rounding differences into up to lr-sized steps: held to torch's own
+    # float32 error against the float64 run, all parameters at once.
+    tolerances.assert_params_within_torch_error(
+        model.state_dict(), reference.state_dict(), exact.state_dict(), "parameters"
+    )
 
 
 def test_deepspeed_optimizer_section_builds_adamw():
