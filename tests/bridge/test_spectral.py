@@ -41,7 +41,8 @@ def check_fft(fn, x, length: int, passes: int = 1):
     assert len(leaves) == len(got_leaves)
     for i, (e, g) in enumerate(zip(leaves, got_leaves, strict=True)):
         assert g.dtype == e.dtype and g.shape == e.shape, (i, g.dtype, e.dtype, g.shape)
-        bound = 2 * fft_error(length, passes) * float(torch.linalg.vector_norm(e.double()))
+        wide = e.to(torch.complex128 if e.is_complex() else torch.float64)
+        bound = 2 * fft_error(length, passes) * float(torch.linalg.vector_norm(wide))
         if e.is_complex():
             e, g = torch.view_as_real(e), torch.view_as_real(g)
         tolerances.assert_within(g, e, bound, f"output {i}")
