@@ -487,3 +487,94 @@ def assert_params_within_torch_error(got: dict, torch_low: dict, exact: dict, wh
         )
 
     assert_within_torch_error(flat(got), flat(torch_low), flat(exact), what)
+
+
+_U32 = 2.0**-24
+
+
+class LockstepBound:
+    """Elementwise bound on |zerojax - torch| for parameters and optimizer state when both run
+    the same optimizer on the same gradients from the same state, accumulated per step
+    (`observe` before each torch step). First order, u = float32 unit roundoff, per side:
+
+    * Adam/AdamW: m_t = b1 m + (1 - b1) g rounds 3 times with terms <= M_t, the EMA of |g|, so
+      |dm_t| <= 3 u t M_t by induction; v_t (positive terms) has relative error <= 4 u t and
+      sqrt(v) half that. The step lr m_hat / (sqrt(v_hat) + eps) then errs by at most
+      lr R u (3 t + 2 t + 10): the m and v errors, and 10 roundings of its own (bias
+      corrections, sqrt, division by sqrt(bc2), + eps, m / denom, * step size), with
+      R = M_hat / (sqrt(V_hat) + eps) >= |m_hat| / (sqrt(v_hat) + eps) (tracked in float64 with
+      the step's own betas; amsgrad's larger denominator only shrinks it).
+    * SGD: the buffer b = mu b + (1 - dampening) g' (g' = g + wd p) rounds 4 times with terms
+      <= Mb_t = mu Mb + |g'|, so |db_t| <= 4 u t Mb_t; the step lr (b, or g' + mu b) errs by
+      lr u (4 t + 4) times its magnitude bound.
+    * The parameter update p (1 - lr wd) - step rounds 3 times: 3 u |p|.
+    Errors add over steps (every recurrence here contracts them: factors b1, b2, mu, 1 - lr wd
+    <= 1); two sides double the bound. The perturbed parameters' effect on later weight-decay
+    terms is second order. Moments stored in `state_dtype` (bf16) add one rounding per step,
+    u_s t M to m and u_s t relative to v, so lr R u_s (t + t / 2) to the step. A run that
+    resumes from torch's state (both sides equal) starts its t at that point but its EMAs from
+    that state's magnitudes and its bias corrections from the global step."""
+
+    def __init__(self, state_dtype=torch.float32):
+        self.u_state = 0.0 if state_dtype == torch.float32 else unit_roundoff(state_dtype)
+        self.param: dict[int, torch.Tensor] = {}
+        self.state: dict[int, dict[str, torch.Tensor]] = {}
+        self._ema: dict[int, dict[str, torch.Tensor]] = {}
+
+    def observe(self, opt) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step(opt, group, p)
+
+    def _step(self, opt, group, p) -> None:
+        key, lr = id(p), float(group["lr"])
+        x, g = p.detach().double(), p.grad.double() * (-1 if group.get("maximize") else 1)
+        ema = self._ema.setdefault(key, {"t": 0})
+        ema["t"] = t = ema["t"] + 1
+        bound = self.param.get(key, torch.zeros_like(x)) + 3 * _U32 * x.abs()
+        state = self.state.setdefault(key, {})
+        torch_state = opt.state.get(p, {})
+        if isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            beta1, beta2 = group["betas"]
+            if not isinstance(opt, torch.optim.AdamW):
+                g = g + group["weight_decay"] * x  # L2: part of the gradient
+            if "m" not in ema and "exp_avg" in torch_state:  # resumed: same history both sides
+                ema["m"] = torch_state["exp_avg"].double().abs()
+                ema["v"] = torch_state["exp_avg_sq"].double()
+            step = int(torch_state.get("step", 0)) + 1
+            ema["m"] = beta1 * ema.get("m", 0.0) + (1 - beta1) * g.abs()
+            ema["v"] = beta2 * ema.get("v", 0.0) + (1 - beta2) * g.square()
+            m_hat, v_hat = ema["m"] / (1 - beta1**step), ema["v"] / (1 - beta2**step)
+            ratio = m_hat / (v_hat.sqrt() + group["eps"])
+            rounding = _U32 * (5 * t + 10) + self.u_state * 1.5 * t
+            bound = bound + lr * ratio * rounding
+            state["exp_avg"] = 3 * _U32 * t * ema["m"]
+            state["exp_avg_sq"] = 4 * _U32 * t * ema["v"]
+            state["max_exp_avg_sq"] = torch.maximum(
+                state.get("max_exp_avg_sq", state["exp_avg_sq"]), state["exp_avg_sq"]
+            )
+        else:
+            mu = group["momentum"]
+            g = g.abs() + group["weight_decay"] * x.abs()
+            if mu:
+                if "b" not in ema and torch_state.get("momentum_buffer") is not None:
+                    ema["b"] = torch_state["momentum_buffer"].double().abs()
+                ema["b"] = mu * ema.get("b", 0.0) + g
+                state["momentum_buffer"] = 4 * _U32 * t * ema["b"]
+                step = g + mu * ema["b"] if group["nesterov"] else ema["b"]
+            else:
+                step = g
+            bound = bound + lr * _U32 * (4 * t + 4) * step
+        self.param[key] = bound
+
+    def params(self, params) -> dict[str, torch.Tensor]:
+        """Two-sided bounds by parameter name."""
+        return {n: 2 * self.param[id(p)] for n, p in params.items() if id(p) in self.param}
+
+    def states(self, params, key: str) -> dict[str, torch.Tensor]:
+        return {
+            n: 2 * self.state[id(p)][key]
+            for n, p in params.items()
+            if key in self.state.get(id(p), {})
+        }
