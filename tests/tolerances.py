@@ -489,7 +489,7 @@ def assert_params_within_torch_error(got: dict, torch_low: dict, exact: dict, wh
     assert_within_torch_error(flat(got), flat(torch_low), flat(exact), what)
 
 
-_U32 = 2.0**-24
+_U32 = unit_roundoff(torch.float32)
 
 
 class LockstepBound:

@@ -20,6 +20,7 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tests import tolerances
 from zerojax.pallas_kernels.adamw import (
     AdamWConfig,
     adamw_hyper,
@@ -34,14 +35,65 @@ from zerojax.train.optimizers import (
     optimizer_spec_from_torch,
 )
 
-# Kernel (interpret) vs reference, by the dtype an output is stored in. Both round the same
-# float32 expression; XLA may compile the two differently by an ulp (x / scalar -> x * 1/scalar).
-TOLERANCE = {
-    jnp.float32: {"atol": 1e-6, "rtol": 1e-6},
-    jnp.bfloat16: {"atol": 1e-6, "rtol": 2**-7},  # one bf16 ulp
-}
-# Against torch.optim.AdamW: optimizers.py documents <= 5e-7 after 20 steps (1-ulp sqrt/div).
-TORCH_ATOL = 5e-7
+# Kernel (interpret) vs reference: both round the same float32 expression, which XLA may
+# compile differently (x / scalar -> x * 1/scalar, FMA contraction): `step_bounds` gives each
+# output's first-order rounding bound per element; an output stored in bf16 adds its rounding.
+# Against torch.optim.AdamW over several steps: tolerances.LockstepBound.
+U = tolerances.unit_roundoff(np.float32)
+
+
+def step_bounds(
+    weight,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    step,
+    lr=1e-2,
+    weight_decay=0.1,
+    betas=(0.9, 0.999),
+    eps=1e-8,
+    decoupled_weight_decay=True,
+    maximize=False,
+    max_exp_avg_sq=None,
+) -> dict[str, np.ndarray]:
+    """Two-sided elementwise bounds on one AdamW step computed in float32 from the same inputs
+    (tolerances.LockstepBound's terms at t = 1): the decayed weight 2 u |w|, the moments
+    m' = lerp(m, g, 1 - b1) 3 u (b1 |m| + (1 - b1) |g|) and v' (positive terms) 4 u v', the
+    denominator sqrt(v') / sqrt(bc2) + eps half v's relative error plus 3 u, the update
+    step_size m' / denom the m' and denominator errors plus 2 u, the new weight u |w'|."""
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    w, g, m, v = (f64(x) for x in (weight, grad, exp_avg, exp_avg_sq))
+    beta1, beta2 = betas
+    g = -g if maximize else g
+    g_mag = np.abs(g)
+    if decoupled_weight_decay:
+        w_decayed, w_error = w * (1 - lr * weight_decay), 2 * U * np.abs(w)
+    else:
+        g = g + weight_decay * w
+        g_mag = g_mag + weight_decay * np.abs(w)
+        w_decayed, w_error = w, 0.0
+    m_new = beta1 * m + (1 - beta1) * g
+    m_error = 3 * U * (beta1 * np.abs(m) + (1 - beta1) * g_mag)
+    v_new = beta2 * v + (1 - beta2) * g * g
+    v_error = 4 * U * (beta2 * np.abs(v) + (1 - beta2) * g_mag**2)
+    v_den = v_new if max_exp_avg_sq is None else np.maximum(f64(max_exp_avg_sq), v_new)
+    denom = np.sqrt(v_den) / np.sqrt(1 - beta2**step) + eps
+    step_size = lr / (1 - beta1**step)
+    update = step_size * np.abs(m_new) / denom
+    relative = (v_error / np.maximum(v_den, np.finfo(np.float64).tiny)) / 2 + 3 * U
+    update_error = step_size * m_error / denom + update * (relative + 2 * U)
+    w_new = w_decayed - step_size * m_new / denom
+    bounds = {
+        "weight": w_error + update_error + U * np.abs(w_new),
+        "exp_avg": m_error,
+        "exp_avg_sq": v_error,
+        "max_exp_avg_sq": v_error,
+    }
+    bounds["param"] = bounds["weight"]
+    return {name: 2 * bound for name, bound in bounds.items()}
+
+
 # Interpret mode runs the kernel on CPU: small blocks keep grids at 1-8 programs.
 SMALL = AdamWConfig(block_size=256)
 # (weight, grad, moments, param_dtype): fp32 everything; fp32 master + bf16 param copy;
@@ -88,13 +140,18 @@ def hyper_at(step: int, lr: float = 1e-2) -> dict:
     return adamw_hyper(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=step)
 
 
-def assert_close(actual, expected, err_msg=""):
+def assert_close(actual, expected, bound, err_msg=""):
+    """|actual - expected| <= bound (step_bounds), plus, for an output stored in a narrower
+    dtype, each side's rounding to it (u_low |value| twice)."""
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype, err_msg)
-    np.testing.assert_allclose(
-        np.asarray(actual, np.float32),
-        np.asarray(expected, np.float32),
-        **TOLERANCE[expected.dtype.type],
-        err_msg=err_msg,
+    e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+    if expected.dtype != jnp.float32:
+        bound = bound + 2 * tolerances.unit_roundoff(expected.dtype) * (np.abs(e) + bound)
+    tolerances.assert_within(
+        torch.tensor(np.asarray(jnp.asarray(actual, jnp.float32))),
+        torch.tensor(e),
+        torch.tensor(bound),
+        err_msg,
     )
 
 
@@ -164,6 +221,7 @@ class TestAdamW:
         weight = jnp.array(param.detach().numpy())
         exp_avg, exp_avg_sq = jnp.zeros_like(weight), jnp.zeros_like(weight)
         update = jitted(implementation)
+        bound = tolerances.LockstepBound()
         for step in range(1, 6):
             grad = torch.randn(1000)
             hyper = {k: v[0] for k, v in hyper_from_torch(opt, spec).items()}
@@ -171,14 +229,18 @@ class TestAdamW:
                 weight, jnp.asarray(grad.numpy()), exp_avg, exp_avg_sq, hyper | {"step": step}
             )
             param.grad = grad
+            bound.observe(opt)
             opt.step()
             scheduler.step()
             assert none is None
-            err = np.abs(np.asarray(weight) - param.detach().numpy()).max()
-            assert err <= TORCH_ATOL, f"step {step}: max |diff| {err}"
+            limits = bound.params({"p": param})["p"]
+            got = torch.tensor(np.asarray(weight))
+            tolerances.assert_within(got, param.detach(), limits, f"step {step}")
             torch_state = opt.state[param]
-            np.testing.assert_allclose(exp_avg, torch_state["exp_avg"].numpy(), atol=1e-7)
-            np.testing.assert_allclose(exp_avg_sq, torch_state["exp_avg_sq"].numpy(), atol=1e-8)
+            for key, value in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                limit = bound.states({"p": param}, key)["p"]
+                got = torch.tensor(np.asarray(value))
+                tolerances.assert_within(got, torch_state[key], limit, f"step {step} {key}")
         assert update._cache_size() == 1, "a new lr or step must not recompile"
 
     @pytest.mark.parametrize(
@@ -199,12 +261,13 @@ class TestAdamW:
         hyper = hyper_at(step=seed % 7 + 1)
         expected = reference(*operands, hyper, param_dtype=param_dtype)
         actual = jitted("pallas", param_dtype=param_dtype)(*operands, hyper)
+        bounds = step_bounds(*operands, step=seed % 7 + 1)
         for name, a, b in zip(("weight", "exp_avg", "exp_avg_sq", "param"), actual, expected):
             if b is None:
                 assert a is None, name
                 continue
             assert a.shape == shape, name
-            assert_close(a, b, err_msg=name)
+            assert_close(a, b, bounds[name], err_msg=name)
         xla = jitted("xla", param_dtype=param_dtype)(*operands, hyper)
         for a, b in zip(xla, expected):
             assert (a is None and b is None) or np.array_equal(a, b)
@@ -227,9 +290,13 @@ class TestAdamW:
             functools.partial(adamw_update, interpret=True, block_config=SMALL, **options)
         )(weight, grad, exp_avg, exp_avg_sq, hyper, max_exp_avg_sq=max_exp_avg_sq)
         assert len(actual) == len(expected) == (5 if amsgrad else 4)
-        for a, b in zip(actual, expected):
+        bounds = step_bounds(
+            weight, grad, exp_avg, exp_avg_sq, step=4, max_exp_avg_sq=max_exp_avg_sq, **options
+        )
+        names = ("weight", "exp_avg", "exp_avg_sq", "param", "max_exp_avg_sq")
+        for a, b, name in zip(actual, expected, names):
             if b is not None:
-                assert_close(a, b)
+                assert_close(a, b, bounds[name], err_msg=name)
 
     @pytest.mark.parametrize("amsgrad", [False, True])
     def test_lowers_for_cuda_with_aliasing(self, amsgrad):
@@ -302,12 +369,24 @@ class TestAdamW:
             }
         )(inputs, hyper_at(3))
         maybe_max = {"max_exp_avg_sqs": inputs[4]} if amsgrad else {}
+        all_bounds = {  # before the update donates (deletes) its inputs
+            name: step_bounds(
+                *(t[name] for t in inputs[:4]),
+                step=3,
+                max_exp_avg_sq=inputs[4][name] if amsgrad else None,
+            )
+            for name in shapes
+        }
         outs = update(*inputs[:4], hyper_at(3), **maybe_max)
         assert len(outs) == (5 if amsgrad else 4)
+        names = ("weight", "exp_avg", "exp_avg_sq", "param", "max_exp_avg_sq")
         for name in shapes:
+            bounds = all_bounds[name]
             for i, out in enumerate(outs):
                 assert out[name].sharding.spec == specs[name], (name, i)
-                assert_close(out[name], expected[name][i], err_msg=f"{name} output {i}")
+                assert_close(
+                    out[name], expected[name][i], bounds[names[i]], err_msg=f"{name} output {i}"
+                )
         # The next step (new lr and step, the donated outputs fed back) reuses the executable.
         maybe_max = {"max_exp_avg_sqs": outs[4]} if amsgrad else {}
         update(outs[0], inputs[1], *outs[1:3], hyper_at(4, lr=5e-3), **maybe_max)
