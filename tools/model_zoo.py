@@ -136,9 +136,9 @@ def _seeded(build: Callable[[int], Built]) -> Callable[[int], Built]:
 # torchvision ------------------------------------------------------------------
 
 # The smallest input each model takes where 64x64 is too small: Inception-v3's auxiliary head
-# (train mode) needs a 17x17 map before its 5x5 pool; MaxViT's 7x7 windows need every stage's
+# (train mode) needs a 17x17 map before its 5x5 pool, which only 299x299 gives; MaxViT's 7x7 windows need every stage's
 # grid divisible by 7 (7 x 32 = 224).
-_TV_IMAGE_SIZE = {"inception_v3": 139, "maxvit_t": 224, "vit_h_14": 56}
+_TV_IMAGE_SIZE = {"inception_v3": 299, "maxvit_t": 224, "vit_h_14": 56}
 _TV_KWARGS = {
     name: {"image_size": _TV_IMAGE_SIZE.get(name, 64)}
     for name in ("vit_b_16", "vit_b_32", "vit_h_14", "vit_l_16", "vit_l_32")
