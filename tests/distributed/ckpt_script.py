@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import zerojax
-from tests.distributed.ddp_script import MLP, dataset
+from tests.distributed.ddp_script import MLP, dataset, zerojax_config
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,14 +41,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mesh = {k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}
-    config = {
-        "devices": {"platform": "cpu", "num_cpu_devices": args.devices_per_process},
-        "mesh": mesh,
-        "zero_stage": args.zero_stage,
-        "runtime": {"compilation_cache_dir": None},
-    }
-    model, optimizer = zerojax.initialize(model, optimizer, config=config)
+    model, optimizer = zerojax.initialize(model, optimizer, config=zerojax_config(args))
     checkpointer = zerojax.Checkpointer(args.dir, model, optimizer)
     if args.mode == "save":
         data = dataset(64)

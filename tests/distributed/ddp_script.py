@@ -35,6 +35,18 @@ class MLP(torch.nn.Module):
         return self.head(F.gelu(self.fc2(F.gelu(self.norm(self.fc1(x))))))
 
 
+def zerojax_config(args: argparse.Namespace) -> dict:
+    """The config a script's --mesh ("data=2,fsdp=4"), --zero-stage and --devices-per-process
+    describe: simulated CPU devices per process, no compile cache (each run starts cold)."""
+    mesh = {k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}
+    return {
+        "devices": {"platform": "cpu", "num_cpu_devices": args.devices_per_process},
+        "mesh": mesh,
+        "zero_stage": args.zero_stage,
+        "runtime": {"compilation_cache_dir": None},
+    }
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", choices=("torch", "zerojax"), required=True)
@@ -78,14 +90,7 @@ def main() -> None:
     else:
         import zerojax
 
-        mesh = {k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}
-        config = {
-            "devices": {"platform": "cpu", "num_cpu_devices": args.devices_per_process},
-            "mesh": mesh,
-            "zero_stage": args.zero_stage,
-            "runtime": {"compilation_cache_dir": None},
-        }
-        model, optimizer = zerojax.initialize(model, optimizer, config=config)
+        model, optimizer = zerojax.initialize(model, optimizer, config=zerojax_config(args))
         sampler = zerojax.distributed.sampler(data, shuffle=True, seed=7)
         clip = lambda: model.clip_grad_norm_(args.max_norm)
         rank = zerojax.distributed.rank()
