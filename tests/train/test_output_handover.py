@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.architectures import MLP
+from tests.train.test_backward_patterns import tiny_hf_gpt2
 from zerojax.config import load_config
 from zerojax.sharding import make_mesh
 from zerojax.train.engine import Engine
@@ -108,26 +109,10 @@ def test_compiled_outputs_never_share_a_buffer_with_inputs_or_each_other():
     assert all(o is not x for o in outputs)
 
 
-def tiny_hf_gpt2():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=64,
-        n_embd=32,
-        n_layer=1,
-        n_head=2,
-        n_positions=32,
-        attn_implementation="sdpa",
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    return transformers.GPT2LMHeadModel(config)
-
-
 def test_fused_outputs_are_plain_tensors_and_changing_them_changes_no_state():
     """A Hugging Face CausalLM on the fused path: loss and logits are handed over; everything a
     loop does with them works, and writing into the logits changes nothing zerojax holds."""
+    torch.manual_seed(0)
     model, reference = wrap_on_one_device(tiny_hf_gpt2())
     model.eval()
     reference.eval()
