@@ -161,6 +161,13 @@ def _row(result: dict) -> str:
         forward = f"{_err(parity['forward_error'])} / {_err(parity['forward_error_torch_fp32'])}"
         forward = forward if _true(parity.get("forward_ok")) else f"**{forward}**"
         gradient = f"{_err(parity['gradient_error'])} / {_err(parity['gradient_error_torch_fp32'])}"
+        if "ill_conditioned_at_batch_2" in parity:
+            first = parity["ill_conditioned_at_batch_2"]
+            forward += f" at batch {parity['batch']}"
+            gradient += (
+                f" at batch {parity['batch']} (batch 2: {_err(first['gradient_error'])} / "
+                f"{_err(first['gradient_error_torch_fp32'])})"
+            )
         gradient = gradient if _true(parity.get("gradient_ok")) else f"**{gradient}**"
     else:
         forward = gradient = "-"
@@ -198,7 +205,9 @@ def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
         "gradient); the factor absorbs different but equally valid rounding orders, while a wrong",
         "lowering is off by O(1). For models that take images, torch fp32's error is the worse of",
         "its contiguous and `channels_last` evaluations (two valid accumulation orders; at batch 2",
-        "one of them can be lucky, see `tools/model_zoo.py`). *ZeRO-3 step*: one",
+        "one of them can be lucky, see `tools/model_zoo.py`). A model with BatchNorm in train",
+        "mode whose torch fp32 gradient is off float64 by more than 1e-4 at batch 2 (ill-conditioned",
+        "batch statistics) is judged at batch 8; its batch-2 numbers are shown beside. *ZeRO-3 step*: one",
         "`loss.backward(); opt.step()` through `zerojax.initialize` on an 8-way `fsdp` mesh with",
         "dropout on: finite loss and parameters, parameters changed. *s*: seconds for both checks",
         "on a shared 2-core CPU. Bold marks a failure; its cause is in the last column. Models",

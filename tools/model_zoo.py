@@ -31,6 +31,13 @@ order can be lucky where the conditioning is poor: timm ResNeSt-14d at batch 2 n
 values per channel in its split-attention BatchNorm, and `bn1.bias`'s gradient is 4e-6 off
 float64 contiguous but 1.0e-2 off in channels_last (zerojax: 1.0e-2; at batch 8 torch
 contiguous is the one 3e-3 off, zerojax 9e-6).
+Where BatchNorm in train mode makes batch 2 ill-conditioned, as measured by torch fp32 itself
+(its gradient error above `GRADIENT_BOUND`), the verdict comes from a second comparison at batch
+8, where each channel's statistics see 4x more values: at batch 2 a correct conversion and torch
+fp32 are both dominated by amplified rounding, so even the 10x factor judges noise (torchvision
+MobileNet-V2: zerojax 3.2e-2 vs torch 3.2e-3; RegNet-X-800MF 9.8e-2 vs 3.0e-3), and a loose
+pass there proves as little. The decision depends only on torch's own error, never zerojax's;
+the batch-2 numbers are kept in the result.
 Dropout is off for parity (`nn.Dropout`/stochastic-depth modules and timm's `drop_rate` set to 0 for vision models,
 eval mode for Hugging Face models, whose attention dropout is a config value).
 
@@ -73,6 +80,9 @@ GRADIENT_FLOOR = 1e-5
 this fraction of the largest parameter gradient instead of its own norm (tests/bridge)."""
 
 PARITY_BATCH = 2
+BATCHNORM_PARITY_BATCH = 8
+"""Batch of the comparison that judges a model with train-mode BatchNorm when batch 2 is
+ill-conditioned (module docstring)."""
 STEP_BATCH = 8  # one sample per device of the 8-way fsdp mesh
 
 ZERO3_CONFIG = {
@@ -886,21 +896,51 @@ def _zero_dropout(model: torch.nn.Module) -> None:
 def check_parity(case: ModelCase) -> dict:
     """Forward and gradient parity of zerojax against float64 torch (see module docstring).
 
-    Returns a JSON-able dict: `passed`, `stage` reached, errors, and `cause` when failing."""
+    Returns a JSON-able dict: `passed`, `stage` reached, errors, `batch`, and `cause` when
+    failing. A model with train-mode BatchNorm whose torch fp32 gradient is off float64 by more
+    than `GRADIENT_BOUND` at `PARITY_BATCH` is judged at `BATCHNORM_PARITY_BATCH`; the batch-2
+    numbers are kept under `ill_conditioned_at_batch_2`."""
+    result = _parity_at(case, PARITY_BATCH)
+    if result.get("train_batchnorm") and result.get("gradient_error_torch_fp32", 0) > GRADIENT_BOUND:
+        first = {k: result.get(k) for k in _ERROR_KEYS}
+        result = _parity_at(case, BATCHNORM_PARITY_BATCH)
+        result["ill_conditioned_at_batch_2"] = first
+    return result
+
+
+_ERROR_KEYS = (
+    "forward_error",
+    "forward_error_torch_fp32",
+    "gradient_error",
+    "gradient_error_torch_fp32",
+    "gradient_worst_param",
+    "passed",
+)
+
+
+def _has_train_batchnorm(model: torch.nn.Module) -> bool:
+    return any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+        for m in model.modules()
+    )
+
+
+def _parity_at(case: ModelCase, batch: int) -> dict:
     import jax
     import jax.numpy as jnp
 
     import zerojax
     from zerojax.bridge.dtypes import from_torch
 
-    result: dict[str, Any] = {"stage": "build"}
+    result: dict[str, Any] = {"stage": "build", "batch": batch}
     start = time.perf_counter()
     try:
-        built = case.build(PARITY_BATCH)
+        built = case.build(batch)
         if case.parity_in_train_mode:
             _zero_dropout(built.model)
         else:
             built.model.eval()
+        result["train_batchnorm"] = _has_train_batchnorm(built.model)
         result["mode"] = "train, dropout p=0" if case.parity_in_train_mode else "eval"
         result["num_params"] = sum(p.numel() for p in built.model.parameters())
 

@@ -69,6 +69,43 @@ def test_parity_verdict_uses_torch_fp32_error_as_the_yardstick():
     )
 
 
+@pytest.mark.parametrize(
+    ("train_batchnorm", "torch_error", "judged_at"),
+    [(True, 3e-3, 8), (True, 5e-5, 2), (False, 3e-3, 2)],
+)
+def test_ill_conditioned_batchnorm_is_judged_at_batch_8(
+    monkeypatch, train_batchnorm, torch_error, judged_at
+):
+    """Only torch fp32's own error at batch 2 (with train-mode BatchNorm) moves the verdict to
+    batch 8; zerojax's error plays no part in that decision, so a failing batch 2 with a
+    well-conditioned torch stays a failure."""
+    calls = []
+
+    def parity_at(case, batch):
+        calls.append(batch)
+        return {
+            "batch": batch,
+            "passed": batch == 8,
+            "train_batchnorm": train_batchnorm,
+            "gradient_error": 1e-1,
+            "gradient_error_torch_fp32": torch_error if batch == 2 else 1e-5,
+        }
+
+    monkeypatch.setattr(model_zoo, "_parity_at", parity_at)
+    result = model_zoo.check_parity(None)
+    assert calls == sorted({2, judged_at}) and result["batch"] == judged_at
+    if judged_at == 8:
+        assert result["ill_conditioned_at_batch_2"]["gradient_error_torch_fp32"] == torch_error
+        row = model_coverage._row(
+            {"name": "tv/m", "parity": result | _VERDICTS, "step": {"passed": True}, "seconds": 1}
+        )
+        assert "at batch 8 (batch 2: 1.0e-01 / 3.0e-03)" in row
+
+
+_VERDICTS = {"converts": True, "forward_ok": True, "gradient_ok": True, "forward_error": 1e-7}
+_VERDICTS["forward_error_torch_fp32"] = 1e-7
+
+
 def test_float_leaves_skip_caches_and_integers():
     outputs = {
         "logits": torch.ones(2),
