@@ -901,7 +901,10 @@ def check_parity(case: ModelCase) -> dict:
     than `GRADIENT_BOUND` at `PARITY_BATCH` is judged at `BATCHNORM_PARITY_BATCH`; the batch-2
     numbers are kept under `ill_conditioned_at_batch_2`."""
     result = _parity_at(case, PARITY_BATCH)
-    if result.get("train_batchnorm") and result.get("gradient_error_torch_fp32", 0) > GRADIENT_BOUND:
+    if (
+        result.get("train_batchnorm")
+        and result.get("gradient_error_torch_fp32", 0) > GRADIENT_BOUND
+    ):
         first = {k: result.get(k) for k in _ERROR_KEYS}
         result = _parity_at(case, BATCHNORM_PARITY_BATCH)
         result["ill_conditioned_at_batch_2"] = first
@@ -920,8 +923,7 @@ _ERROR_KEYS = (
 
 def _has_train_batchnorm(model: torch.nn.Module) -> bool:
     return any(
-        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-        for m in model.modules()
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()
     )
 
 
