@@ -4,6 +4,7 @@
     zerojax ckpt inspect DIR [--step S] [--json]
     zerojax ckpt export DIR [--step S] --format safetensors|torch OUT [--dtype D] [--quiet]
     zerojax ckpt import FILE DIR [--step S]
+    zerojax ett LOG [--json]
 
 `plan` converts the model FACTORY builds, places its training state the way the config says,
 and prints per-device bytes of params, gradients, optimizer state and master weights measured
@@ -23,6 +24,10 @@ mesh can be rehearsed on a laptop.
 step, every entry's shape, dtypes and bytes from metadata alone; `export` writes the model as
 one safetensors or torch file, streaming one tensor at a time; `import` turns a torch or
 safetensors state_dict into a checkpoint step any mesh can restore.
+
+`ett` accounts for a job's effective training time from the log files of
+`runtime.effective_time_log` (LOG is that path; the per-rank files beside it are found): every
+rank and every restart, with what each restart cost (zerojax/runtime/job_time.py).
 """
 
 from __future__ import annotations
@@ -233,6 +238,16 @@ def _add_ckpt_commands(commands) -> None:
     imp.set_defaults(run=_cmd_ckpt_import, name="ckpt import")
 
 
+def _cmd_ett(opts: argparse.Namespace) -> int:
+    import json
+
+    from zerojax.runtime.job_time import format_summary, job_summary
+
+    summary = job_summary(opts.log)
+    print(json.dumps(summary, indent=1) if opts.json else format_summary(summary))
+    return 0
+
+
 def plot_stages(reports: dict, path: str | os.PathLike, *, title: str = "") -> None:
     """Stacked bars of measured per-device bytes by component, one bar per ZeRO stage, with the
     formula total marked on each bar."""
@@ -293,6 +308,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--describe", action="store_true", help="also print every param's specs")
     plan.set_defaults(run=_cmd_plan)
     _add_ckpt_commands(commands)
+    ett = commands.add_parser(
+        "ett",
+        help="effective training time of a job, across ranks and restarts",
+        description="Split a job's wall clock (every rank, every torchrun restart) into "
+        "productive steps, startup, init, compile, checkpoint time, steps redone after a "
+        "restart and time between attempts, from runtime.effective_time_log's files.",
+    )
+    ett.add_argument("log", metavar="LOG", help="the runtime.effective_time_log path")
+    ett.add_argument("--json", action="store_true", help="machine-readable output")
+    ett.set_defaults(run=_cmd_ett)
     return parser
 
 
@@ -310,7 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     from zerojax.ckpt.errors import CheckpointError
     from zerojax.config import ConfigError
 
-    user_errors: tuple[type[Exception], ...] = (CLIError, ConfigError, CheckpointError)
+    from zerojax.runtime.job_time import LedgerLogError
+
+    user_errors: tuple[type[Exception], ...] = (
+        CLIError,
+        ConfigError,
+        CheckpointError,
+        LedgerLogError,
+    )
     if opts.command == "ckpt":
         # The ckpt tools raise ValueError for bad files and arguments, each message naming
         # the file and the fix; a traceback would add nothing.

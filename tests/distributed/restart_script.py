@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--ett-log", default=None, help="runtime.effective_time_log")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -54,7 +55,7 @@ def main() -> None:
         "devices": {"platform": "cpu", "num_cpu_devices": 4},
         "mesh": {"fsdp": 8},
         "zero_stage": 3,
-        "runtime": {"compilation_cache_dir": None},
+        "runtime": {"compilation_cache_dir": None, "effective_time_log": args.ett_log},
     }
     model, optimizer = zerojax.initialize(model, optimizer, config=config)
     rank, world_size = zerojax.distributed.rank(), zerojax.distributed.world_size()

@@ -12,6 +12,7 @@ compiled programs, and XLA on CPU computes deterministically.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,12 +39,31 @@ def test_killed_rank_is_restarted_and_resumes_bitwise(tmp_path):
     result = torchrun(
         SCRIPT,
         *("--dir", str(killed / "ckpt"), "--out", str(killed), "--kill-at", "3"),
+        *("--ett-log", str(killed / "ett.jsonl")),
         torchrun_args=("--max-restarts=2",),
         timeout=300,
     )
     check_ok(result)
     assert "rank 1: SIGKILL after step 3" in result.stdout
     assert "rank 0 attempt 1: starting after step 2" in result.stdout, result.stdout[-4000:]
+    # The job's accounting across both attempts: step 3 ran twice, the restart is itemised.
+    ett = subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "ett", str(killed / "ett.jsonl"), "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    summary = json.loads(ett.stdout)
+    assert sorted(summary["ranks"]) == ["0", "1"]
+    for account in summary["ranks"].values():
+        assert account["attempts"] == 2 and account["optimizer_steps"] == 6
+        assert account["redone_step_count"] in (1, 2)  # rank 0 may have finished step 4 too
+        (restart,) = account["restarts"]
+        assert restart["first_step"] == 3 and restart["restore"] > 0 and restart["recompile"] > 0
+        assert restart["between_attempts"] > 0
+        assert 0 < account["productive_fraction"] < 1
     check_ok(torchrun(SCRIPT, "--dir", str(clean / "ckpt"), "--out", str(clean), timeout=200))
     for resumed, uninterrupted in zip(_final_states(killed), _final_states(clean), strict=True):
         assert int(resumed.pop("attempt")) == 1 and int(uninterrupted.pop("attempt")) == 0

@@ -85,7 +85,11 @@ def test_restarted_process_reuses_compiled_programs_and_reports_time(tmp_path):
     assert summary["init"] > 0 and summary["trace_compile"] > 0 and summary["productive"] > 0
     # Every category is part of the same wall clock.
     assert sum(summary[name] for name in CATEGORIES) <= summary["wall"] + 1e-3
-    assert {e["event"] for e in events[:-1]} <= set(CATEGORIES)
+    # The job timeline `zerojax ett` reads: where the process began, then each update's number.
+    assert events[0]["event"] == "process_start" and events[0]["attempt"] == 0
+    assert events[0]["process_started"] <= events[0]["clock_start"] <= events[0]["time"]
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2, 3]
+    assert {e["event"] for e in events[1:-1]} <= set(CATEGORIES) | {"step"}
     assert "zerojax effective training time (3 optimizer steps)" in stderr
 
     second, _, stderr = _run(tmp_path, report=False)

@@ -50,6 +50,10 @@ class LauncherEnv:
     coordinator_address: str | None
     """`host:port` for JAX's coordinator; None lets JAX detect it (SLURM)."""
 
+    restart_count: int = 0
+    """How many times the launcher restarted this job (torchrun's TORCHELASTIC_RESTART_COUNT,
+    SLURM's SLURM_RESTART_COUNT for a requeued job); 0 on the first attempt."""
+
     @property
     def is_multiprocess(self) -> bool:
         return self.world_size > 1
@@ -88,6 +92,10 @@ def _coordinator_from_master(env: dict[str, str]) -> str:
     return f"{env['MASTER_ADDR']}:{port}"
 
 
+def _restart_count(name: str, env: dict[str, str]) -> int:
+    return _int_env(name, env) if env.get(name) else 0
+
+
 def read_launcher_env(env: dict[str, str] | None = None) -> LauncherEnv:
     """This process's `LauncherEnv` from `env` (default `os.environ`).
 
@@ -109,6 +117,7 @@ def read_launcher_env(env: dict[str, str] | None = None) -> LauncherEnv:
             local_rank=local_rank,
             local_world_size=local_world_size,
             coordinator_address=_coordinator_from_master(env) if world_size > 1 else None,
+            restart_count=_restart_count("TORCHELASTIC_RESTART_COUNT", env),
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world_size = _int_env("SLURM_PROCID", env), _int_env("SLURM_NTASKS", env)
@@ -123,6 +132,7 @@ def read_launcher_env(env: dict[str, str] | None = None) -> LauncherEnv:
             local_rank=local_rank,
             local_world_size=local_world_size,
             coordinator_address=env.get("JAX_COORDINATOR_ADDRESS") or None,
+            restart_count=_restart_count("SLURM_RESTART_COUNT", env),
         )
     return LauncherEnv(
         launcher="none",

@@ -21,6 +21,15 @@ The ledger is one per process on purpose: it accounts for the process's wall clo
 engines and checkpointers share. It lives here, below `train` and `ckpt`, which both report
 to it.
 
+A job is more than one process: under torchrun every rank has a ledger, and a restarted job
+starts new ones. With several processes the log file is one per rank (`ett.jsonl` ->
+`ett.rank0.jsonl`, ...), and each process appends to it: a `process_start` record (rank,
+launcher attempt, when the OS started the process) and one `step` record per optimizer update
+(the update's number, restored with a checkpoint), so a process killed without its summary
+still leaves its timeline. `zerojax ett LOG` reads the files of every rank and attempt and
+accounts for the whole job (zerojax/runtime/job_time.py): steps redone after a restart, the
+time between attempts, restore and recompile.
+
 >>> with zerojax.runtime.effective_time.LEDGER.measure("checkpoint_restore"):
 ...     checkpointer.restore()
 >>> zerojax.effective_time()["productive_fraction"]
@@ -69,13 +78,37 @@ class EffectiveTimeLedger:
         self._num_engines = 0  # alive engines: JAX's compile events are listened to while > 0
         self._exit_hook = False
 
-    def begin(self, *, log_path: str | None, report_at_exit: bool) -> None:
+    def begin(
+        self,
+        *,
+        log_path: str | None,
+        report_at_exit: bool,
+        rank: int = 0,
+        world_size: int = 1,
+        attempt: int = 0,
+    ) -> None:
         """Start the clock (first call only); register the exit report only if it is asked
-        for (a report, or a log file to append the summary to)."""
-        if self.start is None:
+        for (a report, or a log file to append the summary to). `rank`/`world_size`: this
+        process in its job (a log file per rank when several); `attempt`: the launcher's
+        restart count (torchrun's TORCHELASTIC_RESTART_COUNT)."""
+        first = self.start is None
+        if first:
             self.start = time.perf_counter()
-        if log_path is not None:
-            self.log_path = Path(os.path.expanduser(log_path))
+        if log_path is not None and self.log_path is None:
+            self.log_path = rank_log_path(log_path, rank, world_size)
+            self._log(
+                {
+                    "event": "process_start",
+                    "rank": rank,
+                    "world_size": world_size,
+                    "attempt": attempt,
+                    "pid": os.getpid(),
+                    "process_started": _process_start_time(),
+                    # The clock's start on the wall clock: `time` of this record is later when
+                    # begin() is called again by a second initialize.
+                    "clock_start": round(time.time() - (time.perf_counter() - self.start), 3),
+                }
+            )
         self.report_at_exit = self.report_at_exit or report_at_exit
         if (self.report_at_exit or self.log_path is not None) and not self._exit_hook:
             atexit.register(self._at_exit)
@@ -118,12 +151,14 @@ class EffectiveTimeLedger:
                 self._depth -= 1
             self.add(category, time.perf_counter() - begin, **fields)
 
-    def step_done(self) -> None:
-        """Called after each optimizer step: productive time runs up to the last one."""
+    def step_done(self, step: int) -> None:
+        """Called after each optimizer update, `step` its number (counting restored ones):
+        productive time runs up to the last one."""
         self.optimizer_steps += 1
         self.last_step_end = time.perf_counter()
         with self._lock:
             self.lost_before_last_step = sum(self.seconds.values())
+        self._log({"event": "step", "step": step})
 
     def summary(self) -> dict:
         """{"wall": s, "<category>": s, ..., "productive_fraction": f, "optimizer_steps": n}."""
@@ -169,6 +204,31 @@ class EffectiveTimeLedger:
         self._log({"event": "summary", **self.summary()})
         if self.report_at_exit:
             print(self.report(), file=sys.stderr)
+
+
+def rank_log_path(log_path: str, rank: int, world_size: int) -> Path:
+    """The log file of `rank`: `log_path` itself for one process, else `.rank<R>` before its
+    suffix (`run/ett.jsonl` -> `run/ett.rank1.jsonl`): one writer per file on any filesystem."""
+    path = Path(os.path.expanduser(log_path))
+    if world_size <= 1:
+        return path
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def _process_start_time() -> float | None:
+    """When the OS started this process (Unix time), from Linux's /proc; None elsewhere. The
+    job's accounting starts there: interpreter start, imports and joining the job come before
+    `initialize` and are paid again on every restart."""
+    try:
+        with open("/proc/self/stat") as f:
+            # Field 22 (starttime, clock ticks after boot); the command name (field 2) may hold
+            # spaces, so count from the closing parenthesis.
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return round(boot + ticks / os.sysconf("SC_CLK_TCK"), 3)
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
 
 
 LEDGER = EffectiveTimeLedger()

@@ -70,10 +70,14 @@ def initialize(
     runtime = config.runtime
     enable_compilation_cache(runtime.compilation_cache_dir)
     ledger = effective_time.LEDGER
-    # Several processes: one report, rank 0's (a per-job summary over ranks is issue 10 item 4).
+    # Several processes: one report, rank 0's; the log is one file per rank, and `zerojax ett`
+    # accounts for the job across ranks and restarts.
     ledger.begin(
         log_path=runtime.effective_time_log,
         report_at_exit=runtime.report_effective_time and distributed.rank() == 0,
+        rank=distributed.rank(),
+        world_size=distributed.world_size(),
+        attempt=distributed.job().restart_count,
     )
     with ledger.measure("init", model=type(model).__name__):
         engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)

@@ -64,7 +64,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer._opt_called = True
         hyper = optimizers.hyper_from_torch(self._optimizer, self._engine.optimizer_spec)
         if self._engine.step(hyper):
-            effective_time.LEDGER.step_done()
+            effective_time.LEDGER.step_done(self._engine.state.step)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` applies the update: always without gradient accumulation,
