@@ -334,7 +334,6 @@ def main(argv: list[str] | None = None) -> int:
             pass
     from zerojax.ckpt.errors import CheckpointError
     from zerojax.config import ConfigError
-
     from zerojax.runtime.job_time import LedgerLogError
 
     user_errors: tuple[type[Exception], ...] = (
