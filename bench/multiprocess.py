@@ -215,16 +215,24 @@ def _final_params_equal(a: Path, b: Path) -> bool:
 def report(clean: dict, killed: dict) -> str:
     job, kills = killed["summary"]["job"], killed["kills"]
     lines = [
-        f"uninterrupted: ETT {100 * clean['summary']['job']['productive_fraction']:.1f} % of "
-        f"{clean['summary']['job']['wall']:.1f} s",
-        f"{len(kills)} SIGKILLs: ETT {100 * job['productive_fraction']:.1f} % of {job['wall']:.1f} s "
-        f"({job['optimizer_steps']} steps kept, {job['redone_step_count']} redone; rank 0)",
+        (
+            f"uninterrupted: ETT {100 * clean['summary']['job']['productive_fraction']:.1f} % of "
+            f"{clean['summary']['job']['wall']:.1f} s"
+        ),
+        (
+            f"{len(kills)} SIGKILLs: ETT {100 * job['productive_fraction']:.1f} % of {job['wall']:.1f} s "
+            f"({job['optimizer_steps']} steps kept, {job['redone_step_count']} redone; rank 0)"
+        ),
         "",
-        "| kill after step | resumed at | detection (s) | restart (s) | restore (s) "
-        "| recompile (s) | redone steps (s) | total lost (s) |",
+        (
+            "| kill after step | resumed at | detection (s) | restart (s) | restore (s) "
+            "| recompile (s) | redone steps (s) | total lost (s) |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
-    starts = [r for r in _records(killed["dir"] / "ett.rank0.jsonl") if r["event"] == "process_start"]
+    starts = [
+        r for r in _records(killed["dir"] / "ett.rank0.jsonl") if r["event"] == "process_start"
+    ]
     for kill, restart, start in zip(kills, job["restarts"], starts[1:], strict=False):
         detection = kill["survivor_gone"] - kill["killed"]
         relaunch = start["clock_start"] - kill["survivor_gone"]
