@@ -126,7 +126,9 @@ class StepPrograms:
     # --- the model on compute-layout params -------------------------------------------------
 
     def apply(self, converted: Converted, params, buffers, args, kwargs, rng):
-        """The converted model on compute-dtype, compute-layout params (stage 3 gathers here)."""
+        """The converted model on compute-dtype, compute-layout params (stage 3 gathers here);
+        `rng` is (base key, call number), as `Engine.next_rng` gives it."""
+        rng = jax.random.fold_in(*rng)
         policy = self.policy
         compute = {}
         for name, value in params.items():
