@@ -10,7 +10,8 @@ greedy decoding, and the script prints how many it got exactly right.
 
 Checkpoints go to the config's `checkpoint.directory` (.cache/checkpoints/gpt2-addition) every
 100 steps and at the end, asynchronously; `--resume` continues from the latest one (a run
-without it starts that directory afresh). Inspect or export them with `zerojax ckpt`.
+without it starts that directory afresh, except a job that `torchrun --max-restarts` restarted,
+which resumes by itself). Inspect or export them with `zerojax ckpt`.
 
 Run: make demo   (or .venv/bin/python examples/train_gpt2.py [--config FILE] [--steps N] [--resume])
 Many processes: torchrun --nproc-per-node 2 examples/train_gpt2.py  (the same 8-device mesh as 2
@@ -180,7 +181,9 @@ def main() -> None:
     if zerojax.distributed.rank() != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     checkpoint_dir = Path(config.checkpoint.directory)
-    if not args.resume and checkpoint_dir.exists() and zerojax.distributed.rank() == 0:
+    # A job torchrun restarted after a failure (`--max-restarts`) resumes by itself.
+    resume = args.resume or zerojax.distributed.job().restart_count > 0
+    if not resume and checkpoint_dir.exists() and zerojax.distributed.rank() == 0:
         shutil.rmtree(checkpoint_dir)  # the example's own directory: a fresh run starts anew
 
     start = time.perf_counter()
@@ -220,7 +223,7 @@ def main() -> None:
     # arrays are off the devices, and files appear only when complete.
     checkpointer = zerojax.Checkpointer(model=model, optimizer=optimizer, scheduler=scheduler)
     done_steps = 0
-    if args.resume and checkpointer.latest_step() is not None:
+    if resume and checkpointer.latest_step() is not None:
         done_steps = checkpointer.restore().step
         print(f"resumed from step {done_steps} of {checkpoint_dir}")
 

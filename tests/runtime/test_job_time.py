@@ -75,8 +75,11 @@ def _write(path, records, torn_tail=False):
 def test_restart_is_split_into_redone_work_downtime_restore_and_recompile(tmp_path):
     log = tmp_path / "ett.jsonl"
     # A SIGKILLed process can leave half a line; the reader drops it.
-    _write(rank_log_path(str(log), 0, 2), ATTEMPT_0 + ATTEMPT_1, torn_tail=True)
+    # An earlier run appended to the same file first: only the latest job is accounted for.
+    earlier = [_start(900.0, 0), _step(901.0, 1), _step(902.0, 2)]
+    _write(rank_log_path(str(log), 0, 2), earlier + ATTEMPT_0 + ATTEMPT_1, torn_tail=True)
     job = job_summary(log)["job"]
+    assert job["earlier_jobs"] == 1
     assert job["wall"] == 1050.0 - 995.0
     assert job["startup"] == 5.0 + 6.0
     assert job["init"] == 3.0 and job["trace_compile"] == 5.0
@@ -107,8 +110,8 @@ def test_restart_is_split_into_redone_work_downtime_restore_and_recompile(tmp_pa
 def test_cli_reports_every_rank(tmp_path, capsys):
     log = tmp_path / "ett.jsonl"
     _write(rank_log_path(str(log), 0, 2), ATTEMPT_0 + ATTEMPT_1)
-    rank1 = [dict(r, rank=1) if r["event"] == "process_start" else r for r in ATTEMPT_0]
-    _write(rank_log_path(str(log), 1, 2), rank1 + ATTEMPT_1)
+    rank1 = [dict(r, rank=1) if r["event"] == "process_start" else r for r in ATTEMPT_0 + ATTEMPT_1]
+    _write(rank_log_path(str(log), 1, 2), rank1)
     (tmp_path / "ett.rankX.jsonl").write_text("not a rank file\n")
     assert [p.name for p in log_files(log)] == ["ett.rank0.jsonl", "ett.rank1.jsonl"]
     assert main(["ett", str(log)]) == 0

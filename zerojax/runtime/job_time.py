@@ -24,7 +24,9 @@ job's wall clock, from the first process's start to the last record, into:
                        evaluation, shutdown)
     productive         the rest: optimizer steps that count, and the loop around them
 
-ETT% is productive / wall. A step is redone when a later attempt runs an update with the same
+Runs append to the same files: a process that is not a launcher's restart (attempt 0) starts
+a new job, and the latest job is the one accounted for. ETT% is productive / wall. A step is
+redone when a later attempt runs an update with the same
 number (numbers continue from the restored checkpoint). A process killed by SIGKILL writes no
 summary, which is why the timeline is built from per-step records rather than summaries.
 """
@@ -87,9 +89,12 @@ def log_files(path: str | Path) -> list[Path]:
     return files
 
 
-def read_attempts(path: Path) -> tuple[int, list[Attempt]]:
-    """(rank, attempts in order) from one rank's log file."""
+def read_attempts(path: Path) -> tuple[int, list[Attempt], int]:
+    """(rank, the attempts of the file's latest job in order, number of earlier jobs) from one
+    rank's log file. Runs append to the same file; a process that is not a launcher's restart
+    (attempt 0) begins a new job."""
     attempts: list[Attempt] = []
+    earlier_jobs = 0
     rank = None
     lines = path.read_text().splitlines()
     for number, line in enumerate(lines, 1):
@@ -104,7 +109,10 @@ def read_attempts(path: Path) -> tuple[int, list[Attempt]]:
                 break
             raise LedgerLogError(f"{path}:{number}: not a ledger record ({exc})") from exc
         if event == "process_start":
-            rank = int(record.get("rank", 0)) if rank is None else rank
+            rank = int(record.get("rank", 0))
+            if attempts and int(record.get("attempt", 0)) == 0:
+                earlier_jobs += 1
+                attempts = []
             started = record.get("process_started") or record["clock_start"]
             attempts.append(
                 Attempt(
@@ -130,7 +138,7 @@ def read_attempts(path: Path) -> tuple[int, list[Attempt]]:
             current.events.append((when, event, float(record["seconds"])))
     if not attempts:
         raise LedgerLogError(f"{path}: no process_start record; not an effective-time log")
-    return (0 if rank is None else rank), attempts
+    return (0 if rank is None else rank), attempts, earlier_jobs
 
 
 def account(attempts: list[Attempt]) -> dict:
@@ -190,13 +198,14 @@ def account(attempts: list[Attempt]) -> dict:
 
 
 def job_summary(path: str | Path) -> dict:
-    """{"ranks": {rank: account}, "job": rank 0's account (the lowest rank found)}."""
+    """{"ranks": {rank: account}, "job": rank 0's account (the lowest rank found)}, for the
+    latest job in the files (`earlier_jobs` says how many runs before it appended there)."""
     ranks = {}
     for file in log_files(path):
-        rank, attempts = read_attempts(file)
+        rank, attempts, earlier_jobs = read_attempts(file)
         if rank in ranks:
             raise LedgerLogError(f"{file}: rank {rank} appears in two log files")
-        ranks[rank] = account(attempts) | {"file": str(file)}
+        ranks[rank] = account(attempts) | {"file": str(file), "earlier_jobs": earlier_jobs}
     return {"ranks": dict(sorted(ranks.items())), "job": ranks[min(ranks)]}
 
 
@@ -209,6 +218,8 @@ def format_summary(summary: dict) -> str:
         + (f" ({job['redone_step_count']} more run and redone)" if job["redone_step_count"] else "")
         + f" (rank {min(summary['ranks'])})",
     ]
+    if job["earlier_jobs"]:
+        lines.append(f"  (the latest job in the log; {job['earlier_jobs']} earlier run(s) skipped)")
     for name in JOB_CATEGORIES:
         lines.append(f"  {name:<20} {job[name]:9.2f} s  {100 * job[name] / wall:5.1f} %")
     lines.append(f"  {'wall':<20} {job['wall']:9.2f} s")
