@@ -91,8 +91,7 @@ class EffectiveTimeLedger:
         for (a report, or a log file to append the summary to). `rank`/`world_size`: this
         process in its job (a log file per rank when several); `attempt`: the launcher's
         restart count (torchrun's TORCHELASTIC_RESTART_COUNT)."""
-        first = self.start is None
-        if first:
+        if self.start is None:
             self.start = time.perf_counter()
         if log_path is not None and self.log_path is None:
             self.log_path = rank_log_path(log_path, rank, world_size)
@@ -104,8 +103,8 @@ class EffectiveTimeLedger:
                     "attempt": attempt,
                     "pid": os.getpid(),
                     "process_started": _process_start_time(),
-                    # The clock's start on the wall clock: `time` of this record is later when
-                    # begin() is called again by a second initialize.
+                    # The ledger's start on the wall clock (an earlier initialize without a
+                    # log may have started it before this record).
                     "clock_start": round(time.time() - (time.perf_counter() - self.start), 3),
                 }
             )
