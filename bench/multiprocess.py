@@ -250,6 +250,10 @@ def report(clean: dict, killed: dict) -> str:
         )
     equal = _final_params_equal(clean["dir"], killed["dir"])
     lines += ["", f"final parameters bitwise equal to the uninterrupted run: {equal}"]
+    from zerojax.runtime.job_time import format_summary
+
+    for name, run in (("uninterrupted", clean), ("with kills", killed)):
+        lines += ["", f"`zerojax ett` of the job {name}:", format_summary(run["summary"])]
     return "\n".join(lines)
 
 
