@@ -10,6 +10,7 @@ tests/distributed/test_restarts.py.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_cli_reports_every_rank(tmp_path, capsys):
     assert [p.name for p in log_files(log)] == ["ett.rank0.jsonl", "ett.rank1.jsonl"]
     assert main(["ett", str(log)]) == 0
     out = capsys.readouterr().out
-    assert "2 rank(s), 2 attempt(s), 6 optimizer steps (2 more run and redone)" in out
+    assert "2 rank(s), 2 attempt(s), 6 optimizer steps, 2 redone after a restart; rank 0's" in out
     assert "ETT 27.3 %" in out and "attempt 1: 14.00 6.00 1.00 1.00 2.00 3.00" in out
     assert main(["ett", str(log), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -128,5 +129,19 @@ def test_missing_or_foreign_logs_are_named(tmp_path, capsys):
     assert "no effective-time log at" in capsys.readouterr().err
     stale = tmp_path / "old.jsonl"
     _write(stale, ATTEMPT_0[1:])
-    with pytest.raises(LedgerLogError, match=r"old\.jsonl:1: a 'init' record before any"):
+    with pytest.raises(LedgerLogError, match=r"old\.jsonl: no process_start record"):
         job_summary(stale)
+    # Records of an older zerojax before this one's are skipped, not an error.
+    _write(stale, ATTEMPT_0[1:] + ATTEMPT_0 + ATTEMPT_1)
+    assert job_summary(stale)["job"]["attempts"] == 2
+
+
+def test_the_latest_of_one_process_and_many_process_logs_is_read(tmp_path):
+    log = tmp_path / "ett.jsonl"
+    _write(log, ATTEMPT_0)
+    _write(rank_log_path(str(log), 0, 2), ATTEMPT_0 + ATTEMPT_1)
+    os.utime(log, (1, 1))  # the one-process run is older
+    assert [p.name for p in log_files(log)] == ["ett.rank0.jsonl"]
+    os.utime(log, None)
+    os.utime(rank_log_path(str(log), 0, 2), (1, 1))
+    assert log_files(log) == [log]

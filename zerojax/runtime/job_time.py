@@ -68,8 +68,9 @@ class Attempt:
 
 
 def log_files(path: str | Path) -> list[Path]:
-    """The files of `runtime.effective_time_log = path`: `path` itself (one process) and/or its
-    per-rank siblings `<stem>.rank<R><suffix>`. Raises LedgerLogError when there are none."""
+    """The files of `runtime.effective_time_log = path`: `path` itself (one process) or its
+    per-rank siblings `<stem>.rank<R><suffix>`, whichever was written last when both exist.
+    Raises LedgerLogError when there are none."""
     path = Path(path)
     if path.is_dir():
         raise LedgerLogError(f"{path} is a directory; give the effective_time_log file path")
@@ -80,6 +81,11 @@ def log_files(path: str | Path) -> list[Path]:
         if match:
             ranked[int(match[1])] = candidate
     ranked = [ranked[rank] for rank in sorted(ranked)]
+    if path.is_file() and ranked:
+        # One-process runs wrote `path`, multi-process runs the rank files: the newer is the
+        # latest job.
+        newest_ranked = max(p.stat().st_mtime for p in ranked)
+        return ranked if newest_ranked >= path.stat().st_mtime else [path]
     files = ([path] if path.is_file() else []) + ranked
     if not files:
         raise LedgerLogError(
@@ -126,10 +132,7 @@ def read_attempts(path: Path) -> tuple[int, list[Attempt], int]:
             )
             continue
         if not attempts:
-            raise LedgerLogError(
-                f"{path}:{number}: a {event!r} record before any process_start record (a log "
-                "from a zerojax without job accounting?); start a new log file"
-            )
+            continue  # appended by a zerojax without job accounting: not a job we can account
         current = attempts[-1]
         current.end = max(current.end, when)
         if event == "step":
@@ -137,7 +140,10 @@ def read_attempts(path: Path) -> tuple[int, list[Attempt], int]:
         elif event in MEASURED:
             current.events.append((when, event, float(record["seconds"])))
     if not attempts:
-        raise LedgerLogError(f"{path}: no process_start record; not an effective-time log")
+        raise LedgerLogError(
+            f"{path}: no process_start record (written by a zerojax without job accounting, or "
+            "not an effective-time log); a run of this zerojax appends one"
+        )
     return (0 if rank is None else rank), attempts, earlier_jobs
 
 
@@ -215,8 +221,12 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"zerojax job effective training time: {len(summary['ranks'])} rank(s), "
         f"{job['attempts']} attempt(s), {job['optimizer_steps']} optimizer steps"
-        + (f" ({job['redone_step_count']} more run and redone)" if job["redone_step_count"] else "")
-        + f" (rank {min(summary['ranks'])})",
+        + (
+            f", {job['redone_step_count']} redone after a restart"
+            if job["redone_step_count"]
+            else ""
+        )
+        + f"; rank {min(summary['ranks'])}'s timeline",
     ]
     if job["earlier_jobs"]:
         lines.append(f"  (the latest job in the log; {job['earlier_jobs']} earlier run(s) skipped)")
