@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-other-cpu coverage bench bench-train bench-ckpt bench-kernels lint clean
+.PHONY: demo test test-all test-distributed test-other-cpu coverage bench bench-train bench-ckpt bench-kernels lint clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: $(STAMP)
 # Every test, slow ones included (all OpInfo samples, the bigger models).
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m '' --durations=15
+
+# The multi-process tests left out of `make test` (torchrun jobs on 127.0.0.1: ZeRO-1/2/3 vs
+# torch DDP, checkpoints across process counts, SIGKILLed ranks and restarts); each job has its
+# own timeout. CI runs it after `make test`.
+test-distributed: $(STAMP)
+	$(PY) -m pytest -q -m slow tests/distributed --durations=10
 
 # The default suite as another x86-64 CPU computes it, to catch tolerances fitted to this one:
 # XLA codegen capped at OTHER_CPU_ISA (AVX2 is an AMD EPYC / pre-AVX-512 Intel; SSE4_2 is
