@@ -23,11 +23,15 @@ Concurrency contract:
   `save` with the same steps) saves into a directory at a time. Its first `save` deletes
   temporary step directories left by a writer that died (`<step>.orbax-checkpoint-tmp*`);
   a Checkpointer that only restores never deletes anything.
-- `save` is asynchronous by default: it returns once the arrays are copied off the device
-  (`zerojax.ckpt.staging`), so training may go on (and donate/overwrite those arrays) right
-  away. The files are written by a background thread; a step directory appears under its
-  final name only when every item is committed (Orbax renames it), so a crash mid-save leaves
-  the previous steps intact and the partial one invisible. The manifest (sizes and crc32s) is written just after the commit.
+- `save` is asynchronous by default. In a single process it returns once a snapshot of the
+  arrays is *enqueued* (`zerojax.ckpt.snapshot`: copies the next update's donation cannot
+  reach, made on the devices while training goes on), so training may go on (and donate
+  those arrays) right away; the snapshot holds one copy of the saved state until the write
+  has committed. With several processes it returns once Orbax has copied each process's
+  shards to host memory. The files are written by a background thread; a step directory
+  appears under its final name only when every item is committed (Orbax renames it), so a
+  crash mid-save leaves the previous steps intact and the partial one invisible. The manifest
+  (sizes and crc32s) is written just after the commit.
 - `save` waits for the previous save to finish before starting another; `wait`, `restore`,
   `close` and leaving a `with` block wait too. Call a Checkpointer from one thread.
 - Readers (another process restoring or `zerojax ckpt inspect`) may run while a writer
@@ -65,7 +69,7 @@ from zerojax.ckpt.errors import (
     CheckpointNotFoundError,
 )
 from zerojax.ckpt.manifest import verify_manifest, write_manifest
-from zerojax.ckpt.staging import HostStager, stages_to_host
+from zerojax.ckpt.snapshot import Method, snapshot
 from zerojax.runtime.effective_time import LEDGER
 
 __all__ = ["Checkpointer", "RestoredState", "restore_checkpoint", "save_checkpoint"]
@@ -147,26 +151,12 @@ class RestoredState:
     """`dataclasses.asdict(config)` of the run that saved (None for an imported checkpoint)."""
 
 
-def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
-    """Orbax's default type handlers, but numpy arrays are written without a deep copy: the
-    only numpy arrays saved are the staged ones (`HostStager`), which nothing writes to until
-    the save has committed; Orbax's copy would copy the whole state a second time, on the
-    training loop's time."""
-    handlers = [
-        (ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()
-    ]
-    handlers.append((np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
-    return ocp.type_handlers.create_type_handler_registry(*handlers)
-
-
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
     # No zstd: fp32 weights and moments shrink by ~7% only, and compressing/decompressing
     # them took ~1 s of a 3 s background save and ~0.4 s of a 1 s restore (409 MB state).
     # Compressed checkpoints (older ones, `ckpt import`) still restore: each array's
     # metadata names its codec.
-    tree = lambda: ocp.PyTreeCheckpointHandler(
-        use_compression=False, type_handler_registry=_type_handlers()
-    )
+    tree = lambda: ocp.PyTreeCheckpointHandler(use_compression=False)
     return {
         layout.MODEL: tree(),
         layout.OPTIMIZER: tree(),
@@ -190,8 +180,8 @@ class Checkpointer:
     Checkpointer can only list steps.
 
     Concurrency (in full in the module docstring): one writing Checkpointer per directory,
-    called from one thread. `save` returns once the arrays are off the device and writes in
-    the background; the next `save`, `wait`, `restore`, `close` or the end of a `with` block
+    called from one thread. `save` returns once a snapshot of the arrays is enqueued and writes
+    in the background; the next `save`, `wait`, `restore`, `close` or the end of a `with` block
     waits for it. A step appears only once committed, so readers in other processes and a
     crash mid-save never see a partial step.
     """
@@ -238,10 +228,11 @@ class Checkpointer:
         self._cleaned = False
         # The in-flight async save: Orbax's commit, then the manifest.
         self._pending: _Background | None = None
-        # Host copies of the arrays being saved; reused once that save has committed.
-        self._staging = HostStager()
-        # Orbax's manager is not thread-safe: its save (on the background thread when the
-        # arrays are staged) and the reload of `all_steps` take turns.
+        # Where the snapshot of a single-process save lives (`zerojax.ckpt.snapshot`); tests
+        # force each method.
+        self._snapshot_method: Method = "auto"
+        # Orbax's manager is not thread-safe: its save (on the background thread in a single
+        # process) and the reload of `all_steps` take turns.
         self._orbax_lock = threading.Lock()
 
     # --- Orbax ------------------------------------------------------------------------------
@@ -293,8 +284,9 @@ class Checkpointer:
         """Save the training state as `step`; returns whether it saved.
 
         Skipped (False) unless `force` or `step` is a multiple of `save_interval_steps` (0:
-        always saves). Asynchronous by default: returns once the arrays are staged to host
-        memory; the files are written in the background (see the module's concurrency
+        always saves). Asynchronous by default: returns once a snapshot of the arrays is
+        enqueued (single process; see the module's concurrency contract); the files are written
+        in the background (see the module's concurrency
         contract). `extra` is any JSON-serialisable dict, handed back by `restore`.
 
         >>> ckpt.save(step, extra={"epoch": 3, "data_rng": generator.get_state()})
@@ -306,7 +298,7 @@ class Checkpointer:
             return False
         meta = ts.build_meta(engine, self._optimizer, self._scheduler, step=step, extra=extra)
         # What the training loop waits for: the previous save's commit (if still running) and
-        # the copy of the arrays off the device.
+        # the dispatch of the snapshot (single process) or Orbax's copy to host (several).
         with LEDGER.measure("checkpoint_blocking", step=step):
             self._save(engine, step, meta)
         return True
@@ -324,18 +316,25 @@ class Checkpointer:
         if not self._cleaned:
             self._clean_partial_saves()
         items = ts.gather_items(engine, with_optimizer=self._optimizer is not None)
-        # Off the device in a few large copies, into host memory no training step can touch.
-        items = self._staging.stage(items)
+        single_process = jax.process_count() == 1
+        if single_process:
+            # Copies the next update's donation cannot reach, enqueued, not waited for: the
+            # copying runs on the devices while training goes on, and Orbax's whole save
+            # (its per-shard copies to host: ~3,000 for the bench's state, directories,
+            # metadata, thread starts) runs on the background thread below. The snapshot is
+            # referenced by `args` until that thread is done: one copy of the saved state.
+            items = snapshot(items, method=self._snapshot_method)
         args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}
         args[layout.META] = ocp.args.JsonSave(meta)
         args = ocp.args.Composite(**args)
         manager = self._mgr()
-        if self.async_save and stages_to_host():
-            # Nothing is left on the device, so Orbax's save call too (directories, metadata,
-            # ~25 thread starts: 30-300 ms) runs off the training loop's time.
+        if self.async_save and single_process:
             self._pending = _Background(f"zerojax-save-{step}", self._write, manager, step, args)
         elif self.async_save:
-            # Several processes: Orbax copies each process's shards to host before save returns.
+            # Several processes: Orbax's save runs collectives (barriers) that every process
+            # must reach in the same order as its training programs, so it is called here; it
+            # copies each process's shards to host before returning (on CPU devices a zero-copy
+            # view, which the runtime then declines to donate).
             self._start_write(manager, step, args)
             self._pending = _Background(f"zerojax-manifest-{step}", self._commit, step)
         else:
@@ -354,7 +353,6 @@ class Checkpointer:
 
     def _commit(self, step: int) -> None:
         self._mgr().wait_until_finished()
-        self._staging.release()  # written: the next save may reuse the staging memory
         self._write_manifest(step)
 
     def _write_manifest(self, step: int) -> None:
@@ -398,7 +396,6 @@ class Checkpointer:
             if self._manager is not None:
                 self._manager.close()
                 self._manager = None
-            self._staging.clear()
 
     def __enter__(self) -> Self:
         return self
@@ -706,7 +703,7 @@ def save_checkpoint(
 
     >>> save_checkpoint("runs/gpt", model, optimizer, step=1000, scheduler=sched)
 
-    With `async_save=True` it returns once the arrays are staged; the next save_checkpoint /
+    With `async_save=True` it returns once the arrays' snapshot is enqueued; the next save_checkpoint /
     restore_checkpoint call, or the interpreter's exit, waits for the write.
     """
     _wait_all()
