@@ -28,9 +28,11 @@ from jax.sharding import PartitionSpec as P
 from torch import nn
 
 import zerojax
+from zerojax.ckpt import checkpointer
 from zerojax.ckpt import snapshot as snapshot_module
 from zerojax.ckpt.checkpointer import Checkpointer
 from zerojax.ckpt.snapshot import resolve_method, snapshot
+from zerojax.runtime.effective_time import LEDGER
 
 pytestmark = pytest.mark.multidevice
 
@@ -240,3 +242,42 @@ def test_save_then_steps_write_the_values_at_save(tmp_path, monkeypatch, method)
         for step in (1, 2):
             ckpt.restore(step)
             assert_bitwise(engine_state(model), saved[step])
+
+
+def test_the_update_after_save_waits_until_the_snapshot_is_enqueued(tmp_path, monkeypatch):
+    """`save` returns before the snapshot is even enqueued (that runs on the Checkpointer's
+    thread); here it cannot be enqueued until the next update has asked to donate, so the
+    update must wait for it (`Engine.before_next_update`) or the write sees deleted arrays."""
+    torch.manual_seed(1)
+    net = Net()
+    model, optimizer = zerojax.initialize(
+        net,
+        torch.optim.AdamW(net.parameters(), lr=1e-2),
+        config={"mesh": {"fsdp": 8}, "zero": {"stage": 3}},
+    )
+    train_step(model, optimizer)
+    update_asked, seen_enqueued = threading.Event(), []
+    real_snapshot, real_wait = checkpointer.snapshot, checkpointer._await_snapshot
+
+    def late_snapshot(tree, **kwargs):
+        assert update_asked.wait(30), "the update never waited for the snapshot"
+        return real_snapshot(tree, **kwargs)
+
+    def recording_wait(enqueued, step):
+        seen_enqueued.append(enqueued.is_set())
+        update_asked.set()
+        real_wait(enqueued, step)
+
+    monkeypatch.setattr(checkpointer, "snapshot", late_snapshot)
+    monkeypatch.setattr(checkpointer, "_await_snapshot", recording_wait)
+    with Checkpointer(tmp_path, model, optimizer) as ckpt:
+        saved = engine_state(model)
+        blocking = LEDGER.seconds["checkpoint_blocking"]
+        assert ckpt.save(1)
+        train_step(model, optimizer)  # its update waits here, then donates the saved arrays
+        train_step(model, optimizer)  # no save in between: no wait
+        assert seen_enqueued == [False]
+        assert LEDGER.seconds["checkpoint_blocking"] > blocking
+        ckpt.wait()
+        ckpt.restore(1)
+        assert_bitwise(engine_state(model), saved)
