@@ -16,18 +16,22 @@ Why this is safe without waiting: the copy is a program (or transfer) that reads
 enqueued before the update that donates them, and the runtime lets a donating program write a
 buffer only after every read of it enqueued earlier has finished -- the ordering any JAX code
 `y = f(x); z = g_donating(x)` relies on. So `snapshot` only enqueues: it returns once the
-copies are dispatched (~20-50 ms of Python for 374 arrays in 2,985 shards on 8 CPU devices),
+copies are dispatched (~20-50 ms of Python for 374 arrays in 2,978 shards on 8 CPU devices),
 the copying runs on the devices while the loop goes on, and a reader of the snapshot waits for
-it like for any jax.Array (`np.asarray`, `block_until_ready`).
+it like for any jax.Array (`np.asarray`, `block_until_ready`). The only requirement is that
+`snapshot` returns before the donating program is dispatched: the Checkpointer calls it on its
+own thread and makes the next optimizer update wait for it (`Engine.before_next_update`).
 
 Where the copies live (`method`):
 
 - "device": one jitted copy program per device assignment (mesh), outputs on the input's
   sharding. The default on CPU devices, where device memory is host memory (and XLA's copy is
-  faster than a transfer to pinned host memory: ~30 vs ~70 ms to dispatch on the bench host).
+  faster than a transfer to pinned host memory: 30-40 vs 80-90 ms to dispatch on the loaded
+  bench host, BENCHMARKS.md).
 - "pinned_host": `jax.device_put` onto the same sharding in the devices' pinned host memory: a
-  device-to-host transfer (DMA on accelerators), no device memory. The default on other
-  platforms when every device has such a memory (else "device").
+  device-to-host transfer (DMA on accelerators; unmeasured on a GPU, none was available), no
+  device memory. The default on other platforms when every device has such a memory (else
+  "device").
 
 Cost: one copy of the snapshotted arrays, alive as long as the snapshot is referenced (the
 Checkpointer drops it once the write has committed); on accelerators in pinned host memory, so
