@@ -1,15 +1,16 @@
-"""Checkpoint benchmark: zerojax's async save and restore vs torch.save and torch DCP, the ways
-to copy the sharded state off the devices, and the peak memory of `zerojax ckpt export`.
+"""Checkpoint benchmark: zerojax's async save and restore vs torch.save and torch DCP, what a
+save costs inside a training loop, the ways to take the state out of the next update's
+reach, and the peak memory of `zerojax ckpt export`.
 
 One training state (a GPT-2, ~36M params by default: fp32 weights + AdamW exp_avg and
 exp_avg_sq, ~430 MB) taken after one optimizer step, so the moments are non-zero:
 
 - zerojax: `zerojax.initialize(model, AdamW, {"mesh": {"fsdp": 8}, "zero": {"stage": 3}})` on 8
   simulated CPU devices, one `Checkpointer` (max_to_keep=None) saving one new step directory per
-  repeat. Blocking = `Checkpointer.save` returning (arrays staged to host memory by
-  `zerojax.ckpt.staging.HostStager`, into the buffer the previous save used; Orbax's save call
-  and the files run on a background thread); total = until `wait()` returns (Orbax commit +
-  manifest).
+  repeat. Blocking = `Checkpointer.save` returning (it gathers the state's arrays and hands
+  them to the Checkpointer's thread, which enqueues their snapshot, `zerojax.ckpt.snapshot`,
+  and runs Orbax's save; the next optimizer update would wait until the snapshot is enqueued);
+  total = until `wait()` returns (Orbax commit + manifest).
   Restore = `Checkpointer.restore(step)` into the same engine, manifest crc32 check included,
   until `jax.block_until_ready` on the params and optimizer state.
 - torch.save / torch.load(weights_only=True, map_location="cpu") of `{"model":
@@ -27,12 +28,22 @@ contender, then repeat 2, ...) so that load from other processes spreads over al
 Reported: medians. Restores read files the save just wrote, i.e. from the page cache. Bytes on
 disk: Orbax compresses its chunks (zstd), DCP stores the tied wte/lm_head matrix twice.
 
-Staging micro-benchmark (`--skip-staging` leaves it out): the same state (`gather_items` of the
-engine: 374 arrays, 2,985 shards on 8 devices) copied to host memory the copy owns, each way
-timed alone, interleaved, on fresh device arrays each repeat (a jax.Array caches its host
-value): one copy per shard as Orbax does, `jax.device_get`, and `HostStager` (zero-copy
-views of the CPU shards, fresh or reused memory; per-device packing); the floor is one memcpy
-of as many bytes into reused memory.
+A save inside the training loop (`--skip-step` leaves it out): above, `save()` is called on an
+idle state; in a loop it follows a step whose update may still run on the devices, and on CPU
+devices the snapshot's copy and Orbax's background write share the CPUs with the next step.
+Timed, interleaved: one zerojax training step (forward, backward, AdamW update,
+`loss.item()`) alone, `save()` right after a step, and the step right after that `save()` with
+its write in flight; (step after - step alone) is what the save costs the loop beyond
+`save()` itself.
+
+Snapshot micro-benchmark (`--skip-snapshot` leaves it out): the same state (`gather_items` of
+the engine: 374 arrays, 2,985 shards on 8 devices) put out of the next update's reach, each
+way timed alone, interleaved, on fresh device arrays each repeat (a jax.Array caches its host
+value): "returns" is how long the calling thread waits (the Checkpointer's own thread, not the
+loop, since the snapshot moved there), "done" until the copy is complete. The ways:
+`zerojax.ckpt.snapshot` on the device (a jitted copy) and into pinned host memory
+(`jax.device_put`), one host copy per shard as Orbax does, `jax.device_get`; the floor is one
+memcpy of as many bytes into reused memory.
 
 Then `zerojax ckpt export DIR --format safetensors|torch OUT` runs in a subprocess on the
 zerojax checkpoint, under /usr/bin/time -v (or, without it, a wrapper printing ru_maxrss), and
@@ -41,12 +52,13 @@ module's dependencies and starts the JAX backend: export streams one tensor at a
 (peak - baseline) should stay near the largest tensor, not the model.
 
 Run: .venv/bin/python bench/checkpoint.py [--repeats 5] [--dir /tmp/somewhere] [--quick]
-[--skip-export] [--skip-staging]
+[--skip-export] [--skip-step] [--skip-snapshot]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shlex
@@ -79,7 +91,7 @@ from bench.architectures import GPT2, GPT2Config
 from zerojax.ckpt import Checkpointer
 from zerojax.ckpt import training_state as ts
 from zerojax.ckpt.manifest import verify_manifest
-from zerojax.ckpt.staging import HostStager, stage_to_host
+from zerojax.ckpt.snapshot import snapshot
 
 # DCP warns on every call that it "assumes" a single process, though no_dist=True says so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -111,7 +123,8 @@ def one_step(model, optimizer, tokens, targets) -> float:
 
 
 def build_states(quick: bool):
-    """The torch model + AdamW and the zerojax engine, both from the same seed, after one step."""
+    """The torch model + AdamW and the zerojax engine, both from the same seed, after one step;
+    and that step's batch."""
     config = gpt2_config(quick)
     torch.manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (2, config.max_seq_len))
@@ -131,7 +144,8 @@ def build_states(quick: bool):
     zerojax_loss = one_step(model, optimizer, tokens, targets)
     engine = model.engine
     jax.block_until_ready((engine.params, engine.opt_state))
-    return config, (torch_model, torch_opt, torch_loss), (model, optimizer, zerojax_loss)
+    batch = (tokens, targets)
+    return config, (torch_model, torch_opt, torch_loss), (model, optimizer, zerojax_loss), batch
 
 
 def tree_bytes(tree) -> int:
@@ -318,20 +332,51 @@ def results_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-# --- staging: copying the sharded state to host --------------------------------------------------
+# --- the training step after a save ------------------------------------------------------------
+
+
+def step_after_save_table(contender, model, optimizer, batch, repeats: int) -> str:
+    """In a training loop: `save()` called right after a step (whose update may still run on
+    the devices), and the step after it (the save's write in flight), against a step alone;
+    medians, interleaved. The saves go to steps after the timed contenders'."""
+    alone, blocking, after = [], [], []
+    step = lambda: one_step(model, optimizer, *batch)  # ends in loss.item(): a host sync
+    step()  # warm: the update program was compiled by build_states, this settles the rest
+    for i in range(repeats):
+        print(f"  step-after-save repeat {i + 1}/{repeats} ...", file=sys.stderr, flush=True)
+        alone.append(timed(step)[0])
+        blocking.append(timed(functools.partial(contender.ckpt.save, 10_000 + i, force=True))[0])
+        after.append(timed(step)[0])
+        contender.ckpt.wait()
+    med = statistics.median
+    rows = [
+        ("training step alone", med(alone), min(alone)),
+        ("`save()` right after a step", med(blocking), min(blocking)),
+        ("training step right after `save()`, its write in flight", med(after), min(after)),
+    ]
+    lines = ["| in the training loop | median (ms) | min (ms) |", "|---|---|---|"]
+    lines += [f"| {name} | {m * 1e3:.0f} | {least * 1e3:.0f} |" for name, m, least in rows]
+    return "\n".join(lines) + (
+        f"\n\nWhat a save costs the loop: `save()` plus (step after it - step alone) = "
+        f"{med(blocking) * 1e3:.0f} + {(med(after) - med(alone)) * 1e3:.0f} ms (medians of "
+        f"{repeats}; a step's own spread under load is in its min vs median)."
+    )
+
+
+# --- snapshot: out of the next update's reach ----------------------------------------------------
 
 
 def per_shard_copies(tree) -> list:
     """One owned host copy per distinct shard, all transfers started first: what Orbax's save
     does with device arrays (its `transfer_arrays_to_host`; there `np.asarray`, zero-copy on
-    CPU, so `np.array` here to own the memory as staging must)."""
+    CPU, so `np.array` here to own the memory the next update may donate)."""
     shards = [s for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.replica_id == 0]
     for s in shards:
         s.data.copy_to_host_async()
     return [np.array(s.data) for s in shards]
 
 
-def staging_table(engine, repeats: int) -> str:
+def snapshot_table(engine, repeats: int) -> str:
     tree = ts.gather_items(engine, with_optimizer=True)
     leaves = jax.tree.leaves(tree)
     nbytes = sum(x.nbytes for x in leaves)
@@ -343,48 +388,45 @@ def staging_table(engine, repeats: int) -> str:
         if s.replica_id == 0
     )
     source, floor = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    reused, packed = HostStager(method="views"), HostStager(method="pack")
-
-    def stage_reused(stager):
-        def run(fresh):
-            stager.stage(fresh)
-            stager.release()  # as the Checkpointer does once the write has committed
-
-        return run
-
     ways = {
-        "one copy per shard, transfers started first (Orbax's way)": per_shard_copies,
+        "`snapshot`, on the device (Checkpointer on CPU)": lambda t: snapshot(t, method="device"),
+        "`snapshot`, into pinned host memory (Checkpointer on GPU)": lambda t: snapshot(
+            t, method="pinned_host"
+        ),
+        "one host copy per shard, transfers started first (Orbax's way)": per_shard_copies,
         "`jax.device_get(tree)`": jax.device_get,
-        "HostStager views, fresh memory (`stage_to_host`)": stage_to_host,
-        "HostStager views, reused memory (Checkpointer)": stage_reused(reused),
-        "HostStager pack per device and dtype, reused memory": stage_reused(packed),
         "floor: one memcpy of the bytes into reused memory": lambda _: np.copyto(floor, source),
     }
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for name, way in ways.items():  # warm-up: compiles the pack programs, faults reused memory
-        way(jax.tree.map(jax.numpy.copy, tree))
+    returns: dict[str, list[float]] = {name: [] for name in ways}
+    done: dict[str, list[float]] = {name: [] for name in ways}
+    for way in ways.values():  # warm-up: compiles the copy program
+        jax.block_until_ready(way(jax.tree.map(jax.numpy.copy, tree)))
     for i in range(repeats):
-        print(f"  staging repeat {i + 1}/{repeats} ...", file=sys.stderr, flush=True)
+        print(f"  snapshot repeat {i + 1}/{repeats} ...", file=sys.stderr, flush=True)
         for name, way in ways.items():
             fresh = jax.tree.map(jax.numpy.copy, tree)  # new arrays, no cached host value
             jax.block_until_ready(fresh)
             start = time.perf_counter()
-            way(fresh)
-            times[name].append(time.perf_counter() - start)
-    base = statistics.median(times[next(iter(ways))])
+            result = way(fresh)
+            returns[name].append(time.perf_counter() - start)
+            jax.block_until_ready(result)
+            done[name].append(time.perf_counter() - start)
+            del result
+    base = statistics.median(
+        returns["one host copy per shard, transfers started first (Orbax's way)"]
+    )
     lines = [
-        "| way off the devices | median (ms) | min (ms) | vs one copy per shard |",
+        "| way out of the next update's reach | returns (ms) | done (ms) | returns vs one copy per shard |",
         "|---|---|---|---|",
     ]
-    for name, t in times.items():
-        lines.append(
-            f"| {name} | {statistics.median(t) * 1e3:.0f} | {min(t) * 1e3:.0f} "
-            f"| {statistics.median(t) / base:.2f}x |"
-        )
+    for name in ways:
+        r, d = statistics.median(returns[name]), statistics.median(done[name])
+        lines.append(f"| {name} | {r * 1e3:.0f} | {d * 1e3:.0f} | {r / base:.2f}x |")
     return "\n".join(lines) + (
         f"\n\n{nbytes / 2**20:.0f} MiB in {len(leaves)} arrays, {num_shards:,} distinct shards on "
         f"{jax.device_count()} devices; medians of {repeats}, interleaved, fresh device arrays "
-        f"every repeat."
+        f"every repeat. Returns: until the call returns (in the Checkpointer: on its own thread, "
+        f"not the loop's); done: until every copy is complete (`jax.block_until_ready`)."
     )
 
 
@@ -480,7 +522,8 @@ def main() -> None:
     )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
     parser.add_argument("--skip-export", action="store_true")
-    parser.add_argument("--skip-staging", action="store_true")
+    parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument("--skip-snapshot", action="store_true")
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: a 2-layer width-128 GPT-2, 2 repeats"
     )
@@ -496,7 +539,7 @@ def main() -> None:
     jax.numpy.zeros(())  # start the JAX backend before torch starts its threads
 
     print("  building the training states ...", file=sys.stderr, flush=True)
-    config, (t_model, t_opt, t_loss), (z_model, z_opt, z_loss) = build_states(options.quick)
+    config, (t_model, t_opt, t_loss), (z_model, z_opt, z_loss), batch = build_states(options.quick)
     engine = z_model.engine
     num_params = sum(p.numel() for p in t_model.parameters())
     state_bytes = tree_bytes((engine.params, engine.buffers, engine.opt_state))
@@ -511,8 +554,11 @@ def main() -> None:
             DcpAsyncContender(root, t_model, t_opt),
         ]
         results = measure(contenders, repeats)
+        step = None
+        if not options.skip_step:
+            step = step_after_save_table(contenders[0], z_model, z_opt, batch, repeats)
         contenders[0].ckpt.close()
-        staging = None if options.skip_staging else staging_table(engine, repeats)
+        snapshots = None if options.skip_snapshot else snapshot_table(engine, repeats)
         export = None
         if not options.skip_export:
             out_dir = root / "export"
@@ -539,9 +585,14 @@ def main() -> None:
         f"read from the page cache. {os.cpu_count()} CPUs, {torch.get_num_threads()} torch "
         f"threads; torch {torch.__version__}, jax {jax.__version__}."
     )
-    if staging is not None:
-        print(f"\n## Staging the state to host memory ({os.cpu_count()} CPUs)\n")
-        print(staging)
+    if step is not None:
+        print("\n## A save inside the training loop\n")
+        print(step)
+    if snapshots is not None:
+        print(
+            f"\n## Out of the next update's reach: snapshot vs copies to host ({os.cpu_count()} CPUs)\n"
+        )
+        print(snapshots)
     if export is not None:
         print("\n## `zerojax ckpt export` peak memory\n")
         print(export)

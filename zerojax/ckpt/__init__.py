@@ -2,7 +2,7 @@
 `zerojax ckpt` tools (inspect, export to safetensors/torch, import from them).
 
 >>> ckpt = zerojax.Checkpointer("runs/ckpt", model, optimizer, scheduler=scheduler)
->>> ckpt.save(step, extra={"batch": i})      # returns once arrays are staged off the devices
+>>> ckpt.save(step, extra={"batch": i})      # returns at once; written in the background
 >>> state = ckpt.restore()                   # latest complete step, onto the current mesh
 
 The on-disk format is described in `zerojax.ckpt.layout`.

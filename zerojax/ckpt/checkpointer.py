@@ -23,11 +23,19 @@ Concurrency contract:
   `save` with the same steps) saves into a directory at a time. Its first `save` deletes
   temporary step directories left by a writer that died (`<step>.orbax-checkpoint-tmp*`);
   a Checkpointer that only restores never deletes anything.
-- `save` is asynchronous by default: it returns once the arrays are copied off the device
-  (`zerojax.ckpt.staging`), so training may go on (and donate/overwrite those arrays) right
-  away. The files are written by a background thread; a step directory appears under its
-  final name only when every item is committed (Orbax renames it), so a crash mid-save leaves
-  the previous steps intact and the partial one invisible. The manifest (sizes and crc32s) is written just after the commit.
+- `save` is asynchronous by default. In a single process it only reads the state's arrays
+  and hands them to the Checkpointer's thread, which enqueues a snapshot of them
+  (`zerojax.ckpt.snapshot`: copies made on the devices, or into pinned host memory, that no
+  donation can reach) and then writes it. Training goes on at once; the next optimizer
+  update, the one program that donates those arrays, first waits until the snapshot is
+  enqueued (`Engine.before_next_update`; usually long done, else the wait counts as
+  checkpoint blocking time), after which the runtime orders its in-place writes after the
+  snapshot's reads. The snapshot is one copy of the saved state, freed once the write has
+  committed. With several processes `save` returns once Orbax has copied each process's
+  shards to host memory. The files are written by a background thread; a step directory
+  appears under its final name only when every item is committed (Orbax renames it), so a
+  crash mid-save leaves the previous steps intact and the partial one invisible. The manifest
+  (sizes and crc32s) is written just after the commit.
 - `save` waits for the previous save to finish before starting another; `wait`, `restore`,
   `close` and leaving a `with` block wait too. Call a Checkpointer from one thread.
 - Readers (another process restoring or `zerojax ckpt inspect`) may run while a writer
@@ -41,7 +49,9 @@ Concurrency contract:
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -65,7 +75,7 @@ from zerojax.ckpt.errors import (
     CheckpointNotFoundError,
 )
 from zerojax.ckpt.manifest import verify_manifest, write_manifest
-from zerojax.ckpt.staging import HostStager, stages_to_host
+from zerojax.ckpt.snapshot import Method, snapshot
 from zerojax.runtime.effective_time import LEDGER
 
 __all__ = ["Checkpointer", "RestoredState", "restore_checkpoint", "save_checkpoint"]
@@ -147,32 +157,31 @@ class RestoredState:
     """`dataclasses.asdict(config)` of the run that saved (None for an imported checkpoint)."""
 
 
-def _type_handlers() -> ocp.type_handlers.TypeHandlerRegistry:
-    """Orbax's default type handlers, but numpy arrays are written without a deep copy: the
-    only numpy arrays saved are the staged ones (`HostStager`), which nothing writes to until
-    the save has committed; Orbax's copy would copy the whole state a second time, on the
-    training loop's time."""
-    handlers = [
-        (ty, ocp.type_handlers.get_type_handler(ty)) for ty in ocp.type_handlers.supported_types()
-    ]
-    handlers.append((np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
-    return ocp.type_handlers.create_type_handler_registry(*handlers)
-
-
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
     # No zstd: fp32 weights and moments shrink by ~7% only, and compressing/decompressing
     # them took ~1 s of a 3 s background save and ~0.4 s of a 1 s restore (409 MB state).
     # Compressed checkpoints (older ones, `ckpt import`) still restore: each array's
     # metadata names its codec.
-    tree = lambda: ocp.PyTreeCheckpointHandler(
-        use_compression=False, type_handler_registry=_type_handlers()
-    )
+    tree = lambda: ocp.PyTreeCheckpointHandler(use_compression=False)
     return {
         layout.MODEL: tree(),
         layout.OPTIMIZER: tree(),
         layout.TRAIN_STATE: tree(),
         layout.META: ocp.JsonCheckpointHandler(),
     }
+
+
+def _save_args(items: dict, meta: dict) -> ocp.args.Composite:
+    args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}
+    args[layout.META] = ocp.args.JsonSave(meta)
+    return ocp.args.Composite(**args)
+
+
+def _await_snapshot(enqueued: threading.Event, step: int) -> None:
+    """Before an update donates the state: the snapshot of save(step) must be enqueued."""
+    if not enqueued.is_set():
+        with LEDGER.measure("checkpoint_blocking", step=step, waiting_for="snapshot"):
+            enqueued.wait()
 
 
 class Checkpointer:
@@ -190,8 +199,8 @@ class Checkpointer:
     Checkpointer can only list steps.
 
     Concurrency (in full in the module docstring): one writing Checkpointer per directory,
-    called from one thread. `save` returns once the arrays are off the device and writes in
-    the background; the next `save`, `wait`, `restore`, `close` or the end of a `with` block
+    called from one thread. `save` returns at once and snapshots and writes the state in the
+    background (the next optimizer update waits until the snapshot is enqueued); the next `save`, `wait`, `restore`, `close` or the end of a `with` block
     waits for it. A step appears only once committed, so readers in other processes and a
     crash mid-save never see a partial step.
     """
@@ -236,12 +245,16 @@ class Checkpointer:
             )
         self._manager: ocp.CheckpointManager | None = None
         self._cleaned = False
-        # The in-flight async save: Orbax's commit, then the manifest.
-        self._pending: _Background | None = None
-        # Host copies of the arrays being saved; reused once that save has committed.
-        self._staging = HostStager()
-        # Orbax's manager is not thread-safe: its save (on the background thread when the
-        # arrays are staged) and the reload of `all_steps` take turns.
+        # The in-flight async save (snapshot, Orbax's save and commit, then the manifest), on
+        # one thread kept for the Checkpointer's life: starting a thread per save cost the
+        # loop 5-20 ms (Thread.start waits until the new thread runs; longer under load).
+        self._pending: concurrent.futures.Future | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Where the snapshot of a single-process save lives (`zerojax.ckpt.snapshot`); tests
+        # force each method.
+        self._snapshot_method: Method = "auto"
+        # Orbax's manager is not thread-safe: its save (on the background thread in a single
+        # process) and the reload of `all_steps` take turns.
         self._orbax_lock = threading.Lock()
 
     # --- Orbax ------------------------------------------------------------------------------
@@ -293,9 +306,9 @@ class Checkpointer:
         """Save the training state as `step`; returns whether it saved.
 
         Skipped (False) unless `force` or `step` is a multiple of `save_interval_steps` (0:
-        always saves). Asynchronous by default: returns once the arrays are staged to host
-        memory; the files are written in the background (see the module's concurrency
-        contract). `extra` is any JSON-serialisable dict, handed back by `restore`.
+        always saves). Asynchronous by default: returns at once (single process); a snapshot
+        of the arrays is enqueued and written in the background, and the next optimizer update
+        waits until that snapshot is enqueued (see the module's concurrency contract). `extra` is any JSON-serialisable dict, handed back by `restore`.
 
         >>> ckpt.save(step, extra={"epoch": 3, "data_rng": generator.get_state()})
         """
@@ -305,8 +318,8 @@ class Checkpointer:
         if not force and self.save_interval_steps and step % self.save_interval_steps:
             return False
         meta = ts.build_meta(engine, self._optimizer, self._scheduler, step=step, extra=extra)
-        # What the training loop waits for: the previous save's commit (if still running) and
-        # the copy of the arrays off the device.
+        # What the training loop waits for: the previous save's commit (if still running), the
+        # state's arrays gathered (single process) or Orbax's copy to host (several).
         with LEDGER.measure("checkpoint_blocking", step=step):
             self._save(engine, step, meta)
         return True
@@ -324,22 +337,46 @@ class Checkpointer:
         if not self._cleaned:
             self._clean_partial_saves()
         items = ts.gather_items(engine, with_optimizer=self._optimizer is not None)
-        # Off the device in a few large copies, into host memory no training step can touch.
-        items = self._staging.stage(items)
-        args = {name: ocp.args.PyTreeSave(tree) for name, tree in items.items()}
-        args[layout.META] = ocp.args.JsonSave(meta)
-        args = ocp.args.Composite(**args)
         manager = self._mgr()
-        if self.async_save and stages_to_host():
-            # Nothing is left on the device, so Orbax's save call too (directories, metadata,
-            # ~25 thread starts: 30-300 ms) runs off the training loop's time.
-            self._pending = _Background(f"zerojax-save-{step}", self._write, manager, step, args)
-        elif self.async_save:
-            # Several processes: Orbax copies each process's shards to host before save returns.
+        if self.async_save and jax.process_count() == 1:
+            # Even enqueueing the snapshot (~3,000 shard buffers: 20-50 ms of dispatch) runs
+            # on the worker, and the next update waits for it, not this call.
+            enqueued = threading.Event()
+            self._pending = self._worker().submit(
+                self._snapshot_and_write, manager, step, items, meta, enqueued
+            )
+            engine.before_next_update(functools.partial(_await_snapshot, enqueued, step))
+            return
+        args = _save_args(items, meta)
+        if self.async_save:
+            # Several processes: Orbax's save synchronises the processes, so it stays on the
+            # calling thread, in the same order on every process (a background thread was not
+            # tried there); it copies each process's shards to host before returning (on CPU
+            # devices a zero-copy view, which the runtime then declines to donate).
             self._start_write(manager, step, args)
-            self._pending = _Background(f"zerojax-manifest-{step}", self._commit, step)
+            self._pending = self._worker().submit(self._commit, step)
         else:
             self._write(manager, step, args)
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="zerojax-save"
+            )
+        return self._executor
+
+    def _snapshot_and_write(
+        self, manager: ocp.CheckpointManager, step: int, items: dict, meta: dict, enqueued
+    ) -> None:
+        try:
+            items = snapshot(items, method=self._snapshot_method)
+        finally:
+            # From here the update may donate the arrays: the snapshot's reads come first (or,
+            # if it failed, this save fails and training goes on).
+            enqueued.set()
+        # Orbax's whole save (its per-shard copies to host: ~3,000 for the bench's state,
+        # directories, metadata, thread starts) runs here, off the loop's time.
+        self._write(manager, step, _save_args(items, meta))
 
     def _write(self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite) -> None:
         self._start_write(manager, step, args)
@@ -354,7 +391,6 @@ class Checkpointer:
 
     def _commit(self, step: int) -> None:
         self._mgr().wait_until_finished()
-        self._staging.release()  # written: the next save may reuse the staging memory
         self._write_manifest(step)
 
     def _write_manifest(self, step: int) -> None:
@@ -367,7 +403,7 @@ class Checkpointer:
         if pending is None:
             return
         try:
-            pending.raise_error()
+            pending.result()
         except BaseException as error:
             raise CheckpointError(f"background checkpoint save failed: {error}") from error
 
@@ -398,7 +434,9 @@ class Checkpointer:
             if self._manager is not None:
                 self._manager.close()
                 self._manager = None
-            self._staging.clear()
+            if self._executor is not None:
+                self._executor.shutdown()
+                self._executor = None
 
     def __enter__(self) -> Self:
         return self
@@ -706,8 +744,8 @@ def save_checkpoint(
 
     >>> save_checkpoint("runs/gpt", model, optimizer, step=1000, scheduler=sched)
 
-    With `async_save=True` it returns once the arrays are staged; the next save_checkpoint /
-    restore_checkpoint call, or the interpreter's exit, waits for the write.
+    With `async_save=True` it returns at once, as `Checkpointer.save` does; the next
+    save_checkpoint / restore_checkpoint call, or the interpreter's exit, waits for the write.
     """
     _wait_all()
     ckpt = Checkpointer(

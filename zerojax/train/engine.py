@@ -24,6 +24,7 @@ micro-batch) accumulates.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -130,8 +131,19 @@ class Engine:
         )
         self._converted: dict[bool, Converted] = {}
         self._warned_uneven: set[tuple] = set()
+        self._before_donation: list[Callable[[], None]] = []
 
     # --- the state -------------------------------------------------------------------------
+
+    def before_next_update(self, wait: Callable[[], None]) -> None:
+        """Have the next optimizer update call `wait()` before it is dispatched.
+
+        The update is the one program that donates the state's arrays (params, master
+        weights, optimizer state: `zerojax.train.programs`); a reader on another thread that
+        has not yet enqueued its reads of them (an asynchronous checkpoint's snapshot) blocks
+        the update here until it has, after which the runtime orders the donation after those
+        reads. Called once, then forgotten."""
+        self._before_donation.append(wait)
 
     @property
     def state(self) -> TrainState:
@@ -454,6 +466,9 @@ class Engine:
             return  # torch skips parameters without .grad; with none, nothing happens
         if self.optimizer_spec is None:
             raise RuntimeError("zerojax: no optimizer attached; pass one to zerojax.initialize")
+        waits, self._before_donation = self._before_donation, []
+        for wait in waits:
+            wait()
         program = self.programs.update(self.optimizer_spec)
         params, master, opt_state, loss_scale, finite = program(
             state.params, state.master, state.opt_state, state.grads, hyper, state.loss_scale
