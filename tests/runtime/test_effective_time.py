@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import jax
@@ -99,13 +100,20 @@ def test_restarted_process_reuses_compiled_programs_and_reports_time(tmp_path):
 
 def test_ledger_counts_blocks_and_ignores_compiles_inside_them():
     ledger = EffectiveTimeLedger()
-    ledger.start = 0.0
+    ledger.begin(log_path=None, report_at_exit=False)
     with ledger.measure("checkpoint_restore"):
         ledger._on_jax_event("/jax/core/compile/backend_compile_duration", 5.0)
     assert ledger.seconds["trace_compile"] == 0.0
     assert ledger.seconds["checkpoint_restore"] > 0.0
     ledger._on_jax_event("/jax/core/compile/backend_compile_duration", 2.0)
     ledger._on_jax_event("/jax/some/other_event", 7.0)
+    assert ledger.seconds["trace_compile"] == 2.0
+    # A compile on another thread (a checkpoint's background snapshot) does not stop the loop.
+    worker = threading.Thread(
+        target=ledger._on_jax_event, args=("/jax/core/compile/backend_compile_duration", 3.0)
+    )
+    worker.start()
+    worker.join()
     assert ledger.seconds["trace_compile"] == 2.0
 
 

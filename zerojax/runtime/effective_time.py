@@ -75,6 +75,9 @@ class EffectiveTimeLedger:
         self.report_at_exit = False
         self._lock = threading.Lock()
         self._depth = 0  # >0 while a measure() block runs: compile events inside belong to it
+        # The training loop's thread (the one that called begin): compiles on other threads (a
+        # checkpoint's background snapshot program) do not hold the loop up.
+        self._loop_thread: int | None = None
         self._num_engines = 0  # alive engines: JAX's compile events are listened to while > 0
         self._exit_hook = False
 
@@ -93,6 +96,7 @@ class EffectiveTimeLedger:
         restart count (torchrun's TORCHELASTIC_RESTART_COUNT)."""
         if self.start is None:
             self.start = time.perf_counter()
+            self._loop_thread = threading.get_ident()
         if log_path is not None and self.log_path is None:
             self.log_path = rank_log_path(log_path, rank, world_size)
             self._log(
@@ -128,6 +132,8 @@ class EffectiveTimeLedger:
                 jax.monitoring.unregister_event_duration_listener(self._on_jax_event)
 
     def _on_jax_event(self, event: str, duration: float, **_) -> None:
+        if threading.get_ident() != self._loop_thread:
+            return
         if event in _COMPILE_EVENTS and self._depth == 0 and self.start is not None:
             self.add("trace_compile", duration, source=event.rsplit("/", 1)[-1])
 
