@@ -110,6 +110,46 @@ def test_sigkill_during_async_save_keeps_the_previous_step(tmp_path):
         assert ckpt.all_steps() == [1, 2] and ckpt.restore().step == 2
 
 
+def save_then_exit(directory: str, how: str) -> None:
+    """The child: start an async save and let the script end without waiting for it."""
+    model, optimizer = big_model()
+    if how == "checkpointer":
+        Checkpointer(directory, model, optimizer).save(1)  # never closed
+    else:
+        save_checkpoint(directory, model, optimizer, step=1, async_save=True)
+    print("SAVE_STARTED", flush=True)
+
+
+@pytest.mark.parametrize(
+    "how", ["checkpointer", pytest.param("save_checkpoint", marks=pytest.mark.slow)]
+)
+def test_a_script_that_ends_during_an_async_save_still_commits_it(tmp_path, how):
+    """Without `close()`, the interpreter's exit waits for the save (it used to lose it:
+    Orbax could no longer start threads once concurrent.futures had shut down)."""
+    directory = tmp_path / "ckpt"
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]);"
+        "from tests.ckpt.test_faults import save_then_exit; save_then_exit(sys.argv[2], sys.argv[3])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(REPO), str(directory), how],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0 and "SAVE_STARTED" in done.stdout, done.stderr[-3000:]
+    assert "cannot schedule new futures" not in done.stderr, done.stderr[-3000:]
+    model, optimizer = big_model(seed=1)
+    with Checkpointer(directory, model, optimizer) as reader:
+        assert reader.all_steps() == [1] and reader.restore().step == 1
+    expected, _ = big_model(seed=0)  # the child's weights
+    np.testing.assert_array_equal(
+        np.asarray(model.engine.params["0.weight"]), np.asarray(expected.engine.params["0.weight"])
+    )
+
+
 # --------------------------------------------------------------------------- damaged files
 
 

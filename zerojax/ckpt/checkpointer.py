@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import concurrent.futures.thread  # registers its exit hook before ours (_finish_saves_at_exit)
 import dataclasses
 import functools
 import json
@@ -58,6 +59,7 @@ import os
 import re
 import shutil
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -256,6 +258,7 @@ class Checkpointer:
         # Orbax's manager is not thread-safe: its save (on the background thread in a single
         # process) and the reload of `all_steps` take turns.
         self._orbax_lock = threading.Lock()
+        _LIVE.add(self)  # its last save is finished at interpreter exit (_finish_saves_at_exit)
 
     # --- Orbax ------------------------------------------------------------------------------
 
@@ -720,6 +723,7 @@ class Checkpointer:
 # --------------------------------------------------------------------------- one-shot functions
 
 _in_flight: list[Checkpointer] = []
+_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 def _wait_all() -> None:
@@ -727,7 +731,28 @@ def _wait_all() -> None:
         _in_flight.pop().close()
 
 
-atexit.register(_wait_all)
+def _finish_saves_at_exit() -> None:
+    """A script that ends without `close()` (or `save_checkpoint(async_save=True)` last) still
+    gets its last save: wait for every Checkpointer's in-flight save at interpreter exit.
+
+    It must run before `concurrent.futures` shuts its executors down at exit: from then on
+    Orbax cannot schedule the threads its save still needs ("cannot schedule new futures after
+    interpreter shutdown") and the step was lost. That shutdown is a `threading` exit hook, and
+    those run before `atexit`'s, last registered first; so this one is registered the same way
+    (CPython's `threading._register_atexit`, what concurrent.futures itself uses), after
+    concurrent.futures was imported (this module imports it), and runs before it."""
+    for checkpointer in list(_LIVE):
+        try:
+            checkpointer._finish_pending()
+        except CheckpointError as error:
+            log.error("zerojax: %s", error)
+    _wait_all()
+
+
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_finish_saves_at_exit)
+else:  # not CPython: the best available, after the executors' shutdown
+    atexit.register(_finish_saves_at_exit)
 
 
 def save_checkpoint(
