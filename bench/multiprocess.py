@@ -220,8 +220,9 @@ def report(clean: dict, killed: dict) -> str:
             f"{clean['summary']['job']['wall']:.1f} s"
         ),
         (
-            f"{len(kills)} SIGKILLs: ETT {100 * job['productive_fraction']:.1f} % of {job['wall']:.1f} s "
-            f"({job['optimizer_steps']} steps kept, {job['redone_step_count']} redone; rank 0)"
+            f"{len(kills)} SIGKILLs: ETT {100 * job['productive_fraction']:.1f} % of "
+            f"{job['wall']:.1f} s ({job['optimizer_steps']} steps kept, "
+            f"{job['redone_step_count']} redone; rank 0)"
         ),
         "",
         (

@@ -13,8 +13,8 @@ policy keeps them) and buffers under torch state_dict names, the optimizer state
 optimizer's param-group hyperparameters, the LR scheduler's state_dict, the fp16 loss scale,
 the dropout RNG key and call count, torch's RNG state, the config of the saving run and the
 user's `extra` dict. Zero-size arrays are not stored (Orbax refuses them): their shapes are
-in `meta` and in the current model, and restoring recreates them. Restoring reads every array straight into the *current* engine's
-shardings and dtypes, so a run saved on 8-way ZeRO-3 resumes on a 4x2 data x fsdp ZeRO-1 mesh,
+in `meta` and in the current model, and restoring recreates them. Restoring reads every
+array straight into the *current* engine's shardings and dtypes, so a run saved on 8-way ZeRO-3 resumes on a 4x2 data x fsdp ZeRO-1 mesh,
 or in bf16 with fp32 master weights; with the same config it resumes bit for bit.
 
 Concurrency contract:
@@ -202,8 +202,8 @@ class Checkpointer:
 
     Concurrency (in full in the module docstring): one writing Checkpointer per directory,
     called from one thread. `save` returns at once and snapshots and writes the state in the
-    background (the next optimizer update waits until the snapshot is enqueued); the next `save`, `wait`, `restore`, `close` or the end of a `with` block
-    waits for it. A step appears only once committed, so readers in other processes and a
+    background (the next optimizer update waits until the snapshot is enqueued); the next
+    `save`, `wait`, `restore`, `close` or the end of a `with` block waits for it. A step appears only once committed, so readers in other processes and a
     crash mid-save never see a partial step.
     """
 
@@ -311,7 +311,8 @@ class Checkpointer:
         Skipped (False) unless `force` or `step` is a multiple of `save_interval_steps` (0:
         always saves). Asynchronous by default: returns at once (single process); a snapshot
         of the arrays is enqueued and written in the background, and the next optimizer update
-        waits until that snapshot is enqueued (see the module's concurrency contract). `extra` is any JSON-serialisable dict, handed back by `restore`.
+        waits until that snapshot is enqueued (see the module's concurrency contract).
+        `extra` is any JSON-serialisable dict, handed back by `restore`.
 
         >>> ckpt.save(step, extra={"epoch": 3, "data_rng": generator.get_state()})
         """
