@@ -14,8 +14,9 @@ optimizer's param-group hyperparameters, the LR scheduler's state_dict, the fp16
 the dropout RNG key and call count, torch's RNG state, the config of the saving run and the
 user's `extra` dict. Zero-size arrays are not stored (Orbax refuses them): their shapes are
 in `meta` and in the current model, and restoring recreates them. Restoring reads every
-array straight into the *current* engine's shardings and dtypes, so a run saved on 8-way ZeRO-3 resumes on a 4x2 data x fsdp ZeRO-1 mesh,
-or in bf16 with fp32 master weights; with the same config it resumes bit for bit.
+array straight into the *current* engine's shardings and dtypes, so a run saved on 8-way
+ZeRO-3 resumes on a 4x2 data x fsdp ZeRO-1 mesh, or in bf16 with fp32 master weights; with
+the same config it resumes bit for bit.
 
 Concurrency contract:
 
