@@ -97,3 +97,15 @@ def test_restore_on_two_processes_and_another_mesh(saved, tmp_path):
     check_ok(torchrun(SCRIPT, *args, timeout=240))
     for rank in range(2):
         _assert_equal_state(dict(np.load(tmp_path / f"restore_rank{rank}.npz")), want)
+
+
+def test_async_save_leaves_the_loop_without_collectives(tmp_path):
+    """Two processes: the save's Orbax work runs on the Checkpointer's thread and issues no
+    device collective there (every `multihost_utils` collective is recorded by thread), and
+    the step holds the state of save() time although the next steps ran at once
+    (async_save_script.py asserts both on each rank)."""
+    script = REPO / "tests" / "distributed" / "async_save_script.py"
+    result = torchrun(script, "--dir", str(tmp_path / "ckpt"), "--mesh", "fsdp=8", timeout=240)
+    check_ok(result)
+    for rank in range(2):
+        assert f"rank {rank}: " in result.stdout and "step 2 restored bitwise" in result.stdout

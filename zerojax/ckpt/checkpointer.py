@@ -180,6 +180,50 @@ def _save_args(items: dict, meta: dict) -> ocp.args.Composite:
     return ocp.args.Composite(**args)
 
 
+_DISTRIBUTED_BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
+
+
+def _use_distributed_barriers() -> bool:
+    """Make Orbax synchronise processes through the JAX distributed client's key-value
+    barriers; returns whether it now does (the multi-process save may then leave the calling
+    thread).
+
+    Why: a device collective enqueued by a background thread while the main thread enqueues
+    training steps (collectives across processes too) can be enqueued in different orders on
+    different processes, and they deadlock. What `CheckpointManager` does with several
+    processes (Orbax 0.12.8, read in its source): every barrier -- creating the directory, save
+    start and end, the commit's rename, deleting old steps, `reload` -- goes through
+    `multihost.sync_global_processes`, which runs `multihost_utils.sync_global_devices` (a
+    device collective) unless this absl flag is set, and then waits at a barrier of the
+    distributed client, no device work. Listing steps broadcasts from process 0
+    (`broadcast_one_to_all`, a collective) only with `single_host_load_and_broadcast`, which
+    the Checkpointer never sets. The rest of a save is per-device: copies of each process's
+    own shards to host and TensorStore writes. Orbax's own commit thread already uses the
+    distributed client's barriers. tests/distributed/test_checkpoints.py checks that no
+    collective runs off the main thread.
+
+    The flag is process-wide (every Orbax barrier of the process then uses the client, which
+    has a timeout where a collective had none) and set here before any barrier of the
+    Checkpointer's manager. absl refuses to read a flag before it parses the command line,
+    and Orbax then silently falls back to collectives: the flag is marked present. Every
+    process runs this same code, so all choose the same barriers."""
+    from absl import flags
+
+    holder = flags.FLAGS
+    if _DISTRIBUTED_BARRIER_FLAG not in holder:
+        return False  # another Orbax: keep the save on the calling thread
+    flag = holder[_DISTRIBUTED_BARRIER_FLAG]
+    if flag.value is not True:
+        flag.value = True
+        log.info("zerojax: Orbax barriers of this multi-process job use the distributed client")
+    if not holder.is_parsed():
+        flag.present = max(flag.present, 1)
+    try:
+        return getattr(holder, _DISTRIBUTED_BARRIER_FLAG) is True
+    except flags.Error:
+        return False
+
+
 def _await_snapshot(enqueued: threading.Event, step: int) -> None:
     """Before an update donates the state: the snapshot of save(step) must be enqueued."""
     if not enqueued.is_set():
@@ -342,8 +386,23 @@ class Checkpointer:
         if not self._cleaned:
             self._clean_partial_saves()
         items = ts.gather_items(engine, with_optimizer=self._optimizer is not None)
+        # Set before the manager exists: its creation synchronises the processes too.
+        background = self.async_save and (jax.process_count() == 1 or _use_distributed_barriers())
         manager = self._mgr()
-        if self.async_save and jax.process_count() == 1:
+        if background and jax.process_count() > 1:
+            # Several processes: the snapshot is a program over every process's devices, so it
+            # is enqueued here, on the thread that enqueues the training steps, in the same
+            # order on every process (no device program of several processes is ever enqueued
+            # by a background thread). It precedes the next update, which needs no wait. The
+            # reload, Orbax's save and its commit then run on the worker: with distributed
+            # barriers they issue no device work but per-device copies to host
+            # (`_use_distributed_barriers`).
+            items = snapshot(items, method=self._snapshot_method)
+            self._pending = self._worker().submit(
+                self._write, manager, step, _save_args(items, meta)
+            )
+            return
+        if background:
             # Even enqueueing the snapshot (~3,000 shard buffers: 20-50 ms of dispatch) runs
             # on the worker, and the next update waits for it, not this call.
             enqueued = threading.Event()
@@ -354,10 +413,10 @@ class Checkpointer:
             return
         args = _save_args(items, meta)
         if self.async_save:
-            # Several processes: Orbax's save synchronises the processes, so it stays on the
-            # calling thread, in the same order on every process (a background thread was not
-            # tried there); it copies each process's shards to host before returning (on CPU
-            # devices a zero-copy view, which the runtime then declines to donate).
+            # Several processes without distributed barriers: Orbax's save synchronises the
+            # processes with device collectives, so it stays on the calling thread, in the same
+            # order on every process; it copies each process's shards to host before returning
+            # (on CPU devices a zero-copy view, which the runtime then declines to donate).
             self._start_write(manager, step, args)
             self._pending = self._worker().submit(self._commit, step)
         else:
