@@ -32,8 +32,11 @@ Concurrency contract:
   enqueued (`Engine.before_next_update`; usually long done, else the wait counts as
   checkpoint blocking time), after which the runtime orders its in-place writes after the
   snapshot's reads. The snapshot is one copy of the saved state, freed once the write has
-  committed. With several processes `save` returns once Orbax has copied each process's
-  shards to host memory. The files are written by a background thread; a step directory
+  committed. With several processes `save` enqueues the snapshot itself (a program over every
+  process's devices stays on the thread that enqueues the training steps) and the thread runs
+  Orbax's save, whose barriers then wait on the JAX distributed client instead of running
+  device collectives (`_use_distributed_barriers`: collectives enqueued by two threads can
+  deadlock across processes). The files are written by a background thread; a step directory
   appears under its final name only when every item is committed (Orbax renames it), so a
   crash mid-save leaves the previous steps intact and the partial one invisible. The manifest
   (sizes and crc32s) is written just after the commit.
@@ -247,9 +250,10 @@ class Checkpointer:
 
     Concurrency (in full in the module docstring): one writing Checkpointer per directory,
     called from one thread. `save` returns at once and snapshots and writes the state in the
-    background (the next optimizer update waits until the snapshot is enqueued); the next
-    `save`, `wait`, `restore`, `close` or the end of a `with` block waits for it. A step appears only once committed, so readers in other processes and a
-    crash mid-save never see a partial step.
+    background (the next optimizer update waits until the snapshot is enqueued; with several
+    processes `save` enqueues it); the next `save`, `wait`, `restore`, `close` or the end of a
+    `with` block waits for it. A step appears only once committed, so readers in other
+    processes and a crash mid-save never see a partial step.
     """
 
     def __init__(
@@ -300,8 +304,8 @@ class Checkpointer:
         # Where the snapshot of a single-process save lives (`zerojax.ckpt.snapshot`); tests
         # force each method.
         self._snapshot_method: Method = "auto"
-        # Orbax's manager is not thread-safe: its save (on the background thread in a single
-        # process) and the reload of `all_steps` take turns.
+        # Orbax's manager is not thread-safe: its save (on the background thread) and the
+        # reload of `all_steps` (no barrier: each process lists the directory) take turns.
         self._orbax_lock = threading.Lock()
         _LIVE.add(self)  # its last save is finished at interpreter exit (_finish_saves_at_exit)
 
@@ -354,9 +358,10 @@ class Checkpointer:
         """Save the training state as `step`; returns whether it saved.
 
         Skipped (False) unless `force` or `step` is a multiple of `save_interval_steps` (0:
-        always saves). Asynchronous by default: returns at once (single process); a snapshot
-        of the arrays is enqueued and written in the background, and the next optimizer update
-        waits until that snapshot is enqueued (see the module's concurrency contract).
+        always saves). Asynchronous by default: returns at once; a snapshot of the arrays is
+        enqueued (on the Checkpointer's thread in a single process: the next optimizer update
+        waits until it is; by this call with several processes) and written in the background
+        (see the module's concurrency contract).
         `extra` is any JSON-serialisable dict, handed back by `restore`.
 
         >>> ckpt.save(step, extra={"epoch": 3, "data_rng": generator.get_state()})
@@ -368,7 +373,7 @@ class Checkpointer:
             return False
         meta = ts.build_meta(engine, self._optimizer, self._scheduler, step=step, extra=extra)
         # What the training loop waits for: the previous save's commit (if still running), the
-        # state's arrays gathered (single process) or Orbax's copy to host (several).
+        # state's arrays gathered, with several processes the snapshot's dispatch too.
         with LEDGER.measure("checkpoint_blocking", step=step):
             self._save(engine, step, meta)
         return True
