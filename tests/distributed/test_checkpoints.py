@@ -99,6 +99,7 @@ def test_restore_on_two_processes_and_another_mesh(saved, tmp_path):
         _assert_equal_state(dict(np.load(tmp_path / f"restore_rank{rank}.npz")), want)
 
 
+@pytest.mark.slow  # ~15 s: one more 2-process job (make test-distributed runs it)
 def test_async_save_leaves_the_loop_without_collectives(tmp_path):
     """Two processes: the save's Orbax work runs on the Checkpointer's thread and issues no
     device collective there (every `multihost_utils` collective is recorded by thread), and
