@@ -251,16 +251,15 @@ class Engine:
         names = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), self.alias[name])
-        self.optimizer_spec = optimizers.optimizer_spec_from_torch(optimizer, names)
-        state = optimizers.init_state(
-            self.optimizer_spec,
-            self._state.weights,
-            state_dtype=self.policy.optimizer_state_dtype,
-        )
-        self._state = self._state.replace(opt_state=self._placed_opt_state(state))
-
-    def _placed_opt_state(self, state):
-        return jax.tree.map(jax.device_put, state, self.plan.optimizer_state_shardings(state))
+        spec = self.optimizer_spec = optimizers.optimizer_spec_from_torch(optimizer, names)
+        dtype = self.policy.optimizer_state_dtype
+        fresh = lambda weights: optimizers.init_state(spec, weights, state_dtype=dtype)
+        # One program makes every moment, in its optimizer-state sharding: eager zeros were a
+        # compiled program per shape and sharding (12 for a 5-layer MLP, 0.41 s of a 0.85 s
+        # initialize), made in the parameter's layout and then moved.
+        shardings = self.plan.optimizer_state_shardings(jax.eval_shape(fresh, self._state.weights))
+        state = jax.jit(fresh, out_shardings=shardings)(self._state.weights)
+        self._state = self._state.replace(opt_state=state)
 
     def optimizer_state_from_torch(self, state_dict) -> Any:
         """torch's `optimizer.state_dict()` as this engine's optimizer-state tree (unplaced)."""
