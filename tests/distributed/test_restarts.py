@@ -62,7 +62,9 @@ def test_killed_rank_is_restarted_and_resumes_bitwise(tmp_path):
         assert account["redone_step_count"] in (1, 2)  # rank 0 may have finished step 4 too
         (restart,) = account["restarts"]
         assert restart["first_step"] == 3 and restart["restore"] > 0 and restart["recompile"] > 0
-        assert restart["between_attempts"] > 0
+        # Process start times have the kernel's clock-tick resolution (10 ms); a restart can
+        # follow the last record by less than that.
+        assert restart["between_attempts"] >= 0 and restart["startup"] > 0
         assert 0 < account["productive_fraction"] < 1
     check_ok(torchrun(SCRIPT, "--dir", str(clean / "ckpt"), "--out", str(clean), timeout=200))
     for resumed, uninterrupted in zip(_final_states(killed), _final_states(clean), strict=True):

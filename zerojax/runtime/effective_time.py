@@ -229,10 +229,12 @@ def _process_start_time() -> float | None:
             # Field 22 (starttime, clock ticks after boot); the command name (field 2) may hold
             # spaces, so count from the closing parenthesis.
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return round(boot + ticks / os.sysconf("SC_CLK_TCK"), 3)
-    except (OSError, ValueError, StopIteration, IndexError):
+        # Seconds since boot now, to the nanosecond: /proc/stat's btime is whole seconds, which
+        # put process starts up to 1 s early (a restart then seemed to begin before the
+        # previous attempt ended).
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return round(time.time() - age, 3)
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
