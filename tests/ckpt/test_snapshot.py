@@ -189,6 +189,19 @@ def train_step(model, optimizer) -> None:
     optimizer.zero_grad()
 
 
+def trained_model(seed: int):
+    """Net under ZeRO-3 on 8 devices with AdamW, after one step (moments exist)."""
+    torch.manual_seed(seed)
+    net = Net()
+    model, optimizer = zerojax.initialize(
+        net,
+        torch.optim.AdamW(net.parameters(), lr=1e-2),
+        config={"mesh": {"fsdp": 8}, "zero": {"stage": 3}},
+    )
+    train_step(model, optimizer)
+    return model, optimizer
+
+
 def engine_state(model) -> dict:
     engine = model.engine
     return host_values({"params": engine.params, "opt": engine.opt_state})
@@ -199,14 +212,7 @@ def test_save_then_steps_write_the_values_at_save(tmp_path, monkeypatch, method)
     """`save` returns before anything is copied to host or written; here its whole background
     write (Orbax's copies to host included) is held back until two more training steps have
     donated and overwritten the saved arrays, so only the snapshot can hold the saved values."""
-    torch.manual_seed(0)
-    net = Net()
-    model, optimizer = zerojax.initialize(
-        net,
-        torch.optim.AdamW(net.parameters(), lr=1e-2),
-        config={"mesh": {"fsdp": 8}, "zero": {"stage": 3}},
-    )
-    train_step(model, optimizer)
+    model, optimizer = trained_model(seed=0)
     steps_done = threading.Event()
     writes = []
     write = Checkpointer._write
@@ -248,14 +254,7 @@ def test_the_update_after_save_waits_until_the_snapshot_is_enqueued(tmp_path, mo
     """`save` returns before the snapshot is even enqueued (that runs on the Checkpointer's
     thread); here it cannot be enqueued until the next update has asked to donate, so the
     update must wait for it (`Engine.before_next_update`) or the write sees deleted arrays."""
-    torch.manual_seed(1)
-    net = Net()
-    model, optimizer = zerojax.initialize(
-        net,
-        torch.optim.AdamW(net.parameters(), lr=1e-2),
-        config={"mesh": {"fsdp": 8}, "zero": {"stage": 3}},
-    )
-    train_step(model, optimizer)
+    model, optimizer = trained_model(seed=1)
     update_asked, seen_enqueued = threading.Event(), []
     real_snapshot, real_wait = checkpointer.snapshot, checkpointer._await_snapshot
 
