@@ -1,4 +1,5 @@
-"""Process-local data <-> global arrays, for batches split over processes.
+"""Process-local data <-> global arrays, for batches split over processes, and the values every
+process holds alike (a model's initial state).
 
 With many processes each `jax.Array` is global: its shards live on every process's devices, and
 a process can read only its own (`addressable_shards`). A batch input is assembled from each
@@ -9,6 +10,7 @@ Row order: a process's rows fill its devices' slices of dim 0 in ascending order
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 
 import jax
@@ -22,6 +24,7 @@ __all__ = [
     "global_from_local",
     "host_copy",
     "local_rows",
+    "place_same_everywhere",
 ]
 
 
@@ -102,3 +105,50 @@ def host_copy(array: jax.Array) -> np.ndarray:
     if array.is_fully_addressable or array.is_fully_replicated:
         return np.asarray(array)
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+def place_same_everywhere(arrays: dict[str, np.ndarray], shardings: dict) -> dict[str, jax.Array]:
+    """Host values that every process holds alike (a model's initial state, built from one seed)
+    as global arrays laid out by `shardings` (same keys).
+
+    With several processes they are checked equal across processes first, all at once: one
+    all-gather of each array's fingerprint. (`jax.device_put` of a host array checks it on its
+    own, with a compiled all-gather per array: 0.9 s for the 18 arrays of a 5-layer MLP, paid by
+    every restart of a job.) Each process then fills its devices' shards from its own copy.
+    Raises ValueError naming the first array that differs between processes.
+    """
+    names = list(arrays)
+    if jax.process_count() == 1:
+        return dict(
+            zip(
+                names,
+                jax.device_put([arrays[n] for n in names], [shardings[n] for n in names]),
+                strict=True,
+            )
+        )
+    fingerprints = np.array(
+        [np.frombuffer(_fingerprint(arrays[n]), np.uint32) for n in names], np.uint32
+    ).reshape(len(names), 2)
+    every_process = np.asarray(multihost_utils.process_allgather(fingerprints))
+    differs = (every_process != every_process[:1]).any(axis=(0, 2))
+    if differs.any():
+        name = names[int(np.argmax(differs))]
+        raise ValueError(
+            f"zerojax: model tensor {name!r} (shape {np.shape(arrays[name])}) differs between "
+            f"processes; build the model identically on every rank (torch.manual_seed before "
+            f"constructing it), as DDP starts every rank from rank 0's parameters"
+        )
+    return {
+        n: jax.make_array_from_callback(
+            np.shape(arrays[n]), shardings[n], lambda index, host=arrays[n]: host[index]
+        )
+        for n in names
+    }
+
+
+def _fingerprint(array: np.ndarray) -> bytes:
+    array = np.ascontiguousarray(array)
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(array.view(np.uint8).reshape(-1).data if array.size else b"")
+    return digest.digest()

@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted, state_arrays
 from zerojax.config import Config
-from zerojax.distributed.arrays import host_copy
+from zerojax.distributed.arrays import host_copy, place_same_everywhere
 from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import optimizers
@@ -86,37 +86,52 @@ class Engine:
         self.optimizer_spec: optimizers.OptimizerSpec | None = None
         policy = self.policy
 
-        def place(array, sharding, dtype=None):
-            if dtype is not None and is_float(array):
-                array = array.astype(dtype)
-            # Through host memory: device_put onto a replicated sharding may reuse the input's
-            # buffer, which donation would then invalidate.
-            try:
-                return jax.device_put(np.asarray(array), sharding)
-            except AssertionError as exc:  # several processes: JAX compares every process's value
-                raise ValueError(
-                    f"zerojax: a model tensor of shape {np.shape(array)} differs between processes; "
-                    "build the model identically on every rank (torch.manual_seed before "
-                    "constructing it), as DDP starts every rank from rank 0's parameters"
-                ) from exc
-
-        master = None
-        if policy.master_dtype is not None and policy.master_dtype != policy.param_dtype:
-            master = {
-                n: place(a, self.plan.master_weights[n], policy.master_dtype)
-                for n, a in params.items()
-                if is_float(a)
+        def host(arrays, dtype=None):
+            """Host copies in `dtype` (floats only): placing from host memory, never onto the
+            converted module's buffers, which a replicated device_put could reuse and the first
+            update's donation would then invalidate."""
+            return {
+                n: np.asarray(a.astype(dtype) if dtype is not None and is_float(a) else a)
+                for n, a in arrays.items()
             }
+
+        master_dtype = policy.master_dtype
+        has_master = master_dtype is not None and master_dtype != policy.param_dtype
+        float_params = {n: a for n, a in params.items() if is_float(a)}
+        # One call for the whole state: with several processes it is checked equal on every
+        # process in one collective (place_same_everywhere).
+        placed = place_same_everywhere(
+            {
+                **{("params", n): a for n, a in host(params, policy.param_dtype).items()},
+                **{("buffers", n): a for n, a in host(buffers).items()},
+                **(
+                    {("master", n): a for n, a in host(float_params, master_dtype).items()}
+                    if has_master
+                    else {}
+                ),
+            },
+            {
+                **{("params", n): self.plan.params[n] for n in params},
+                **{("buffers", n): self.replicated for n in buffers},
+                **(
+                    {("master", n): self.plan.master_weights[n] for n in float_params}
+                    if has_master
+                    else {}
+                ),
+            },
+        )
+
+        def field(name):
+            return {n: a for (f, n), a in placed.items() if f == name}
+
         seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
         if self.process_local is not None:
             seed = rank0_seed(seed)  # one dropout stream for the job
         rng = self._placed_rng(jax.random.key(seed))
         self._state = TrainState(
-            params={
-                n: place(a, self.plan.params[n], policy.param_dtype) for n, a in params.items()
-            },
-            master=master,
-            buffers={n: place(a, self.replicated) for n, a in buffers.items()},
+            params=field("params"),
+            master=field("master") if has_master else None,
+            buffers=field("buffers"),
             opt_state=None,
             grads=None,
             rng=rng,
