@@ -6,10 +6,11 @@
     .venv/bin/python -m tools.model_coverage --write-readme      # table from the cached results
 
 For each model of tools/model_zoo.py's populations (torchvision, torchvision segmentation, timm,
-Hugging Face, multimodal) a fresh subprocess (so one hang or crash cannot stop the matrix;
-`--timeout` seconds each) runs `check_parity` (converts? forward and gradient parity against a
-float64 torch reference, judged against torch fp32's own error) and `check_zero3_step` (one
-`loss.backward(); opt.step()` through `zerojax.initialize`, ZeRO-3 on 8 simulated devices).
+Hugging Face, multimodal) two fresh subprocesses, one after the other (so one hang or crash cannot stop the matrix, and
+the largest models have the host's memory to themselves in each; `--timeout` seconds for both),
+run `check_parity` (converts? forward and gradient parity against a float64 torch reference,
+judged against torch fp32's own error) and `check_zero3_step` (one `loss.backward();
+opt.step()` through `zerojax.initialize`, ZeRO-3 on 8 simulated devices).
 Results are cached as JSON per model under `--cache-dir` (`.cache/model_coverage`, gitignored),
 so the matrix can run in pieces: a model with a cached result is skipped unless `--rerun`.
 Each result records the git commit it ran on. `--write-readme` rewrites the README's section
@@ -65,61 +66,71 @@ def git_commit() -> str:
 # --------------------------------------------------------------------------- worker
 
 
-def run_worker(name: str, out: pathlib.Path) -> None:
-    """Run both checks for one model in this process and write its JSON result to `out`."""
+def run_worker(name: str, stage: str, out: pathlib.Path) -> None:
+    """Run one check (`stage`: "parity" or "step") for one model in this process and write its
+    JSON result to `out`."""
     # 8 simulated CPU devices for the ZeRO-3 mesh; must be set before JAX starts.
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     from tools import model_zoo
 
-    family = name.split("/", 1)[0]
-    case = model_zoo.cases([family])[name]
-    start = time.perf_counter()
-    parity = model_zoo.check_parity(case)
-    if parity.get("converts") or not case.parity_in_train_mode or parity["stage"] == "run":
-        step = model_zoo.check_zero3_step(case)
-    else:
-        # Parity converted this very model in train mode and failed: the step would too.
-        step = {"passed": False, "stage": parity["stage"], "cause": parity["cause"], "seconds": 0}
-    result = {
-        "name": name,
-        "family": family,
-        "parity": parity,
-        "step": step,
-        "seconds": time.perf_counter() - start,
-    }
-    out.write_text(json.dumps(result, indent=1, default=str))
+    case = model_zoo.cases([name.split("/", 1)[0]])[name]
+    check = model_zoo.check_parity if stage == "parity" else model_zoo.check_zero3_step
+    out.write_text(json.dumps(check(case), indent=1, default=str))
 
 
-def run_one(name: str, cache_dir: pathlib.Path, timeout: float, commit: str) -> dict:
-    """One model in a subprocess; a timeout or a crash becomes a failed result with its cause."""
-    path = cache_path(cache_dir, name)
-    tmp = path.with_suffix(".partial")
-    tmp.unlink(missing_ok=True)
-    start = time.perf_counter()
-    command = [sys.executable, "-m", "tools.model_coverage", "--worker", name, "--out", str(tmp)]
+def _run_stage(name: str, stage: str, out: pathlib.Path, timeout: float) -> dict:
+    """One check of one model in a fresh subprocess (the next one starts with the memory of
+    this one returned: the largest models need all of it); a timeout or a crash becomes a
+    failed result with its cause."""
+    out.unlink(missing_ok=True)
+    command = [
+        *(sys.executable, "-m", "tools.model_coverage"),
+        *("--worker", name, "--stage", stage, "--out", str(out)),
+    ]
     try:
         proc = subprocess.run(
             command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
         )
-        failure = None
-        if proc.returncode != 0 or not tmp.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            failure = f"worker exited with status {proc.returncode}: {' | '.join(tail)}"[:400]
-            if proc.returncode in (-9, 137):
-                failure = f"worker killed (SIGKILL, likely out of host memory): {failure}"
     except subprocess.TimeoutExpired:
         failure = f"timeout: no result within {timeout:.0f} s"
-    if failure is None:
-        result = json.loads(tmp.read_text())
-        tmp.unlink()
     else:
-        failed = {"passed": False, "converts": False, "cause": failure}
-        result = {"name": name, "family": name.split("/", 1)[0], "parity": failed, "step": failed}
-        result["seconds"] = time.perf_counter() - start
-    result["commit"] = commit
-    result["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+        if proc.returncode == 0 and out.exists():
+            result = json.loads(out.read_text())
+            out.unlink()
+            return result
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        failure = f"worker exited with status {proc.returncode}: {' | '.join(tail)}"[:400]
+        if proc.returncode in (-9, 137):
+            failure = f"worker killed (SIGKILL, likely out of host memory): {failure}"
+    return {"passed": False, "converts": False, "cause": f"{stage} check: {failure}"}
+
+
+def run_one(
+    name: str, parity_in_train_mode: bool, cache_dir: pathlib.Path, timeout: float, commit: str
+) -> dict:
+    """Both checks of one model, each in its own subprocess, `timeout` seconds for the two."""
+    path = cache_path(cache_dir, name)
+    tmp = path.with_suffix(".partial")
+    start = time.perf_counter()
+    parity = _run_stage(name, "parity", tmp, timeout)
+    if parity.get("converts") or not parity_in_train_mode or parity.get("stage") == "run":
+        left = max(timeout - (time.perf_counter() - start), 1.0)
+        step = _run_stage(name, "step", tmp, left)
+    else:
+        # Parity converted this very model in train mode and failed: the step would too.
+        step = {"passed": False, "stage": parity.get("stage"), "cause": parity["cause"]}
+        step["seconds"] = 0
+    result = {
+        "name": name,
+        "family": name.split("/", 1)[0],
+        "parity": parity,
+        "step": step,
+        "seconds": time.perf_counter() - start,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+    }
     path.write_text(json.dumps(result, indent=1, default=str))
     return result
 
@@ -287,10 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-run", action="store_true", help="only report cached results")
     parser.add_argument("--cache-dir", type=pathlib.Path, default=ROOT / ".cache/model_coverage")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", choices=("parity", "step"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=pathlib.Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        run_worker(args.worker, args.out)
+        run_worker(args.worker, args.stage, args.out)
         return
 
     from tools import model_zoo
@@ -314,7 +326,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"running {len(todo)} model(s), {args.jobs} at a time, on {commit}", flush=True)
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             futures = {
-                pool.submit(run_one, n, args.cache_dir, args.timeout, commit): n for n in todo
+                pool.submit(
+                    run_one,
+                    *(n, all_cases[n].parity_in_train_mode, args.cache_dir, args.timeout, commit),
+                ): n
+                for n in todo
             }
             for future in concurrent.futures.as_completed(futures):
                 r = future.result()

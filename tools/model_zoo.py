@@ -959,7 +959,9 @@ def _parity_at(case: ModelCase, batch: int) -> dict:
         result["torch_fp32_orders"] = len(fp32_runs)
 
         result["stage"] = "convert"
-        converted = zerojax.convert(copy.deepcopy(built.model), built.args, built.kwargs)
+        # The torch runs above used copies: `built.model` is unchanged, and converting it in
+        # place of a copy keeps one fewer copy of the weights (the largest models need it).
+        converted = zerojax.convert(built.model, built.args, built.kwargs)
         jax_args, jax_kwargs = torch.utils._pytree.tree_map_only(
             torch.Tensor, from_torch, (built.args, built.kwargs)
         )
