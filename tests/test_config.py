@@ -80,7 +80,8 @@ BAD_CONFIGS = [
         {"zero_sage": 3},
         (
             "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
-            "zero, rules, inputs, precision, kernels, checkpoint, train, devices, runtime, optimizer"
+            "zero, rules, inputs, precision, kernels, checkpoint, activation_checkpointing, train, "
+            "devices, runtime, optimizer"
         ),
     ),
     (
@@ -546,8 +547,8 @@ DEEPSPEED_BAD = [
     (
         {"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
         (
-            "zerojax.zero_stage: unknown key; allowed keys: mesh, rules, inputs, kernels, checkpoint, "
-            "devices, runtime, train"
+            "zerojax.zero_stage: unknown key; allowed keys: mesh, activation_checkpointing, rules, "
+            "inputs, kernels, checkpoint, devices, runtime, train"
         ),
     ),
 ]

@@ -6,6 +6,7 @@ keeping it whole lets the bridge route it to a fused attention kernel), and ever
 registered a lowering for. Custom ops without a lowering are then traced through their Python
 implementation where they have one (custom_ops.py). Last, runtime assertions and the values
 computed only for them leave the graph (assertions.py): a compiled program cannot raise.
+The model's torch.utils.checkpoint calls are tagged in the graph (torch_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from zerojax.bridge import custom_ops
 from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
+from zerojax.bridge.torch_checkpoint import tagging_checkpoint_calls
 from zerojax.bridge.value_inputs import (
     FoldConstants,
     integer_inputs,
@@ -79,7 +81,7 @@ def capture(
         fold = FoldConstants()
     with _training_mode(module, train):
         try:
-            with fold, _quiet_failure():
+            with fold, _quiet_failure(), tagging_checkpoint_calls():
                 exported = torch.export.export(module, args, kwargs, strict=False)
             with warnings.catch_warnings():
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.
@@ -134,7 +136,7 @@ def _host_reads(module, args, kwargs, candidates) -> set[str]:
     marked_args, marked_kwargs = mark_value_known(args, kwargs, candidates, tag=True)
     fold = FoldConstants()
     try:
-        with fold, _quiet_failure():
+        with fold, _quiet_failure(), tagging_checkpoint_calls():
             torch.export.export(module, marked_args, marked_kwargs, strict=False)
     except Exception:  # noqa: BLE001 - any failure: specialising would not help
         return set()
@@ -145,7 +147,7 @@ def _exports(module, args, kwargs, value_inputs) -> bool:
     """Whether specialising on `value_inputs` captures a graph with no host read left."""
     marked_args, marked_kwargs = mark_value_known(args, kwargs, value_inputs)
     try:
-        with FoldConstants(), _quiet_failure():
+        with FoldConstants(), _quiet_failure(), tagging_checkpoint_calls():
             exported = torch.export.export(module, marked_args, marked_kwargs, strict=False)
     except Exception:  # noqa: BLE001 - any failure means "not without these"
         return False

@@ -115,6 +115,7 @@ class Converted:
         float_dtype=None,
         kernels=None,
         batch_mesh=None,
+        remat=None,
         **kwargs,
     ):
         """Run the module as JAX: (outputs, new_buffers); see the class docstring.
@@ -122,7 +123,10 @@ class Converted:
         `kernels` (a `zerojax.config.KernelsConfig`) picks the fused kernels the bridge
         substitutes; None uses the defaults (Pallas on GPU, their XLA references elsewhere).
         `batch_mesh=(mesh, batch_axes)` says the batch dim is sharded over those mesh axes, so
-        Pallas kernels run per shard instead of on gathered arrays.
+        Pallas kernels run per shard instead of on gathered arrays. `remat` (a
+        `zerojax.config.ActivationCheckpointingConfig`) picks the modules whose activations are
+        recomputed in the backward pass; None honours the model's own torch.utils.checkpoint
+        calls only (bridge/remat.py).
         """
         args, kwargs = _unwrap_static((args, kwargs))
         program, in_spec, out_spec = self._program_for(
@@ -140,6 +144,7 @@ class Converted:
             float_dtype=float_dtype,
             kernels=kernels,
             batch_mesh=batch_mesh,
+            remat=remat,
         )
         outputs = torch_pytree.tree_unflatten(outputs, out_spec)
         if self.train and not _wants_cache(args, kwargs):

@@ -22,10 +22,12 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from zerojax.bridge import custom_ops, fusion
+from zerojax.bridge import remat as remat_regions
 from zerojax.bridge.dtypes import from_torch
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.registry import LoweringContext, get_lowering
 from zerojax.config import KernelsConfig
+from zerojax.config.schema import ActivationCheckpointingConfig
 
 # Placement and layout arguments mean nothing to a JAX value (no per-op device, no strides).
 _LAYOUT_KWARGS = ("device", "layout", "pin_memory", "memory_format", "non_blocking")
@@ -111,6 +113,7 @@ class GraphFunction:
         self._check_supported()
         # One rewritten graph per set of enabled pattern kernels (see fusion.py).
         self._graphs: dict[frozenset[str], torch.fx.Graph] = {frozenset(): self.graph}
+        self._regions: dict[tuple, dict[torch.fx.Node, remat_regions.Region]] = {}
 
     def graph_for(self, kernels: KernelsConfig | None) -> torch.fx.Graph:
         """The graph to run: patterns of the kernel families `kernels` enables fused."""
@@ -119,6 +122,16 @@ class GraphFunction:
         if families not in self._graphs:
             self._graphs[families] = fusion.rewrite(self.graph, families)
         return self._graphs[families]
+
+    def regions_for(
+        self, graph: torch.fx.Graph, remat: ActivationCheckpointingConfig | None
+    ) -> dict[torch.fx.Node, remat_regions.Region]:
+        """The activation-checkpointing regions of `graph` (see remat.py), by first node."""
+        remat = remat if remat is not None else ActivationCheckpointingConfig()
+        key = (id(graph), remat)
+        if key not in self._regions:
+            self._regions[key] = remat_regions.find_regions(graph, remat)
+        return self._regions[key]
 
     def _check_supported(self) -> None:
         missing: dict[str, torch.fx.Node] = {}
@@ -152,6 +165,7 @@ class GraphFunction:
         float_dtype=None,
         kernels: KernelsConfig | None = None,
         batch_mesh: tuple | None = None,
+        remat: ActivationCheckpointingConfig | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
@@ -173,19 +187,9 @@ class GraphFunction:
                 env[node] = next(feed)
 
         site_counter = iter(range(1 << 30))
-        for node in graph.nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                results = list(node.args[0])
-                break
-            args = torch.fx.node.map_arg(node.args, env.__getitem__)
-            kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
-            if node.target in _PYTHON_FUNCTIONS:
-                env[node] = node.target(*args, **kwargs)
-                continue
-            kwargs = {k: v for k, v in kwargs.items() if k not in _LAYOUT_KWARGS}
-            ctx = LoweringContext(
+
+        def context(node):
+            return LoweringContext(
                 node=node,
                 train=self.train,
                 rng_for_site=_site_rng(rng, site_counter, node, self.model_name),
@@ -193,15 +197,21 @@ class GraphFunction:
                 kernels=kernels,
                 batch_mesh=batch_mesh,
             )
-            fused = isinstance(node.target, fusion.FusedOp)
-            lowering = node.target if fused else get_lowering(node.target)
-            try:
-                value = lowering(ctx, *args, **kwargs)
-            except Exception as error:
-                error.add_note(f"while lowering {node.target} in {node_location(node)}")
-                raise
-            env[node] = _conform(value, node.meta.get("val"), ctx, node)
 
+        regions = self.regions_for(graph, remat)
+        skip = set()
+        for node in graph.nodes:
+            if node.op == "placeholder" or node in skip:
+                continue
+            if node.op == "output":
+                results = list(node.args[0])
+                break
+            region = regions.get(node)
+            if region is not None:
+                _run_region(region, env, context)
+                skip.update(region.nodes)
+                continue
+            env[node] = _evaluate(node, env, context)
         outputs, new_buffers = [], dict(buffers)
         for value, (kind, name) in zip(results, self.outputs, strict=True):
             value = env[value] if isinstance(value, torch.fx.Node) else value
@@ -211,6 +221,55 @@ class GraphFunction:
             elif kind == OutputKind.USER_OUTPUT:
                 outputs.append(value)
         return outputs, new_buffers
+
+
+def _evaluate(node: torch.fx.Node, env: dict, context: Callable) -> object:
+    """One node's value from its inputs' values in `env`."""
+    args = torch.fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+    if node.target in _PYTHON_FUNCTIONS:
+        return node.target(*args, **kwargs)
+    kwargs = {k: v for k, v in kwargs.items() if k not in _LAYOUT_KWARGS}
+    ctx = context(node)
+    fused = isinstance(node.target, fusion.FusedOp)
+    lowering = node.target if fused else get_lowering(node.target)
+    try:
+        value = lowering(ctx, *args, **kwargs)
+    except Exception as error:
+        error.add_note(f"while lowering {node.target} in {node_location(node)}")
+        raise
+    return _conform(value, node.meta.get("val"), ctx, node)
+
+
+def _run_region(region: remat_regions.Region, env: dict, context: Callable) -> None:
+    """Evaluate a region's nodes as one function under `jax.checkpoint`; put its outputs in
+    `env`. Values that are not arrays (sizes, None, flags) cross the boundary as static Python
+    values, closed over on the way in and recorded at trace time on the way out."""
+    leaves, tree = jax.tree.flatten([env[n] for n in region.inputs])
+    traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    static_outputs: dict[str, object] = {}
+
+    def body(*arrays):
+        values = list(leaves)
+        for i, array in zip(traced, arrays, strict=True):
+            values[i] = array
+        local = dict(zip(region.inputs, jax.tree.unflatten(tree, values), strict=True))
+        for node in region.nodes:
+            local[node] = _evaluate(node, local, context)
+        out_leaves, static_outputs["tree"] = jax.tree.flatten([local[n] for n in region.outputs])
+        static_outputs["leaves"] = [
+            _TRACED if isinstance(leaf, jax.Array) else leaf for leaf in out_leaves
+        ]
+        return [leaf for leaf in out_leaves if isinstance(leaf, jax.Array)]
+
+    policy = remat_regions.checkpoint_policy(region.policy, region.origin)
+    arrays = iter(jax.checkpoint(body, policy=policy)(*(leaves[i] for i in traced)))
+    out_leaves = [next(arrays) if leaf is _TRACED else leaf for leaf in static_outputs["leaves"]]
+    outputs = jax.tree.unflatten(static_outputs["tree"], out_leaves)
+    env.update(zip(region.outputs, outputs, strict=True))
+
+
+_TRACED = object()  # marks an array output of a region (the others are static values)
 
 
 def _custom_op_note(node: torch.fx.Node) -> str:

@@ -11,8 +11,10 @@ like any other. Understood:
     batch and step      gradient_accumulation_steps, gradient_clipping,
                         train_micro_batch_size_per_gpu, train_batch_size
     optimizer           type, params (Adam means AdamW unless params.adam_w_mode is false)
-    zerojax             native sections: mesh, rules, inputs, kernels, checkpoint, devices,
-                        runtime, train
+    activation_checkpointing
+                        cpu_checkpointing (the model's checkpoint calls save to host memory)
+    zerojax             native sections: mesh, activation_checkpointing, rules, inputs,
+                        kernels, checkpoint, devices, runtime, train
 
 Every other key, at any level, is named in a `ConfigWarning` saying it is ignored, and why
 where there is a reason to give. The mesh defaults to {data: -1}: DeepSpeed data parallelism
@@ -53,13 +55,14 @@ DEEPSPEED_ONLY_KEYS = (
     "wall_clock_breakdown",
     "scheduler",
     "amp",
-    "activation_checkpointing",
     "zero_allow_untested_optimizer",
 )
-"""Top-level keys that mark a config as DeepSpeed's (none is a zerojax key)."""
+"""Top-level keys that mark a config as DeepSpeed's (none is a zerojax key; `optimizer` and
+`activation_checkpointing` are both, and DeepSpeed's forms are translated)."""
 
 NATIVE_SECTIONS = (
     "mesh",
+    "activation_checkpointing",
     "rules",
     "inputs",
     "kernels",
@@ -87,7 +90,17 @@ _WHY_IGNORED = {
     ),
     "steps_per_print": "zerojax does not log steps; print in your loop",
     "wall_clock_breakdown": "see zerojax.effective_time() and runtime.report_effective_time",
-    "activation_checkpointing": "XLA decides rematerialisation inside the compiled step",
+}
+
+# DeepSpeed activation_checkpointing keys with no effect in zerojax, and why.
+_ACTIVATION_CHECKPOINTING_NO_EFFECT = {
+    "partition_activations": (
+        "saved activations keep the sharding of the computation that made them"
+    ),
+    "contiguous_memory_optimization": "XLA lays out the saved activations in its own buffers",
+    "number_checkpoints": "not needed: XLA allocates the saved activations up front",
+    "synchronize_checkpoint_boundary": "there is no stream to synchronise in one XLA program",
+    "profile": "see zerojax.memory_report for what the saved activations cost",
 }
 
 
@@ -243,6 +256,22 @@ def _optimizer(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     raw["optimizer"] = {"type": kind, "params": params}
 
 
+def _activation_checkpointing(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
+    """DeepSpeed checkpoints what the model wraps in (deepspeed or torch) `checkpoint` calls;
+    zerojax honours the model's torch.utils.checkpoint calls, and `cpu_checkpointing` moves
+    their saved activations to host memory (policy `offload`)."""
+    section = as_mapping("activation_checkpointing", ds.get("activation_checkpointing"))
+    for key, value in section.items():
+        if key == "cpu_checkpointing":
+            path = "activation_checkpointing.cpu_checkpointing"
+            if as_bool(path, _ds_value(path, value)):
+                raw["activation_checkpointing"] = {"torch_checkpoint": "offload"}
+        elif key in _ACTIVATION_CHECKPOINTING_NO_EFFECT:
+            _ignored(f"activation_checkpointing.{key}", _ACTIVATION_CHECKPOINTING_NO_EFFECT[key])
+        else:
+            _ignored(f"activation_checkpointing.{key}")
+
+
 def _native(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     """The `zerojax` section: native sections, merged over what the DeepSpeed keys gave."""
     native = as_mapping("zerojax", ds.get("zerojax"))
@@ -264,6 +293,7 @@ _SECTIONS: dict[tuple[str, ...], Callable[[Mapping[str, Any], dict[str, Any]], N
         "train_batch_size",
     ): _train,
     ("optimizer",): _optimizer,
+    ("activation_checkpointing",): _activation_checkpointing,
     ("zerojax",): _native,
 }
 _HANDLED = tuple(key for keys in _SECTIONS for key in keys)

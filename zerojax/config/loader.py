@@ -17,6 +17,7 @@ from zerojax.config.devices import apply_devices
 from zerojax.config.files import read_config_file
 from zerojax.config.schema import Config, DevicesConfig
 from zerojax.config.sections import (
+    parse_activation_checkpointing,
     parse_checkpoint,
     parse_devices,
     parse_inputs,
@@ -42,6 +43,7 @@ TOP_LEVEL_KEYS = (
     "precision",
     "kernels",
     "checkpoint",
+    "activation_checkpointing",
     "train",
     "devices",
     "runtime",
@@ -79,6 +81,9 @@ def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: st
         precision=parse_precision_section(raw.get("precision")),
         kernels=parse_kernels(raw.get("kernels")),
         checkpoint=parse_checkpoint(raw.get("checkpoint")),
+        activation_checkpointing=parse_activation_checkpointing(
+            raw.get("activation_checkpointing")
+        ),
         train=parse_train(
             raw.get("train"), config.data_parallel_size, deepspeed=fmt == "deepspeed"
         ),
@@ -124,7 +129,8 @@ def load_config(
 
 def is_deepspeed(raw: Mapping) -> bool:
     deepspeed = [key for key in DEEPSPEED_ONLY_KEYS if key in raw]
-    native = [key for key in TOP_LEVEL_KEYS if key in raw and key != "optimizer"]
+    shared = ("optimizer", "activation_checkpointing")  # keys of both formats
+    native = [key for key in TOP_LEVEL_KEYS if key in raw and key not in shared]
     if deepspeed and native:
         raise ConfigError(
             f"the config mixes DeepSpeed keys ({', '.join(deepspeed)}) with zerojax keys "

@@ -7,6 +7,7 @@ the rest of zerojax receives, always through a `Config` that `load_config` built
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,10 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert", "sequence")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 PLATFORMS = ("cpu", "gpu", "tpu")
 KERNEL_IMPLEMENTATIONS = ("auto", "pallas", "xla", "off")
+REMAT_POLICIES = ("none", "full", "save_dots", "offload")
+"""Activation checkpointing policies: keep everything (none), recompute everything in the
+backward pass (full), keep matmul outputs and recompute the rest (save_dots), or move matmul
+outputs to host memory and back (offload, where the backend has host memory spaces)."""
 OPTIMIZER_TYPES = ("adam", "adamw", "sgd")
 """Optimizers zerojax runs (torch.optim.Adam, AdamW, SGD, reproduced exactly in JAX)."""
 
@@ -173,6 +178,25 @@ class KernelsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationCheckpointingConfig:
+    modules: tuple[tuple[str, str], ...] = ()
+    """(module path regex, policy) in the order written: each submodule whose path (as in
+    `named_modules()`, e.g. `transformer.h.3`) fully matches a regex has its forward
+    rematerialised with that policy (the first matching rule, outermost module first)."""
+
+    torch_checkpoint: str = "full"
+    """Policy for the model's own `torch.utils.checkpoint.checkpoint` calls (and Hugging Face's
+    `gradient_checkpointing_enable()`, which makes them): full is torch's semantics."""
+
+    def policy_for(self, module_path: str) -> str | None:
+        """The policy of the first rule matching `module_path`, None if none matches."""
+        for pattern, policy in self.modules:
+            if re.fullmatch(pattern, module_path):
+                return policy
+        return None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
     directory: str | None = None
     """Where Orbax writes checkpoints; None disables checkpointing."""
@@ -271,6 +295,11 @@ class Config:
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Orbax checkpointing."""
+
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    """Which modules' activations are recomputed in the backward pass (`jax.checkpoint`)."""
 
     train: TrainConfig = field(default_factory=TrainConfig)
     """Gradient accumulation, clipping and batch sizes."""

@@ -33,6 +33,8 @@ from zerojax.config.schema import (
     OPTIMIZER_PARAMS,
     OPTIMIZER_TYPES,
     PLATFORMS,
+    REMAT_POLICIES,
+    ActivationCheckpointingConfig,
     CheckpointConfig,
     DevicesConfig,
     InputsConfig,
@@ -302,6 +304,27 @@ def parse_kernels(raw: Any) -> KernelsConfig:
     if "interpret" in raw:
         kwargs["interpret"] = as_bool("kernels.interpret", raw["interpret"])
     return KernelsConfig(**kwargs)
+
+
+def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
+    raw = as_mapping("activation_checkpointing", raw)
+    check_keys("activation_checkpointing", raw, ("modules", "torch_checkpoint"))
+    modules = []
+    for pattern, policy in as_mapping(
+        "activation_checkpointing.modules", raw.get("modules")
+    ).items():
+        where = f"activation_checkpointing.modules[{pattern!r}]"
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ConfigError(f"{where}: invalid module path regex: {exc}") from exc
+        modules.append((pattern, as_choice(where, policy, REMAT_POLICIES)))
+    kwargs = {"modules": tuple(modules)}
+    if "torch_checkpoint" in raw:
+        kwargs["torch_checkpoint"] = as_choice(
+            "activation_checkpointing.torch_checkpoint", raw["torch_checkpoint"], REMAT_POLICIES
+        )
+    return ActivationCheckpointingConfig(**kwargs)
 
 
 def parse_checkpoint(raw: Any) -> CheckpointConfig:

@@ -144,6 +144,7 @@ class StepPrograms:
             float_dtype=policy.compute_override,
             kernels=self.config.kernels,
             batch_mesh=self.batch_mesh(),
+            remat=self.config.activation_checkpointing,
             **kwargs,
         )
         outputs = jax.tree.map(

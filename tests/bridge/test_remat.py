@@ -1,0 +1,273 @@
+"""Activation checkpointing: config rules and the model's own torch.utils.checkpoint calls become
+`jax.checkpoint` regions of the converted program, with torch's gradients.
+
+Why: a user who turns on checkpointing (DeepSpeed's `activation_checkpointing`, HF's
+`gradient_checkpointing_enable()`, `torch.utils.checkpoint` in their model) expects it to be
+honoured, never dropped without a word, and never to change a gradient.
+
+XLA:CPU removes `jax.checkpoint`'s optimization barriers before CSE, so on CPU the compiled
+program computes each activation once whatever the policy (no memory saved, nothing recomputed);
+GPU and TPU keep them. The tests therefore check the program JAX hands to XLA (its StableHLO):
+the barriers are there and the checkpointed matmuls are computed again in the backward pass.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import zerojax
+from tests import tolerances
+from zerojax.config import ConfigError, load_config
+from zerojax.config.checks import ConfigWarning
+from zerojax.config.schema import ActivationCheckpointingConfig
+
+WIDTH, BLOCKS, BATCH = 16, 3, 8
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.fc1 = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.fc2 = torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    """Blocks, each optionally under torch.utils.checkpoint (use_reentrant as given)."""
+
+    def __init__(self, use_reentrant: bool | None = None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = torch.nn.Linear(WIDTH, 1)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.use_reentrant is None:
+                x = block(x)
+            else:
+                x = torch_checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.head(x).square().mean()
+
+
+def rules(**modules) -> ActivationCheckpointingConfig:
+    return ActivationCheckpointingConfig(modules=tuple(modules.items()))
+
+
+BLOCK_RULE = r"blocks\.\d+"
+
+
+def converted(model, x):
+    return zerojax.convert(model, (x.detach(),))
+
+
+def program(conv):
+    (entry,) = conv._programs.values()
+    return entry[0]
+
+
+def origins(conv, remat) -> list[str]:
+    graph_function = program(conv)
+    return [r.origin for r in graph_function.regions_for(graph_function.graph, remat).values()]
+
+
+def loss_fn(conv, x, remat):
+    inputs = jnp.asarray(x.detach().numpy())
+    return lambda params: conv.apply(params, conv.buffers, inputs, remat=remat)[0]
+
+
+def torch_grads(model, x) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    model(x).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_torch_gradients(conv, model, x, remat):
+    grads = jax.grad(loss_fn(conv, x, remat))(conv.params)
+    expected = torch_grads(model, x)
+    for name, want in expected.items():
+        # The same fp32 arithmetic as torch in another order: each gradient entry is a sum of
+        # at most BATCH * 4 * WIDTH products through three blocks; a reordered fp32 sum of n
+        # terms is within 2 (n - 1) u sum|x| (tolerances.reordered_sum), taken with a magnitude
+        # of 4x the largest entry per chained block.
+        bound = tolerances.reordered_sum(
+            "float32", BATCH * 4 * WIDTH, 4.0 * BLOCKS * float(want.abs().max())
+        )
+        tolerances.assert_within(torch.from_numpy(np.array(grads[name])), want, bound, name)
+
+
+def test_module_rules_make_one_region_per_outermost_matching_module():
+    torch.manual_seed(0)
+    conv = converted(Net(), torch.randn(BATCH, WIDTH))
+    assert origins(conv, rules(**{BLOCK_RULE: "full"})) == [f"module blocks.{i}" for i in range(3)]
+    # The outermost matching module wins; a rule for an inner one adds nothing inside it.
+    both = rules(**{BLOCK_RULE: "full", r"blocks\.\d+\.fc1": "save_dots"})
+    assert origins(conv, both) == [f"module blocks.{i}" for i in range(3)]
+    assert origins(conv, rules(**{r"blocks\.1\.fc1": "save_dots"})) == ["module blocks.1.fc1"]
+    assert origins(conv, rules(**{BLOCK_RULE: "none"})) == []
+    assert origins(conv, None) == []  # no rule, no torch checkpoint call
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+def test_module_rules_keep_torch_gradients_and_recompute(policy):
+    torch.manual_seed(1)
+    model = Net()
+    x = torch.randn(BATCH, WIDTH)
+    conv = converted(model, x)
+    remat = rules(**{BLOCK_RULE: policy})
+    assert_torch_gradients(conv, model, x, remat)
+    grad = jax.grad(loss_fn(conv, x, remat))
+    assert str(jax.make_jaxpr(grad)(conv.params)).count("remat2") == BLOCKS
+    plain = jax.jit(jax.grad(loss_fn(conv, x, None))).lower(conv.params).as_text()
+    text = jax.jit(grad).lower(conv.params).as_text()
+    assert "optimization_barrier" not in plain and text.count("optimization_barrier") == BLOCKS
+    # full recomputes fc1's matmul in each block's backward pass (tanh's output, which fc2's
+    # gradient needs, comes from it; fc2's own output is not needed); save_dots keeps it.
+    extra = text.count("dot_general") - plain.count("dot_general")
+    assert extra == (BLOCKS if policy == "full" else 0)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_torch_checkpoint_calls_become_regions(use_reentrant):
+    torch.manual_seed(2)
+    model = Net(use_reentrant=use_reentrant)
+    # torch's reentrant checkpoint only differentiates when an input requires grad.
+    x = torch.randn(BATCH, WIDTH, requires_grad=use_reentrant)
+    conv = converted(model, x)
+    calls = [f"torch.utils.checkpoint call {i}" for i in range(BLOCKS)]
+    assert origins(conv, None) == calls
+    assert_torch_gradients(conv, model, x, None)
+    # A config rule over the same modules takes precedence (and can turn them off).
+    assert origins(conv, rules(**{BLOCK_RULE: "save_dots"}))[0] == "module blocks.0"
+    assert origins(conv, rules(**{BLOCK_RULE: "none"})) == []
+    # The capture put torch's checkpoint machinery back as it was.
+    assert torch_checkpoint.CheckpointFunction.__module__ == "torch.utils.checkpoint"
+
+
+def test_hugging_face_gradient_checkpointing_is_honoured():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config).train()
+    model.gradient_checkpointing_enable()
+    tokens = torch.randint(0, 64, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # HF: use_cache is turned off under checkpointing
+        conv = zerojax.convert(model, (), {"input_ids": tokens, "labels": tokens})
+        expected = model(input_ids=tokens, labels=tokens).loss.detach()
+    graph_function = program(conv)
+    regions = graph_function.regions_for(graph_function.graph, None)
+    assert [r.origin for r in regions.values()] == [
+        "torch.utils.checkpoint call 0",
+        "torch.utils.checkpoint call 1",
+    ]
+    ids = jnp.asarray(tokens.numpy())
+    outputs, _ = conv.apply(conv.params, conv.buffers, input_ids=ids, labels=ids)
+    # Mean cross-entropy over 14 tokens of a 64-way softmax after two layers: a few fp32
+    # roundings per op on values of order log(64); 16 ulps of the loss covers them.
+    bound = tolerances.ulps("float32", 16) * float(expected.abs())
+    tolerances.assert_within(torch.tensor(float(outputs.loss)), expected, bound, "loss")
+
+
+def test_offload_policy_saves_to_host_or_says_why():
+    torch.manual_seed(4)
+    model = Net()
+    x = torch.randn(BATCH, WIDTH)
+    conv = converted(model, x)
+    remat = rules(**{BLOCK_RULE: "offload"})
+    memories = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if "pinned_host" not in memories:
+        with pytest.raises(ValueError, match="pinned_host"):
+            jax.grad(loss_fn(conv, x, remat))(conv.params)
+        return
+    assert_torch_gradients(conv, model, x, remat)
+
+
+def test_config_section_and_its_errors():
+    config = load_config(
+        {
+            "activation_checkpointing": {
+                "modules": {BLOCK_RULE: "full", "head": "save_dots"},
+                "torch_checkpoint": "none",
+            }
+        },
+        num_devices=1,
+    )
+    section = config.activation_checkpointing
+    assert section.modules == ((BLOCK_RULE, "full"), ("head", "save_dots"))
+    assert section.policy_for("blocks.2") == "full" and section.policy_for("blocks.2.fc1") is None
+    assert section.torch_checkpoint == "none"
+    with pytest.raises(ConfigError, match="allowed: none, full, save_dots, offload"):
+        load_config({"activation_checkpointing": {"modules": {"x": "some"}}}, num_devices=1)
+    with pytest.raises(ConfigError, match=r"modules\['\('\]: invalid module path regex"):
+        load_config({"activation_checkpointing": {"modules": {"(": "full"}}}, num_devices=1)
+    with pytest.raises(ConfigError, match="policy"):
+        load_config({"activation_checkpointing": {"policy": "full"}}, num_devices=1)
+
+
+def test_deepspeed_activation_checkpointing_keys():
+    raw = {
+        "train_micro_batch_size_per_gpu": 1,
+        "activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": True},
+    }
+    with pytest.warns(ConfigWarning) as record:
+        config = load_config(raw, num_devices=1)
+    assert config.activation_checkpointing.torch_checkpoint == "offload"
+    assert any(
+        "'activation_checkpointing.partition_activations'" in str(w.message)
+        and "keep the sharding" in str(w.message)
+        for w in record
+    )
+
+
+def test_initialize_applies_the_config_and_trains_as_without(monkeypatch):
+    """Two ZeRO-3 AdamW steps with every block checkpointed equal the same steps without."""
+    from zerojax.bridge import remat as remat_module
+
+    regions_traced = []
+    policy_of = remat_module.checkpoint_policy
+
+    def recording(policy, origin):
+        regions_traced.append(origin)
+        return policy_of(policy, origin)
+
+    monkeypatch.setattr(remat_module, "checkpoint_policy", recording)
+
+    def train(remat: dict | None) -> dict[str, np.ndarray]:
+        torch.manual_seed(5)
+        model = Net()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        config = {"mesh": {"fsdp": -1}, "zero_stage": 3}
+        if remat is not None:
+            config["activation_checkpointing"] = {"modules": remat}
+        model, optimizer = zerojax.initialize(model, optimizer, config=config)
+        for step in range(2):
+            x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(step))
+            model(x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.numpy() for k, v in model.state_dict().items()}
+
+    plain = train(None)
+    assert regions_traced == []
+    checkpointed = train({BLOCK_RULE: "full"})
+    # The training program was traced with one region per block.
+    assert sorted(set(regions_traced)) == [f"module blocks.{i}" for i in range(BLOCKS)]
+    for name, value in plain.items():
+        # The recomputed forward is the same arithmetic; XLA:CPU even computes it once (module
+        # docstring), so the two runs agree bit for bit.
+        np.testing.assert_array_equal(checkpointed[name], value, err_msg=name)
