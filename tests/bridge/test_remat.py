@@ -24,9 +24,8 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import zerojax
 from tests import tolerances
-from zerojax.config import ConfigError, load_config
+from zerojax.config import ActivationCheckpointingConfig, ConfigError, load_config
 from zerojax.config.checks import ConfigWarning
-from zerojax.config.schema import ActivationCheckpointingConfig
 
 WIDTH, BLOCKS, BATCH = 16, 3, 8
 

@@ -26,8 +26,7 @@ from zerojax.bridge import remat as remat_regions
 from zerojax.bridge.dtypes import from_torch
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.registry import LoweringContext, get_lowering
-from zerojax.config import KernelsConfig
-from zerojax.config.schema import ActivationCheckpointingConfig
+from zerojax.config import ActivationCheckpointingConfig, KernelsConfig
 
 # Placement and layout arguments mean nothing to a JAX value (no per-op device, no strides).
 _LAYOUT_KWARGS = ("device", "layout", "pin_memory", "memory_format", "non_blocking")

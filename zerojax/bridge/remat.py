@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import torch
 
-from zerojax.config.schema import ActivationCheckpointingConfig
+from zerojax.config import ActivationCheckpointingConfig
 
 __all__ = ["CHECKPOINT_TAG", "Region", "checkpoint_policy", "find_regions"]
 
