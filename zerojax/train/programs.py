@@ -16,7 +16,8 @@ constraints where the stage decides: params -> `plan.compute_params` inside `app
 all-gathers here, per step, freed after use), gradients -> `plan.grads` (stage 2+ reduces them
 into shards), new params -> `plan.params`; the optimizer state stays on `plan.opt_state`.
 
-Every program is compiled ahead of time (`Program`), so what training ran can be inspected:
+Every program is compiled ahead of time (`Program`; on CPU keeping activation checkpointing's
+barriers, bridge/remat.py), so what training ran can be inspected:
 `Program.last.memory_analysis()` is the executable the last call used, which is what
 `zerojax.memory_report` reports.
 """
@@ -31,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zerojax.bridge import remat
 from zerojax.bridge.convert import Converted
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
@@ -92,9 +94,18 @@ class Program:
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = self._jitted.lower(*args).compile()
+            lowered = self._jitted.lower(*args)
+            options = remat.compiler_options(_platform(leaves))
+            compiled = self._compiled[key] = lowered.compile(compiler_options=options or None)
         self.last = compiled
         return compiled(*args)
+
+
+def _platform(leaves) -> str:
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            return next(iter(leaf.devices())).platform
+    return jax.default_backend()
 
 
 class StepPrograms:
