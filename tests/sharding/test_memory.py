@@ -188,3 +188,66 @@ def test_report_programs_are_the_ones_training_runs(precision, fused):
     assert list(report.programs) == expected
     assert report.programs == trained
     assert (report["master_weights"].measured > 0) == fused
+
+
+# Bytes per parameter of every DeepSpeed low-precision combination, as zerojax maps its keys
+# (README "Bytes per parameter"): params, gradients, master weights, Adam moments (m and v).
+DEEPSPEED_STATE_BYTES = [
+    ("fp32", {}, {"params": 4, "grads": 4, "master_weights": 0, "opt_state": 8}),
+    (
+        "bf16",
+        {"bf16": {"enabled": True}},
+        {"params": 2, "grads": 4, "master_weights": 4, "opt_state": 8},
+    ),
+    (
+        "bf16 + bf16_optimizer_states",
+        {"bf16": {"enabled": True, "bf16_optimizer_states": True}},
+        {"params": 2, "grads": 4, "master_weights": 4, "opt_state": 4},
+    ),
+    (
+        "bf16_master_weights_and_grads",
+        {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}},
+        {"params": 2, "grads": 2, "master_weights": 0, "opt_state": 8},
+    ),
+    (
+        "bf16_master_weights_and_grads + bf16_optimizer_states",
+        {
+            "bf16": {
+                "enabled": True,
+                "bf16_master_weights_and_grads": True,
+                "bf16_optimizer_states": True,
+            }
+        },
+        {"params": 2, "grads": 2, "master_weights": 0, "opt_state": 4},
+    ),
+    (
+        "fp16",
+        {"fp16": {"enabled": True}},
+        {"params": 2, "grads": 4, "master_weights": 4, "opt_state": 8},
+    ),
+    (
+        "fp16_master_weights_and_grads",
+        {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}},
+        {"params": 2, "grads": 2, "master_weights": 0, "opt_state": 8},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "expected",
+    [e for _, _, e in DEEPSPEED_STATE_BYTES],
+    ids=[n for n, _, _ in DEEPSPEED_STATE_BYTES],
+)
+def test_deepspeed_low_precision_states_bytes_per_parameter(mlp, expected, request):
+    """Each DeepSpeed combination, ZeRO-3 over 8 devices: every device holds exactly the table's
+    bytes x Psi / 8 of each component (plus Adam's replicated int32 step count)."""
+    name = request.node.callspec.id
+    (section,) = [ds for n, ds, _ in DEEPSPEED_STATE_BYTES if n == name]
+    converted, args = mlp
+    config = {"zero_optimization": {"stage": 3}, **section}
+    report = memory_report(converted, args, config, run_step=False)
+    psi = report.num_params
+    step_count = 4  # one int32 per param group, on every device
+    for component, bytes_per_param in expected.items():
+        extra = step_count if component == "opt_state" else 0
+        assert report[component].measured == bytes_per_param * psi // 8 + extra, component
