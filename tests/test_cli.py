@@ -6,6 +6,7 @@ must set up the config's simulated devices itself (the subprocess gets no XLA_FL
 memory table and write the stage 0-3 plot.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -91,3 +92,23 @@ def test_factory_spec_errors(files, capsys):
     )
     assert code == 2
     assert "must return (module, example_args)" in capsys.readouterr().err
+
+
+def test_plan_json_is_one_object_with_the_step_peak(files):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(REPO)
+    command = [sys.executable, "-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml")]
+    command += [f"{files / 'factory.py'}:build", "--json", "--describe"]
+    result = subprocess.run(
+        command, check=False, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # --describe went to stderr
+    assert "0.weight" in result.stderr
+    assert report["num_params"] == 808 and report["mesh"] == {"data": 8}
+    assert report["components"]["params"]["measured"] == 404
+    states = sum(c["measured"] for c in report["components"].values())
+    assert report["states"] == states
+    assert report["step_peak"] == states + report["activations"]
+    assert set(report["programs"]) == {"forward_vjp", "backward", "update"}
+    assert report["step_peak"] >= max(p["peak_estimate"] for p in report["programs"].values())

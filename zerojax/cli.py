@@ -1,6 +1,6 @@
 """The `zerojax` command.
 
-    zerojax plan --config mesh.yaml MODULE:FACTORY [--plot FILE.png] [--describe]
+    zerojax plan --config mesh.yaml MODULE:FACTORY [--plot FILE.png] [--describe] [--json]
     zerojax ckpt inspect DIR [--step S] [--json]
     zerojax ckpt export DIR [--step S] --format safetensors|torch OUT [--dtype D] [--quiet]
     zerojax ckpt import FILE DIR [--step S]
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -111,10 +112,14 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
     if opts.describe:
         from zerojax.sharding import make_sharding_plan
 
-        print(make_sharding_plan(converted.params, config).describe())
-        print()
-    print(f"{type(module).__name__} from {opts.factory}, config {opts.config}")
-    print(report)
+        out = sys.stderr if opts.json else sys.stdout  # --json: stdout is the JSON object
+        print(make_sharding_plan(converted.params, config).describe(), file=out)
+        print(file=out)
+    if opts.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(f"{type(module).__name__} from {opts.factory}, config {opts.config}")
+        print(report)
     if opts.plot:
         reports = {}
         for stage in range(4):
@@ -306,6 +311,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--plot", metavar="FILE.png", help="stacked bars for ZeRO stages 0-3")
     plan.add_argument("--describe", action="store_true", help="also print every param's specs")
+    plan.add_argument(
+        "--json", action="store_true", help="print the report as one JSON object (bytes/device)"
+    )
     plan.set_defaults(run=_cmd_plan)
     _add_ckpt_commands(commands)
     ett = commands.add_parser(

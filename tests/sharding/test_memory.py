@@ -251,3 +251,29 @@ def test_deepspeed_low_precision_states_bytes_per_parameter(mlp, expected, reque
     for component, bytes_per_param in expected.items():
         extra = step_count if component == "opt_state" else 0
         assert report[component].measured == bytes_per_param * psi // 8 + extra, component
+
+
+def test_step_peak_adds_the_state_resident_beside_each_program():
+    """A program's own peak counts its arguments; the state it does not take stays on the
+    device beside it (the optimizer state during the forward, params during the backward)."""
+    from zerojax.sharding.memory import CompiledMemory, ComponentMemory, MemoryReport
+
+    held = {"params": 100, "grads": 100, "opt_state": 200, "master_weights": 50}
+    components = tuple(
+        ComponentMemory(name=n, measured=b, formula=b, bytes_per_param=1.0, sharded=False)
+        for n, b in held.items()
+    )
+    programs = {
+        # params + inputs in, grads out, 1000 B of activations: + opt_state + master beside it.
+        "loss_and_grads": CompiledMemory(argument=120, output=100, temp=1000, alias=0),
+        # everything in, params/master/opt_state donated back.
+        "update": CompiledMemory(argument=450, output=350, temp=10, alias=350),
+    }
+    report = MemoryReport(
+        stage=0, mesh_shape={"data": 1}, data_parallel_size=1, num_params=100,
+        components=components, programs=programs,
+    )  # fmt: skip
+    assert report.step_peak == (120 + 100 + 1000) + 200 + 50
+    assert report.activations == report.step_peak - 450
+    assert report.as_dict()["step_peak"] == report.step_peak
+    assert "training step peak per device: 1,470 B" in str(report)

@@ -54,6 +54,17 @@ LABELS = {
 SHARDED_FROM_STAGE = {"params": 3, "grads": 2, "opt_state": 1, "master_weights": 1}
 """The ZeRO stage from which each component is partitioned over the data-parallel ranks."""
 
+RESIDENT_BESIDE = {
+    "forward": ("opt_state", "master_weights"),
+    "forward_vjp": ("opt_state", "master_weights"),
+    "loss_and_grads": ("opt_state", "master_weights"),
+    "backward": ("params", "opt_state", "master_weights"),
+    "update": (),
+}
+"""State components held on the device while a program runs without being its arguments: the
+forward programs take the params (and output the gradients), the backward program takes the
+forward's residuals and outputs the gradients, the update takes every component."""
+
 
 def bytes_by_device(tree: Any) -> dict[Any, int]:
     """Bytes each device holds for the arrays in `tree`, read off their addressable shards."""
@@ -124,6 +135,59 @@ class MemoryReport:
     replicated: tuple[ReplicatedParam, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def step_peak(self) -> int | None:
+        """Peak bytes on a device during the training step: the largest over its programs of
+        the program's own peak (arguments + outputs + temporaries - donated) plus the state it
+        leaves resident beside it (RESIDENT_BESIDE). None when no program ran."""
+        if not self.programs:
+            return None
+        held = {c.name: c.measured for c in self.components}
+        return max(
+            memory.peak_estimate + sum(held[c] for c in RESIDENT_BESIDE.get(name, ()))
+            for name, memory in self.programs.items()
+        )
+
+    @property
+    def activations(self) -> int | None:
+        """`step_peak` minus the training state: activations, residuals, gathered stage-3
+        parameters and scratch, the part activation checkpointing shrinks."""
+        peak = self.step_peak
+        return None if peak is None else peak - self.measured_total
+
+    def as_dict(self) -> dict:
+        """The report as JSON-able values (`zerojax plan --json`): bytes per device."""
+        return {
+            "stage": self.stage,
+            "mesh": dict(self.mesh_shape),
+            "data_parallel_size": self.data_parallel_size,
+            "num_params": self.num_params,
+            "components": {
+                c.name: {
+                    "measured": c.measured,
+                    "formula": c.formula,
+                    "bytes_per_param": c.bytes_per_param,
+                    "sharded": c.sharded,
+                }
+                for c in self.components
+            },
+            "states": self.measured_total,
+            "programs": {
+                name: {
+                    "argument": m.argument,
+                    "output": m.output,
+                    "temp": m.temp,
+                    "alias": m.alias,
+                    "peak_estimate": m.peak_estimate,
+                }
+                for name, m in self.programs.items()
+            },
+            "step_peak": self.step_peak,
+            "activations": self.activations,
+            "replicated": [str(r) for r in self.replicated],
+            "notes": list(self.notes),
+        }
+
     def __getitem__(self, name: str) -> ComponentMemory:
         for component in self.components:
             if component.name == name:
@@ -188,6 +252,11 @@ class MemoryReport:
                 f"  {name}: arguments {m.argument:,} B, outputs {m.output:,} B, temp "
                 f"{m.temp:,} B, aliased (donated) {m.alias:,} B; peak estimate "
                 f"{m.peak_estimate:,} B"
+            )
+        if self.step_peak is not None:
+            lines.append(
+                f"training step peak per device: {self.step_peak:,} B = states "
+                f"{self.measured_total:,} B + activations and scratch {self.activations:,} B"
             )
         if self.replicated:
             lines.append(f"replicated parameters (not split as intended): {len(self.replicated)}")
