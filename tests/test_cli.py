@@ -112,3 +112,21 @@ def test_plan_json_is_one_object_with_the_step_peak(files):
     assert report["step_peak"] == states + report["activations"]
     assert set(report["programs"]) == {"forward_vjp", "backward", "update"}
     assert report["step_peak"] >= max(p["peak_estimate"] for p in report["programs"].values())
+
+
+def test_plan_for_devices_you_do_not_have_matches_the_real_plan(files):
+    """`--devices 8` builds the model on the meta device and compiles the step for 8
+    simulated devices, never running it: the JSON report is the real run's, byte for byte."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(REPO)
+    command = [sys.executable, "-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml")]
+    command += [f"{files / 'factory.py'}:build", "--json"]
+    reports = []
+    for extra in ([], ["--devices", "8"]):
+        result = subprocess.run(
+            command + extra, check=False, capture_output=True, text=True, env=env, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        reports.append(json.loads(result.stdout))
+    real, planned = reports
+    assert planned == real

@@ -1,6 +1,6 @@
 """The `zerojax` command.
 
-    zerojax plan --config mesh.yaml MODULE:FACTORY [--plot FILE.png] [--describe] [--json]
+    zerojax plan --config mesh.yaml MODULE:FACTORY [--devices N] [--plot FILE.png] [--describe] [--json]
     zerojax ckpt inspect DIR [--step S] [--json]
     zerojax ckpt export DIR [--step S] --format safetensors|torch OUT [--dtype D] [--quiet]
     zerojax ckpt import FILE DIR [--step S]
@@ -18,7 +18,11 @@ factory in bench/architectures.py fits: `zerojax plan --config examples/zero3.ya
 bench/architectures.py:gpt2_bench_model`.
 
 `devices.num_cpu_devices` in the config is applied before JAX starts its backends, so an 8-way
-mesh can be rehearsed on a laptop.
+mesh can be rehearsed on a laptop. With `--devices N` nothing is allocated: the factory runs
+under `torch.device("meta")`, the mesh is resolved for N devices (simulated CPU devices), and
+the training step is compiled for them from shapes and shardings alone, never run; the bytes
+are those the real arrays would take (tests/sharding/test_memory.py compares the two), so a
+7B model's plan for 64 devices runs on a laptop.
 
 `ckpt` reads and converts checkpoints (`zerojax.ckpt`): `inspect` lists steps and, for one
 step, every entry's shape, dtypes and bytes from metadata alone; `export` writes the model as
@@ -94,26 +98,39 @@ def _build(factory: Callable[[], Any], spec: str):
 
 
 def _cmd_plan(opts: argparse.Namespace) -> int:
-    from zerojax.config import load_config
+    from zerojax.config import DevicesConfig, load_config
 
-    config = load_config(opts.config)
+    if opts.devices is None:
+        config = load_config(opts.config)
+    else:  # a cluster you do not have: N simulated CPU devices stand in for it
+        config = load_config(opts.config, num_devices=opts.devices)
+        config = replace(
+            config, devices=DevicesConfig(platform="cpu", num_cpu_devices=opts.devices)
+        )
     from zerojax.sharding.mesh import configure_devices
 
     # Before the first JAX operation: the CPU device count is read once, at backend start.
     configure_devices(config)
 
-    import zerojax
+    import torch
+
     from zerojax.config import ConfigError
+    from zerojax.sharding import make_sharding_plan
+    from zerojax.train.engine import abstract_state
     from zerojax.train.memory_plan import memory_report
 
-    module, args, loss_fn = _build(load_factory(opts.factory), opts.factory)
-    converted = zerojax.convert(module, args)
-    report = memory_report(converted, args, config, loss_fn=loss_fn)
+    abstract = opts.devices is not None
+    factory = load_factory(opts.factory)
+    if abstract:
+        # No weights in memory: the model (and tensors the factory makes) live on `meta`.
+        with torch.device("meta"):
+            module, args, loss_fn = _build(factory, opts.factory)
+    else:
+        module, args, loss_fn = _build(factory, opts.factory)
+    report = memory_report(module, args, config, loss_fn=loss_fn, abstract=abstract)
     if opts.describe:
-        from zerojax.sharding import make_sharding_plan
-
         out = sys.stderr if opts.json else sys.stdout  # --json: stdout is the JSON object
-        print(make_sharding_plan(converted.params, config).describe(), file=out)
+        print(make_sharding_plan(abstract_state(module)[0], config).describe(), file=out)
         print(file=out)
     if opts.json:
         print(json.dumps(report.as_dict(), indent=1))
@@ -129,7 +146,7 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
             staged = replace(config, zero=replace(config.zero, stage=stage))
             try:
                 reports[stage] = memory_report(
-                    converted, args, staged, loss_fn=loss_fn, run_step=False
+                    module, args, staged, loss_fn=loss_fn, run_step=False, abstract=abstract
                 )
             except ConfigError as exc:  # e.g. the replicated-bytes guard at a higher stage
                 print(f"stage {stage} not plotted: {exc}", file=sys.stderr)
@@ -313,6 +330,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--describe", action="store_true", help="also print every param's specs")
     plan.add_argument(
         "--json", action="store_true", help="print the report as one JSON object (bytes/device)"
+    )
+    plan.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="plan for N devices without their memory: the model is built on the meta device "
+        "and the step compiled for N simulated CPU devices, never run",
     )
     plan.set_defaults(run=_cmd_plan)
     _add_ckpt_commands(commands)

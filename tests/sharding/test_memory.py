@@ -277,3 +277,59 @@ def test_step_peak_adds_the_state_resident_beside_each_program():
     assert report.activations == report.step_peak - 450
     assert report.as_dict()["step_peak"] == report.step_peak
     assert "training step peak per device: 1,470 B" in str(report)
+
+
+class _TinyGPT2WithLoss(torch.nn.Module):
+    """A Hugging Face causal LM returning its own loss (the fused program), every block
+    checkpointed by the config in the test below."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+            eos_token_id=0,
+        )  # fmt: skip
+        self.model = GPT2LMHeadModel(config).train()
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+
+@pytest.mark.parametrize(
+    "build, precision, remat",
+    [
+        (lambda: (MLP(IN, HIDDEN, CLASSES), (torch.randn(BATCH, IN),)), "params=float32", {}),
+        (
+            lambda: (MLP(IN, HIDDEN, CLASSES), (torch.randn(BATCH, IN),)),
+            "params=bfloat16,compute=bfloat16,master=float32",
+            {},
+        ),
+        (
+            lambda: (_TinyGPT2WithLoss(), (torch.randint(0, 64, (BATCH, 16)),)),
+            "params=bfloat16,compute=bfloat16,master=float32",
+            {r"model\.transformer\.h\.\d+": "full"},
+        ),
+    ],
+    ids=["mlp-fp32", "mlp-bf16-master", "gpt2-fused-checkpointed"],
+)
+def test_plan_without_memory_equals_the_real_step(build, precision, remat):
+    """`memory_report(abstract=True)` on the model built on the meta device (what `zerojax plan
+    --devices N` runs) reports exactly what building the real state and running the real step
+    on the same mesh measures: every component's bytes, every program's memory_analysis()."""
+    config = {
+        "mesh": {"fsdp": -1},
+        "zero_stage": 3,
+        "precision": precision,
+        "activation_checkpointing": {"modules": remat},
+    }
+    torch.manual_seed(0)
+    model, args = build()
+    real = memory_report(model, args, config)
+    with torch.device("meta"):
+        meta_model, meta_args = build()
+    assert next(meta_model.parameters()).is_meta
+    planned = memory_report(meta_model, meta_args, config, abstract=True)
+    assert planned.as_dict() == real.as_dict()
+    assert planned.step_peak is not None and planned.programs

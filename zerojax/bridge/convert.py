@@ -116,6 +116,7 @@ class Converted:
         kernels=None,
         batch_mesh=None,
         remat=None,
+        param_use=None,
         **kwargs,
     ):
         """Run the module as JAX: (outputs, new_buffers); see the class docstring.
@@ -126,7 +127,9 @@ class Converted:
         Pallas kernels run per shard instead of on gathered arrays. `remat` (a
         `zerojax.config.ActivationCheckpointingConfig`) picks the modules whose activations are
         recomputed in the backward pass; None honours the model's own torch.utils.checkpoint
-        calls only (bridge/remat.py).
+        calls only (bridge/remat.py). `param_use(name, value)` is applied to a parameter at
+        each op that reads it (the engine's ZeRO-3 gather and compute-dtype cast: see
+        `GraphFunction.__call__`).
         """
         args, kwargs = _unwrap_static((args, kwargs))
         program, in_spec, out_spec = self._program_for(
@@ -145,6 +148,7 @@ class Converted:
             kernels=kernels,
             batch_mesh=batch_mesh,
             remat=remat,
+            param_use=param_use,
         )
         outputs = torch_pytree.tree_unflatten(outputs, out_spec)
         if self.train and not _wants_cache(args, kwargs):

@@ -23,7 +23,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from zerojax.bridge import custom_ops, fusion
 from zerojax.bridge import remat as remat_regions
-from zerojax.bridge.dtypes import from_torch
+from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.registry import LoweringContext, get_lowering
 from zerojax.config import ActivationCheckpointingConfig, KernelsConfig
@@ -79,7 +79,7 @@ class GraphFunction:
                     f"supports parameters, buffers, constant tensors and user inputs"
                 )
         self.constants = {
-            name: from_torch(value)
+            name: _constant(value)
             for name, value in exported.constants.items()
             if isinstance(value, torch.Tensor)
         }
@@ -165,7 +165,12 @@ class GraphFunction:
         kernels: KernelsConfig | None = None,
         batch_mesh: tuple | None = None,
         remat: ActivationCheckpointingConfig | None = None,
+        param_use: Callable[[str, jax.Array], jax.Array] | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
+        """Run the graph. `param_use(name, value)` is applied to a parameter where an op reads
+        it (not once up front): a ZeRO-3 all-gather there lands inside the checkpointed region
+        that uses it, so the backward pass gathers again instead of keeping every layer's
+        gathered weights (FSDP's reshard after forward)."""
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
                 f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "
@@ -175,9 +180,11 @@ class GraphFunction:
         env: dict[torch.fx.Node, object] = {}
         feed = iter(user_inputs)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        param_names: dict[torch.fx.Node, str] = {}
         for node, (kind, name) in zip(placeholders, self.inputs, strict=True):
             if kind == InputKind.PARAMETER:
                 env[node] = _lookup(params, name, "parameter", self.model_name)
+                param_names[node] = name
             elif kind == InputKind.BUFFER:
                 env[node] = _lookup(buffers, name, "buffer", self.model_name)
             elif kind == InputKind.CONSTANT_TENSOR:
@@ -186,6 +193,12 @@ class GraphFunction:
                 env[node] = next(feed)
 
         site_counter = iter(range(1 << 30))
+
+        def read(values: dict, node: torch.fx.Node):
+            value = values[node]
+            if param_use is not None and node in param_names:
+                return param_use(param_names[node], value)
+            return value
 
         def context(node):
             return LoweringContext(
@@ -207,13 +220,13 @@ class GraphFunction:
                 break
             region = regions.get(node)
             if region is not None:
-                _run_region(region, env, context)
+                _run_region(region, env, context, read)
                 skip.update(region.nodes)
                 continue
-            env[node] = _evaluate(node, env, context)
+            env[node] = _evaluate(node, env, context, read)
         outputs, new_buffers = [], dict(buffers)
         for value, (kind, name) in zip(results, self.outputs, strict=True):
-            value = env[value] if isinstance(value, torch.fx.Node) else value
+            value = read(env, value) if isinstance(value, torch.fx.Node) else value
             if kind == OutputKind.BUFFER_MUTATION:
                 # A buffer keeps its own dtype (e.g. int64 num_batches_tracked, fp32 stats).
                 new_buffers[name] = jnp.asarray(value, dtype=buffers[name].dtype)
@@ -222,10 +235,19 @@ class GraphFunction:
         return outputs, new_buffers
 
 
-def _evaluate(node: torch.fx.Node, env: dict, context: Callable) -> object:
-    """One node's value from its inputs' values in `env`."""
-    args = torch.fx.node.map_arg(node.args, env.__getitem__)
-    kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+def _constant(tensor: torch.Tensor):
+    """A constant tensor of the graph as JAX. A model built on the `meta` device (planning its
+    memory, `zerojax plan --devices`) has constants without values: zeros of their shape stand
+    in, since such a program is compiled, never run."""
+    if tensor.device.type == "meta":
+        return jnp.zeros(tuple(tensor.shape), to_jax_dtype(tensor.dtype))
+    return from_torch(tensor)
+
+
+def _evaluate(node: torch.fx.Node, env: dict, context: Callable, read: Callable) -> object:
+    """One node's value from its inputs' values in `env` (each taken through `read`)."""
+    args = torch.fx.node.map_arg(node.args, lambda n: read(env, n))
+    kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: read(env, n))
     if node.target in _PYTHON_FUNCTIONS:
         return node.target(*args, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in _LAYOUT_KWARGS}
@@ -240,7 +262,7 @@ def _evaluate(node: torch.fx.Node, env: dict, context: Callable) -> object:
     return _conform(value, node.meta.get("val"), ctx, node)
 
 
-def _run_region(region: remat_regions.Region, env: dict, context: Callable) -> None:
+def _run_region(region: remat_regions.Region, env: dict, context: Callable, read: Callable) -> None:
     """Evaluate a region's nodes as one function under `jax.checkpoint`; put its outputs in
     `env`. Values that are not arrays (sizes, None, flags) cross the boundary as static Python
     values, closed over on the way in and recorded at trace time on the way out."""
@@ -254,7 +276,7 @@ def _run_region(region: remat_regions.Region, env: dict, context: Callable) -> N
             values[i] = array
         local = dict(zip(region.inputs, jax.tree.unflatten(tree, values), strict=True))
         for node in region.nodes:
-            local[node] = _evaluate(node, local, context)
+            local[node] = _evaluate(node, local, context, read)
         out_leaves, static_outputs["tree"] = jax.tree.flatten([local[n] for n in region.outputs])
         static_outputs["leaves"] = [
             _TRACED if isinstance(leaf, jax.Array) else leaf for leaf in out_leaves

@@ -67,9 +67,17 @@ forward's residuals and outputs the gradients, the update takes every component.
 
 
 def bytes_by_device(tree: Any) -> dict[Any, int]:
-    """Bytes each device holds for the arrays in `tree`, read off their addressable shards."""
+    """Bytes each device holds for the arrays in `tree`, read off their addressable shards; for
+    a `jax.ShapeDtypeStruct` with a sharding (an abstract engine), off the shard each device
+    would hold."""
     held: dict[Any, int] = {}
     for array in jax.tree.leaves(tree):
+        if isinstance(array, jax.ShapeDtypeStruct):
+            itemsize = np.dtype(array.dtype).itemsize
+            for device, index in array.sharding.devices_indices_map(array.shape).items():
+                shard = [len(range(*s.indices(n))) for s, n in zip(index, array.shape)]
+                held[device] = held.get(device, 0) + math.prod(shard) * itemsize
+            continue
         for shard in array.addressable_shards:
             held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
     return held

@@ -13,6 +13,12 @@ fields directly.
 The programs themselves are pure functions in `zerojax.train.programs`; this class only feeds
 them the state's arrays and stores what they return.
 
+An *abstract* engine (`abstract=True`, for planning: `zerojax plan --devices N`) holds
+`jax.ShapeDtypeStruct`s with their shardings instead of arrays, built from the module's tensor
+shapes (a model on the `meta` device has no values): its programs are compiled, never run, and
+return the shapes and shardings of their results, so a step of a model that does not fit in
+memory can be compiled and measured.
+
 Gradient accumulation (`train.gradient_accumulation_steps` = gas) follows DeepSpeed: each
 backward's gradients are multiplied by 1/gas (DeepSpeed divides the loss by gas) and summed;
 `step()` is called after every micro-batch and applies the update only on every gas-th call (the
@@ -35,6 +41,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted, state_arrays
+from zerojax.bridge.dtypes import to_jax_dtype
 from zerojax.config import Config
 from zerojax.distributed.arrays import host_copy, place_same_everywhere
 from zerojax.runtime import effective_time
@@ -70,14 +77,19 @@ class Engine:
         fused: bool | None = None,
         seed: int | None = None,
         mesh=None,
+        abstract: bool = False,
     ):
         self.module = module
+        self.abstract = abstract
         self.config = config
         self.loss_fn = loss_fn
         self.fused = fused
         self.policy = PrecisionPolicy.from_config(config.precision)
         self.mesh = make_mesh(config) if mesh is None else mesh
-        params, buffers, self.alias = state_arrays(module)
+        if abstract:
+            params, buffers, self.alias = abstract_state(module)
+        else:
+            params, buffers, self.alias = state_arrays(module)
         self.plan = make_sharding_plan(params, config, self.mesh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.programs = StepPrograms(self.plan, self.policy, config)
@@ -90,6 +102,13 @@ class Engine:
             """Host copies in `dtype` (floats only): placing from host memory, never onto the
             converted module's buffers, which a replicated device_put could reuse and the first
             update's donation would then invalidate."""
+            if abstract:
+                return {
+                    n: jax.ShapeDtypeStruct(
+                        a.shape, dtype if dtype is not None and is_float(a) else a.dtype
+                    )
+                    for n, a in arrays.items()
+                }
             return {
                 n: np.asarray(a.astype(dtype) if dtype is not None and is_float(a) else a)
                 for n, a in arrays.items()
@@ -100,7 +119,8 @@ class Engine:
         float_params = {n: a for n, a in params.items() if is_float(a)}
         # One call for the whole state: with several processes it is checked equal on every
         # process in one collective (place_same_everywhere).
-        placed = place_same_everywhere(
+        place = place_abstract if abstract else place_same_everywhere
+        placed = place(
             {
                 **{("params", n): a for n, a in host(params, policy.param_dtype).items()},
                 **{("buffers", n): a for n, a in host(buffers).items()},
@@ -273,7 +293,9 @@ class Engine:
         # compiled program per shape and sharding (12 for a 5-layer MLP, 0.41 s of a 0.85 s
         # initialize), made in the parameter's layout and then moved.
         shardings = self.plan.optimizer_state_shardings(jax.eval_shape(fresh, self._state.weights))
-        state = jax.jit(fresh, out_shardings=shardings)(self._state.weights)
+        make = jax.jit(fresh, out_shardings=shardings)
+        weights = self._state.weights
+        state = jax.eval_shape(make, weights) if self.abstract else make(weights)
         self._state = self._state.replace(opt_state=state)
 
     def optimizer_state_from_torch(self, state_dict) -> Any:
@@ -488,8 +510,8 @@ class Engine:
             state.params, state.master, state.opt_state, state.grads, hyper, state.loss_scale
         )
         skipped = state.skipped_steps
-        # bool(finite) is a host sync: only with fp16 loss scaling.
-        if state.loss_scale is not None and not bool(finite):
+        # bool(finite) is a host sync: only with fp16 loss scaling (and values).
+        if state.loss_scale is not None and not self.abstract and not bool(finite):
             skipped += 1
             log.warning(
                 "zerojax: fp16 gradients overflowed; optimizer step skipped, loss scale %g -> %g",
@@ -532,6 +554,30 @@ class Engine:
             elif canonical in buffers:
                 buffers[canonical] = jnp.asarray(value).astype(buffers[canonical].dtype)
         self.load(state.with_weights(weights).replace(buffers=buffers))
+
+
+def abstract_state(module: torch.nn.Module):
+    """`state_arrays` as shapes: (params, buffers, alias) with `jax.ShapeDtypeStruct` values,
+    read off the module's tensors' shapes and dtypes (no values: `meta` tensors do)."""
+    _, _, alias = state_arrays(module, read_values=False)
+
+    def shapes(named):
+        return {
+            n: jax.ShapeDtypeStruct(tuple(t.shape), to_jax_dtype(t.dtype))
+            for n, t in named
+            if t is not None and alias.get(n) == n
+        }
+
+    params = shapes(module.named_parameters(remove_duplicate=False))
+    return params, shapes(module.named_buffers(remove_duplicate=False)), alias
+
+
+def place_abstract(structs: dict, shardings: dict) -> dict:
+    """`place_same_everywhere` for an abstract engine: each shape with its sharding."""
+    return {
+        key: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[key])
+        for key, s in structs.items()
+    }
 
 
 def _put(array, sharding):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from zerojax.bridge.convert import Converted, Static
-from zerojax.bridge.dtypes import from_torch
+from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.config import Config, load_config
 from zerojax.sharding.memory import MemoryReport, measure_memory
 from zerojax.train import optimizers
@@ -44,6 +44,7 @@ def memory_report(
     loss_fn: Callable | None = None,
     optimizer: torch.optim.Optimizer | Callable | None = None,
     run_step: bool = True,
+    abstract: bool = False,
 ) -> MemoryReport:
     """Build the training engine `config` describes for `model` and measure its state.
 
@@ -60,6 +61,11 @@ def memory_report(
     holds each compiled program's `memory_analysis()` and the gradients are the ones the step
     produced. Without it nothing is compiled and the gradients are zeros placed per
     `plan.grads` in the policy's grad dtype (the same bytes).
+
+    `abstract=True` plans without memory: the engine holds shapes and shardings, not arrays
+    (`Engine(abstract=True)`), so `model` may live on the `meta` device and `args` be meta
+    tensors; the step's programs are compiled for the mesh and never run, and each component's
+    bytes per device are read off its shardings (the same numbers the arrays would have).
     """
     module = model.module if isinstance(model, Converted) else model
     if not isinstance(module, torch.nn.Module):
@@ -69,7 +75,7 @@ def memory_report(
         )
     if not isinstance(config, Config):
         config = load_config(config)
-    engine = Engine(module, config, loss_fn=loss_fn, seed=0, mesh=mesh)
+    engine = Engine(module, config, loss_fn=loss_fn, seed=0, mesh=mesh, abstract=abstract)
     if optimizer is None and config.optimizer is not None:
         optimizer = build_optimizer(config.optimizer, module)  # as initialize builds it
     elif optimizer is None:
@@ -82,8 +88,11 @@ def memory_report(
     if run_step:
         grads = _run_one_step(engine, module, optimizer, tuple(args), notes)
     else:
+        shardings, dtype = engine.plan.grads, engine.policy.grad_dtype
         grads = {
-            n: jax.device_put(np.zeros(p.shape, engine.policy.grad_dtype), engine.plan.grads[n])
+            n: jax.ShapeDtypeStruct(p.shape, dtype, sharding=shardings[n])
+            if abstract
+            else jax.device_put(np.zeros(p.shape, dtype), shardings[n])
             for n, p in engine.state.params.items()
             if is_float(p)
         }
@@ -107,7 +116,9 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
     converted = engine.converted(module.training, args, {})
     # As ZeroModule.forward feeds them: tensors batch-sharded, other arguments Static.
     jax_args = tuple(
-        engine.shard_input(from_torch(a))
+        _abstract_input(engine, a)
+        if engine.abstract and isinstance(a, torch.Tensor)
+        else engine.shard_input(from_torch(a))
         if isinstance(a, torch.Tensor)
         else a
         if isinstance(a, np.ndarray | jax.Array)
@@ -117,9 +128,11 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
     loss_path = None
     if engine.fused is not False:
         shapes = jax.eval_shape(
-            lambda a: converted.apply(
-                engine.state.params, engine.state.buffers, *a, rng=jax.random.key(0)
-            )[0],
+            lambda params, buffers, a: converted.apply(params, buffers, *a, rng=jax.random.key(0))[
+                0
+            ],
+            engine.state.params,
+            engine.state.buffers,
             jax_args,
         )
         loss_path = find_scalar_loss(shapes)
@@ -131,10 +144,15 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
         outputs, pullback = engine.forward(converted, jax_args, {}, differentiable=differentiable)
         # torch's loss.backward() feeds the backward program one cotangent per output; ones
         # stand in for them (the values do not change any array's bytes).
-        cotangents = jax.tree.map(
-            lambda x: jnp.ones(x.shape, x.dtype) if is_float(x) else jnp.zeros(x.shape, x.dtype),
-            outputs,
-        )
+        if engine.abstract:
+            cotangents = outputs  # their shapes, dtypes and shardings are all the program uses
+        else:
+            cotangents = jax.tree.map(
+                lambda x: (
+                    jnp.ones(x.shape, x.dtype) if is_float(x) else jnp.zeros(x.shape, x.dtype)
+                ),
+                outputs,
+            )
         engine.backward(converted, pullback, cotangents)
         notes.append(
             "the model returns no loss of its own: forward_vjp + backward, as under a torch loss"
@@ -142,6 +160,14 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
     grads = engine.state.grads
     engine.update(optimizers.hyper_from_torch(optimizer, engine.optimizer_spec))
     return grads
+
+
+def _abstract_input(engine: Engine, tensor: torch.Tensor) -> jax.ShapeDtypeStruct:
+    """A torch input (a meta tensor, say) as the shape the engine would feed: batch-sharded."""
+    shape = tuple(tensor.shape)
+    return jax.ShapeDtypeStruct(
+        shape, to_jax_dtype(tensor.dtype), sharding=engine.plan.input_sharding(len(shape))
+    )
 
 
 def _even_batch(args: tuple, engine: Engine, notes: list[str]) -> tuple:

@@ -12,8 +12,9 @@ function of its inputs, jitted and compiled once per input signature:
 - `update`: unscale (fp16), clip, the torch-exact optimizer update, loss-scale bookkeeping.
 
 ZeRO is nothing but where arrays live, so each program is ordinary JAX with sharding
-constraints where the stage decides: params -> `plan.compute_params` inside `apply` (stage 3
-all-gathers here, per step, freed after use), gradients -> `plan.grads` (stage 2+ reduces them
+constraints where the stage decides: params -> `plan.compute_params` where an op of the model
+reads them (stage 3 all-gathers there, per step, freed after use; recomputed in the backward
+pass inside a checkpointed region), gradients -> `plan.grads` (stage 2+ reduces them
 into shards), new params -> `plan.params`; the optimizer state stays on `plan.opt_state`.
 
 Every program is compiled ahead of time (`Program`; on CPU keeping activation checkpointing's
@@ -75,6 +76,8 @@ def _leaf_signature(leaf) -> tuple:
     if isinstance(leaf, jax.Array):
         # Key arrays (the rng) have no weak_type; their dtype names the key implementation.
         return (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), leaf.sharding)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return (leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
     return (type(leaf), np.shape(leaf), np.result_type(leaf))
 
 
@@ -90,6 +93,8 @@ class Program:
         self.last = None
 
     def __call__(self, *args):
+        """Run the program; with `jax.ShapeDtypeStruct` arguments (an abstract engine) only
+        compile it and return its results' shapes and shardings."""
         leaves, treedef = jax.tree.flatten(args)
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
         compiled = self._compiled.get(key)
@@ -98,6 +103,8 @@ class Program:
             options = remat.compiler_options(_platform(leaves))
             compiled = self._compiled[key] = lowered.compile(compiler_options=options or None)
         self.last = compiled
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            return compiled.out_info
         return compiled(*args)
 
 
@@ -105,6 +112,8 @@ def _platform(leaves) -> str:
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
             return next(iter(leaf.devices())).platform
+        if isinstance(getattr(leaf, "sharding", None), jax.sharding.Sharding):
+            return next(iter(leaf.sharding.device_set)).platform
     return jax.default_backend()
 
 
@@ -141,14 +150,17 @@ class StepPrograms:
         `rng` is (base key, call number), as `Engine.next_rng` gives it."""
         rng = jax.random.fold_in(*rng)
         policy = self.policy
-        compute = {}
-        for name, value in params.items():
+
+        def param_use(name, value):
+            # Where an op reads the parameter, not up front: inside a checkpointed region the
+            # stage-3 gather is then recomputed in the backward pass instead of kept.
             value = jax.lax.with_sharding_constraint(value, self.plan.compute_params[name])
             if is_float(value) and policy.compute_override is not None:
                 value = value.astype(policy.compute_dtype)
-            compute[name] = value
+            return value
+
         outputs, new_buffers = converted.apply(
-            compute,
+            params,
             buffers,
             *args,
             rng=rng,
@@ -156,6 +168,7 @@ class StepPrograms:
             kernels=self.config.kernels,
             batch_mesh=self.batch_mesh(),
             remat=self.config.activation_checkpointing,
+            param_use=param_use,
             **kwargs,
         )
         outputs = jax.tree.map(
