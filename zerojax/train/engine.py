@@ -99,9 +99,9 @@ class Engine:
         policy = self.policy
 
         def host(arrays, dtype=None):
-            """Host copies in `dtype` (floats only): placing from host memory, never onto the
-            converted module's buffers, which a replicated device_put could reuse and the first
-            update's donation would then invalidate."""
+            """What is placed, in `dtype` (floats only): host copies, so placing never reuses
+            the converted module's buffers (a replicated device_put could, and the first
+            update's donation would then invalidate them); shapes for an abstract engine."""
             if abstract:
                 return {
                     n: jax.ShapeDtypeStruct(

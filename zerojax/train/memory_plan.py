@@ -127,14 +127,11 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
     )
     loss_path = None
     if engine.fused is not False:
-        shapes = jax.eval_shape(
-            lambda params, buffers, a: converted.apply(params, buffers, *a, rng=jax.random.key(0))[
-                0
-            ],
-            engine.state.params,
-            engine.state.buffers,
-            jax_args,
-        )
+
+        def outputs_of(params, buffers, inputs):
+            return converted.apply(params, buffers, *inputs, rng=jax.random.key(0))[0]
+
+        shapes = jax.eval_shape(outputs_of, engine.state.params, engine.state.buffers, jax_args)
         loss_path = find_scalar_loss(shapes)
     if loss_path is not None:
         _, grads = engine.fused_forward(converted, jax_args, {}, loss_path)
