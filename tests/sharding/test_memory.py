@@ -234,15 +234,13 @@ DEEPSPEED_STATE_BYTES = [
 
 
 @pytest.mark.parametrize(
-    "expected",
-    [e for _, _, e in DEEPSPEED_STATE_BYTES],
+    "section, expected",
+    [(ds, e) for _, ds, e in DEEPSPEED_STATE_BYTES],
     ids=[n for n, _, _ in DEEPSPEED_STATE_BYTES],
 )
-def test_deepspeed_low_precision_states_bytes_per_parameter(mlp, expected, request):
+def test_deepspeed_low_precision_states_bytes_per_parameter(mlp, section, expected):
     """Each DeepSpeed combination, ZeRO-3 over 8 devices: every device holds exactly the table's
     bytes x Psi / 8 of each component (plus Adam's replicated int32 step count)."""
-    name = request.node.callspec.id
-    (section,) = [ds for n, ds, _ in DEEPSPEED_STATE_BYTES if n == name]
     converted, args = mlp
     config = {"zero_optimization": {"stage": 3}, **section}
     report = memory_report(converted, args, config, run_step=False)
