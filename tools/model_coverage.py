@@ -6,11 +6,12 @@
     .venv/bin/python -m tools.model_coverage --write-readme      # table from the cached results
 
 For each model of tools/model_zoo.py's populations (torchvision, torchvision segmentation, timm,
-Hugging Face, multimodal) two fresh subprocesses, one after the other (so one hang or crash cannot stop the matrix, and
-the largest models have the host's memory to themselves in each; `--timeout` seconds for both),
-run `check_parity` (converts? forward and gradient parity against a float64 torch reference,
-judged against torch fp32's own error) and `check_zero3_step` (one `loss.backward();
-opt.step()` through `zerojax.initialize`, ZeRO-3 on 8 simulated devices).
+Hugging Face, multimodal) two fresh subprocesses, one after the other (so one hang or crash
+cannot stop the matrix, and the largest models have the host's memory to themselves in each;
+`--timeout` seconds for both), run `check_parity` (converts? forward and gradient parity
+against a float64 torch reference, judged against torch fp32's own error) and
+`check_zero3_step` (one `loss.backward(); opt.step()` through `zerojax.initialize`, ZeRO-3 on 8
+simulated devices).
 Results are cached as JSON per model under `--cache-dir` (`.cache/model_coverage`, gitignored),
 so the matrix can run in pieces: a model with a cached result is skipped unless `--rerun`.
 Each result records the git commit it ran on. `--write-readme` rewrites the README's section

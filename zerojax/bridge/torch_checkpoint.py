@@ -5,10 +5,10 @@ graph with nothing saying they were checkpointed. While capturing, `tagging_chec
 swaps the two module globals that every `checkpoint` call goes through (`CheckpointFunction`
 for `use_reentrant=True`, `_checkpoint_without_reentrant_generator` for False) for versions
 that run the function inside `torch.fx.traceback.annotate`, so each node it makes carries
-`meta["custom"][CHECKPOINT_TAG] = <call number>` (also through `run_decompositions`); remat.py turns each call into a
-`jax.checkpoint` region. Module globals are looked up at call time, so this also reaches the
-`functools.partial(checkpoint, ...)` that Hugging Face's `gradient_checkpointing_enable()`
-stores. The originals are restored on exit.
+`meta["custom"][CHECKPOINT_TAG] = <call number>` (also through `run_decompositions`); remat.py
+turns each call into a `jax.checkpoint` region. Module globals are looked up at call time, so
+this also reaches the `functools.partial(checkpoint, ...)` that Hugging Face's
+`gradient_checkpointing_enable()` stores. The originals are restored on exit.
 """
 
 from __future__ import annotations

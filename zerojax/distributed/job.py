@@ -60,8 +60,8 @@ def _let_torchrun_stop_this_process() -> None:
     preempted), so SIGTERM no longer stops the process. torchrun's agent stops the surviving
     ranks of a failed attempt with SIGTERM and sends SIGKILL only 30 s later: with the service
     on, every restart waited those 30 s (bench/multiprocess.py: detection 30.1 s, now
-    0.05-0.2 s). A PyTorch worker dies on SIGTERM; so does ours. zerojax's Checkpointer saves on its interval
-    and does not use the service's sync points."""
+    0.05-0.2 s). A PyTorch worker dies on SIGTERM; so does ours. zerojax's Checkpointer saves
+    on its interval and does not use the service's sync points."""
     import jax
 
     if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
