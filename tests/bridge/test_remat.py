@@ -298,3 +298,52 @@ def test_full_checkpointing_cuts_the_planned_activations_of_8_blocks_3x():
     kept, full, save_dots = temp_bytes("none"), temp_bytes("full"), temp_bytes("save_dots")
     assert kept >= 3 * full, (kept, full)
     assert full < save_dots < kept, (full, save_dots, kept)
+
+
+class _WideBlock(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, width)
+        self.fc2 = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _WideStack(torch.nn.Module):
+    def __init__(self, blocks: int, width: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_WideBlock(width) for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+@pytest.mark.multidevice
+def test_zero3_checkpointed_step_gathers_one_block_at_a_time():
+    """ZeRO-3 with every block checkpointed is FSDP's schedule: a block's weights are gathered
+    when it runs (forward and recompute) and its gradients reduced as they are made, so the
+    step's temporaries do not grow with depth. Without the order the engine imposes, XLA:CPU
+    starts every block's all-gather at the top of the program and reduces all gradients in one
+    combined all-reduce at the end, and each extra block adds its gathered weights and full
+    gradients (here 4 MiB per block) to the peak."""
+    width = 512  # a block's weights: 2 x 512 x 512 fp32 = 2 MiB gathered, 2 MiB of gradients
+    block_bytes = 2 * width * width * 4
+    x = torch.randn(8, width)
+
+    def temp_bytes(blocks: int) -> int:
+        torch.manual_seed(0)
+        config = {
+            "mesh": {"fsdp": -1},
+            "zero_stage": 3,
+            "activation_checkpointing": {"modules": {r"blocks\.\d+": "full"}},
+        }
+        report = zerojax.memory_report(_WideStack(blocks, width), (x,), config)
+        return report.programs["loss_and_grads"].temp
+
+    shallow, deep = temp_bytes(2), temp_bytes(8)
+    # Six more blocks may add scratch, but less than one block's gathered weights: the
+    # unordered schedule adds 6 x (2 + 2) MiB.
+    assert deep - shallow < block_bytes, (shallow, deep)

@@ -165,12 +165,14 @@ class GraphFunction:
         kernels: KernelsConfig | None = None,
         batch_mesh: tuple | None = None,
         remat: ActivationCheckpointingConfig | None = None,
-        param_use: Callable[[str, jax.Array], jax.Array] | None = None,
+        param_use: Callable[[str, jax.Array, list[jax.Array]], jax.Array] | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
-        """Run the graph. `param_use(name, value)` is applied to a parameter where an op reads
-        it (not once up front): a ZeRO-3 all-gather there lands inside the checkpointed region
-        that uses it, so the backward pass gathers again instead of keeping every layer's
-        gathered weights (FSDP's reshard after forward)."""
+        """Run the graph. `param_use(name, value, operands)` is applied to a parameter where an
+        op reads it (not once up front), `operands` being the op's other array inputs (its
+        activations): a ZeRO-3 all-gather there lands inside the checkpointed region that uses
+        it, so the backward pass gathers again instead of keeping every layer's gathered
+        weights (FSDP's reshard after forward), and can be ordered after the activations the
+        op waits for anyway."""
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
                 f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "
@@ -194,11 +196,26 @@ class GraphFunction:
 
         site_counter = iter(range(1 << 30))
 
-        def read(values: dict, node: torch.fx.Node):
+        def read(values: dict, node: torch.fx.Node, consumer: torch.fx.Node | None = None):
             value = values[node]
-            if param_use is not None and node in param_names:
-                return param_use(param_names[node], value)
-            return value
+            if param_use is None or node not in param_names:
+                return value
+            return param_use(param_names[node], value, activations_beside(consumer, values))
+
+        def activations_beside(consumer: torch.fx.Node | None, values: dict) -> list:
+            """The arrays other than parameters that `consumer` reads; for an op on the
+            parameter alone (`t`, `permute`, a cast), those its users read, computed so far."""
+            if consumer is None:
+                return []
+            nodes = [n for n in consumer.all_input_nodes if n not in param_names]
+            if not nodes:
+                nodes = [
+                    n
+                    for user in consumer.users
+                    for n in user.all_input_nodes
+                    if n is not consumer and n not in param_names
+                ]
+            return [values[n] for n in nodes if isinstance(values.get(n), jax.Array)]
 
         def context(node):
             return LoweringContext(
@@ -246,8 +263,8 @@ def _constant(tensor: torch.Tensor):
 
 def _evaluate(node: torch.fx.Node, env: dict, context: Callable, read: Callable) -> object:
     """One node's value from its inputs' values in `env` (each taken through `read`)."""
-    args = torch.fx.node.map_arg(node.args, lambda n: read(env, n))
-    kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: read(env, n))
+    args = torch.fx.node.map_arg(node.args, lambda n: read(env, n, node))
+    kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: read(env, n, node))
     if node.target in _PYTHON_FUNCTIONS:
         return node.target(*args, **kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in _LAYOUT_KWARGS}

@@ -10,8 +10,8 @@ computes is rematerialised in the backward pass instead of kept, as torch's chec
 XLA:CPU removes `jax.checkpoint`'s optimization barriers early in its pipeline (its
 `cse_barrier_expander` pass), after which CSE merges each recomputation with the forward value:
 checkpointing would neither save memory nor cost time there, unlike on GPU and TPU. Programs
-that train compile with `compiler_options(platform)`, which keeps the barriers on CPU, so a CPU
-run (and a memory plan made on CPU) behaves as the accelerator will.
+that train compile with that pass off (`zerojax.train.xla_options`), so a CPU run (and a memory
+plan made on CPU) behaves as the accelerator will.
 
 Policies (`zerojax.config.REMAT_POLICIES`): `full` keeps only the region's inputs; `save_dots`
 keeps matmul outputs too; `offload` moves matmul outputs to host memory and back (backends
@@ -28,7 +28,7 @@ import torch
 
 from zerojax.config import ActivationCheckpointingConfig
 
-__all__ = ["CHECKPOINT_TAG", "Region", "checkpoint_policy", "compiler_options", "find_regions"]
+__all__ = ["CHECKPOINT_TAG", "Region", "checkpoint_policy", "find_regions"]
 
 CHECKPOINT_TAG = "zerojax_torch_checkpoint"
 """Key in `node.meta["custom"]` of the nodes one torch checkpoint call made: its call number."""
@@ -125,8 +125,3 @@ def checkpoint_policy(policy: str, origin: str) -> Callable | None:
             )
         return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
     raise ValueError(f"unknown activation checkpointing policy {policy!r} for {origin}")
-
-
-def compiler_options(platform: str) -> dict[str, str]:
-    """XLA options that keep checkpointed regions rematerialised on `platform` (see above)."""
-    return {"xla_disable_hlo_passes": "cse_barrier_expander"} if platform == "cpu" else {}
