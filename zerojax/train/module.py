@@ -85,6 +85,12 @@ class _JaxCall(torch.autograd.Function):
 
     `anchor` is a scalar that requires grad, so outputs are connected even when no input
     requires grad; its gradient is never used.
+
+    `backward` holds the step's device arrays (the fused program's gradients, or the pullback's
+    residuals: every activation the backward pass needs). Torch keeps this node alive as long
+    as any output is (the `loss` of a training loop lives until the next step reassigns it), so
+    once a backward pass has freed the graph (no `retain_graph=True`) the node lets go of them;
+    otherwise the next step's forward would run beside the last step's gradients and residuals.
     """
 
     @staticmethod
@@ -92,13 +98,26 @@ class _JaxCall(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         leaves = run()
         ctx.backward_fn = backward
+        # Saved only to learn whether the backward pass freed the graph (see _release).
+        ctx.save_for_backward(anchor)
         ctx.mark_non_differentiable(*[t for t in leaves if not t.is_floating_point()])
         return tuple(leaves)
 
     @staticmethod
     def backward(ctx, *grad_leaves):
         input_grads = ctx.backward_fn(grad_leaves)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _release(ctx))
         return (None, None, None, *input_grads)
+
+
+def _release(ctx) -> None:
+    """At the end of a backward pass: drop the node's device arrays if the pass freed the graph
+    (torch frees saved tensors then, and reading them raises; a second backward through the
+    node then fails in torch, before it reaches `backward_fn`)."""
+    try:
+        ctx.saved_tensors
+    except RuntimeError:
+        ctx.backward_fn = None
 
 
 class ZeroModule(torch.nn.Module):
