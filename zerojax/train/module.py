@@ -115,7 +115,7 @@ def _release(ctx) -> None:
     (torch frees saved tensors then, and reading them raises; a second backward through the
     node then fails in torch, before it reaches `backward_fn`)."""
     try:
-        ctx.saved_tensors
+        _ = ctx.saved_tensors
     except RuntimeError:
         ctx.backward_fn = None
 
