@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge import remat
 from zerojax.bridge.convert import Converted
+from zerojax.bridge.expert_parallel import ExpertParallel
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.sharding.zero import ShardingPlan
@@ -167,6 +168,7 @@ class StepPrograms:
             float_dtype=policy.compute_override,
             kernels=self.config.kernels,
             batch_mesh=self.batch_mesh(),
+            expert_parallel=self.expert_parallel(),
             remat=self.config.activation_checkpointing,
             param_use=param_use,
             **kwargs,
@@ -182,6 +184,20 @@ class StepPrograms:
         if axes is None:
             return None
         return self.mesh, tuple(np.atleast_1d(axes).tolist())
+
+    def expert_parallel(self) -> ExpertParallel | None:
+        """How the MoE grouped GEMMs split when the mesh has an `expert` axis larger than 1:
+        experts over it, routed rows over it and the batch axes (each device dispatches its
+        own tokens); None otherwise."""
+        if self.mesh.shape.get("expert", 1) == 1:
+            return None
+        axes = set(self.plan.batch_axes) | {"expert"}
+        return ExpertParallel(
+            mesh=self.mesh,
+            expert_axis="expert",
+            row_axes=tuple(a for a in self.mesh.axis_names if a in axes),
+            capacity_factor=self.config.moe.capacity_factor,
+        )
 
     def as_grads(self, grads):
         """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards)."""
