@@ -186,3 +186,29 @@ def test_hf_moe_trains_expert_parallel_like_torch_on_one_device(name):
     experts = [n for n in engine.plan.params if ".experts." in n]
     assert experts and all(engine.plan.params[n].spec[0] == "expert" for n in experts)
     assert engine.plan.batch_axes == ("data", "expert")
+    # The load histogram: each grouped GEMM (up and down, 2 layers) saw all 8 x 8 tokens x
+    # top-2 pairs, none dropped.
+    stats = engine.moe_stats()
+    assert len(stats) == 4, sorted(stats)
+    for site, routed in stats.items():
+        assert routed["rows_per_expert"].shape == (4,), site
+        assert routed["rows_per_expert"].sum() == 8 * SEQ * 2 and routed["dropped"] == 0, site
+
+
+def test_capacity_mode_reports_dropped_tokens_through_the_engine():
+    torch.manual_seed(0)
+    module = mixtral(output_router_logits=True)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    config = {**EP_CONFIG, "moe": {"capacity_factor": 0.5}}
+    model, optimizer = zerojax.initialize(module, optimizer, config)
+    tokens = torch.randint(0, VOCAB, (8, SEQ))
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    assert np.isfinite(loss.item())
+    stats = model.engine.moe_stats()
+    assert len(stats) == 4
+    # Half the balanced share per peer: at least half of the 128 pairs cannot be sent.
+    for site, routed in stats.items():
+        assert routed["rows_per_expert"].sum() == 8 * SEQ * 2, site
+        assert 64 <= routed["dropped"] < 128, (site, routed["dropped"])

@@ -39,15 +39,40 @@ the same two exchanges backwards.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-__all__ = ["ExpertParallel", "dispatch_capacity", "expert_parallel_ragged_dot"]
+__all__ = [
+    "ExpertLoadLog",
+    "ExpertParallel",
+    "dispatch_capacity",
+    "dropped_rows",
+    "expert_parallel_ragged_dot",
+]
+
+
+class ExpertLoadLog:
+    """The latest step's routing per grouped GEMM: rows (token-expert pairs) per expert and rows
+    dropped by capacity, as `Engine.moe_stats()` reports them.
+
+    Filled from inside the compiled step by a host callback (`jax.debug.callback`) per grouped
+    GEMM: a few dozen integers per MoE layer, next to the all-to-alls' megabytes."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, dict[str, np.ndarray | int]] = {}
+
+    def record(self, site: str, rows_per_expert, dropped) -> None:
+        self.latest[site] = {
+            "rows_per_expert": np.asarray(rows_per_expert),
+            "dropped": int(dropped),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +93,9 @@ class ExpertParallel:
     capacity_factor: float | None = None
     """None: dropless. Otherwise each (sender, receiver) pair carries at most
     ceil(capacity_factor * local rows / expert-axis size) rows; the rest are dropped."""
+
+    load_log: ExpertLoadLog | None = field(default=None, compare=False)
+    """Where each step's rows per expert and dropped rows are recorded; None records nothing."""
 
     @property
     def num_peers(self) -> int:
@@ -94,14 +122,15 @@ def expert_parallel_ragged_dot(
     group_ends: jax.Array,
     *,
     where: str,
+    site: str | None = None,
     **dot_options,
 ) -> jax.Array:
     """out[r] = lhs[r] @ rhs[g] for the rows r of group g (rows past group_ends[-1]: zero),
     computed expert-parallel on `placement`'s mesh.
 
     lhs (M, K) rows sorted by group, rhs (E, K, N), group_ends (E,) cumulative -> (M, N).
-    `where` names the op and module for error messages. Raises ValueError when E does not
-    split over the expert axis.
+    `where` names the op and module for error messages; `site` names this GEMM in
+    `placement.load_log`. Raises ValueError when E does not split over the expert axis.
     """
     num_experts, peers = rhs.shape[0], placement.num_peers
     if num_experts % peers:
@@ -112,6 +141,12 @@ def expert_parallel_ragged_dot(
             f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]})"
         )
     rows, width = lhs.shape
+    if placement.load_log is not None and site is not None:
+        jax.debug.callback(
+            functools.partial(placement.load_log.record, site),
+            jnp.diff(group_ends.astype(jnp.int32), prepend=0),
+            dropped_rows(group_ends, total_rows=rows, placement=placement),
+        )
     shards = placement.num_row_shards
     padded = -rows % shards  # zero rows past the last group belong to no expert
     if padded:

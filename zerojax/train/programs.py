@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge import remat
 from zerojax.bridge.convert import Converted
-from zerojax.bridge.expert_parallel import ExpertParallel
+from zerojax.bridge.expert_parallel import ExpertLoadLog, ExpertParallel
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.sharding.zero import ShardingPlan
@@ -129,6 +129,7 @@ class StepPrograms:
         self.mesh = plan.mesh
         self.replicated = NamedSharding(plan.mesh, PartitionSpec())
         self._programs: dict[tuple, Program] = {}
+        self.expert_load_log = ExpertLoadLog()
 
     def compiled(self) -> dict[str, Any]:
         """Program name -> the compiled executable its latest call ran, in `PROGRAM_NAMES`
@@ -197,6 +198,7 @@ class StepPrograms:
             expert_axis="expert",
             row_axes=tuple(a for a in self.mesh.axis_names if a in axes),
             capacity_factor=self.config.moe.capacity_factor,
+            load_log=self.expert_load_log,
         )
 
     def as_grads(self, grads):

@@ -55,7 +55,11 @@ def _ragged_rows(lhs, rhs, offs, ctx=None):
     placement = getattr(ctx, "expert_parallel", None)
     if placement is not None:
         where = f"{ctx.node.target} in {node_location(ctx.node)}"
-        return expert_parallel_ragged_dot(placement, lhs, rhs, offs, where=where, **options)
+        stack = list((ctx.node.meta.get("nn_module_stack") or {}).values())
+        site = f"{stack[-1][0]}:{ctx.node.name}" if stack else ctx.node.name
+        return expert_parallel_ragged_dot(
+            placement, lhs, rhs, offs, where=where, site=site, **options
+        )
     return lax.ragged_dot(lhs, rhs, _group_sizes(offs), **options)
 
 
