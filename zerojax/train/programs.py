@@ -195,7 +195,7 @@ class StepPrograms:
         axes = set(self.plan.batch_axes) | {"expert"}
         return ExpertParallel(
             mesh=self.mesh,
-            expert_axis="expert",
+            expert_axes=("expert",),
             row_axes=tuple(a for a in self.mesh.axis_names if a in axes),
             capacity_factor=self.config.moe.capacity_factor,
             load_log=self.expert_load_log,
