@@ -11,6 +11,11 @@ sees in Mixtral or Qwen-MoE. One training step (forward, backward, AdamW) is tim
   of f x the balanced share; the token-expert pairs it dropped are read from
   `engine.moe_stats()`.
 
+Then, on a two-level mesh `node: 2 x local: 4` (the experts split over both axes), the bytes
+the training step's all-to-alls send over each axis, read from the compiled HLO
+(`zerojax.sharding.collective_traffic`), for flat dispatch (one all-to-all over both axes)
+and hierarchical dispatch (over `node`, then over `local`), beside the analytic expectation.
+
 The 8 devices are simulated on this machine's CPU cores (`jax_num_cpu_devices`): they share
 the cores, so the times compare the programs' work and copies, not a network. Steps are the
 median of --steps after WARMUP_STEPS untimed ones, ending when the updated params are ready.
@@ -31,15 +36,20 @@ sys.path.insert(0, str(REPO))
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
-jax.config.update("jax_platforms", "cpu")
+if __name__ == "__main__":  # imported by tests, whose conftest has set up 8 devices
+    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_platforms", "cpu")
 
+import jax.numpy as jnp
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.integrations import moe as hf_moe  # defines transformers::grouped_mm_fallback
 
 import zerojax
+from zerojax.bridge.dtypes import from_torch
+from zerojax.bridge.expert_parallel import ExpertParallel
+from zerojax.sharding.collective_traffic import all_to_all_bytes_per_axis
 
 WARMUP_STEPS = 3
 LR = 1e-3
@@ -161,11 +171,92 @@ def dropped_per_layer(stats: dict) -> tuple[list[int], int]:
     return [r["dropped"] for r in first.values()], routed
 
 
+NODES, LOCAL = 2, 4
+
+
+def dispatch_traffic(hierarchical: bool, quick: bool = False):
+    """One training step's loss and gradients (forward + backward) of the bench MoE on the mesh
+    node: 2 x local: 4, experts split over both axes: (loss, grads, bytes per axis, rows each
+    device dispatches per grouped GEMM)."""
+    model, tokens, targets = moe_bench_model(quick)
+    converted = zerojax.convert(model, (tokens,), train=True)
+    mesh = jax.make_mesh(
+        (NODES, LOCAL), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    both = ("node", "local")
+    placement = ExpertParallel(
+        mesh=mesh, expert_axes=both, row_axes=both, hierarchical=hierarchical
+    )
+    sharding = jax.sharding.NamedSharding
+    split = jax.sharding.PartitionSpec(both)
+    params = {
+        name: jax.device_put(
+            value,
+            sharding(mesh, split if ".experts." in name else jax.sharding.PartitionSpec()),
+        )
+        for name, value in converted.params.items()
+    }
+    tokens_, targets_ = (
+        jax.device_put(from_torch(t), sharding(mesh, split)) for t in (tokens, targets)
+    )
+
+    def loss(params, tokens, targets):
+        logits, _ = converted.apply(params, converted.buffers, tokens, expert_parallel=placement)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+    step = jax.jit(jax.value_and_grad(loss)).lower(params, tokens_, targets_).compile()
+    value, grads = step(params, tokens_, targets_)
+    rows = tokens.numel() * model.layers[0].top_k // (NODES * LOCAL)
+    return value, grads, all_to_all_bytes_per_axis(step.as_text(), mesh), rows
+
+
+def traffic_table(quick: bool) -> str:
+    """Flat vs hierarchical bytes per axis, measured from HLO, with the analytic expectation."""
+    results = {h: dispatch_traffic(h, quick) for h in (False, True)}
+    rows = results[False][3]
+    flat_node, hier_node = results[False][2]["node"], results[True][2]["node"]
+    lines = [
+        (
+            f"Dispatch/combine bytes per device, one training step (fwd + bwd), 2 layers x 2 "
+            f"grouped GEMMs, mesh node {NODES} x local {LOCAL}, R = {rows} rows per device per "
+            f"GEMM:"
+        ),
+        "| dispatch | node axis (inter-node) bytes | local axis (intra-node) bytes | loss |",
+        "|---|---|---|---|",
+    ]
+    for hierarchical, (value, _, traffic, _) in results.items():
+        name = "hierarchical (node, then local)" if hierarchical else "flat (node x local)"
+        lines.append(
+            f"| {name} | {traffic['node']:,.0f} | {traffic['local']:,.0f} | {float(value):.6f} |"
+        )
+    lines += [
+        "",
+        (
+            f"inter-node bytes, hierarchical / flat: measured {hier_node / flat_node:.4f}; "
+            f"analytic 1/local = {1 / LOCAL:.4f} (dropless buffers: flat sends R rows to each "
+            f"of the {(NODES - 1) * LOCAL} devices on other nodes, hierarchical R rows to the "
+            f"same-local peer on each of the {NODES - 1} other node(s))"
+        ),
+        (
+            f"expected routed rows that must cross nodes per dispatch, uniformly random "
+            f"routing: R x (nodes - 1) / nodes = {rows * (NODES - 1) / NODES:.0f}, inside the "
+            f"{(NODES - 1) * LOCAL * rows} (flat) or {(NODES - 1) * rows} (hierarchical) "
+            f"buffer rows sent"
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="8 x 16 tokens (a smoke run)")
+    parser.add_argument("--traffic-only", action="store_true", help="only the HLO byte table")
     args = parser.parse_args()
+    if args.traffic_only:
+        print(traffic_table(args.quick))
+        return
     print(f"# MoE train step, 8 simulated CPU devices ({jax.devices()[0].device_kind})")
     print(
         f"# jax {jax.__version__}, torch {torch.__version__}, transformers fallback op "
@@ -197,6 +288,8 @@ def main() -> None:
             f"| {dropped_text} |",
             flush=True,
         )
+    print()
+    print(traffic_table(args.quick))
 
 
 if __name__ == "__main__":
