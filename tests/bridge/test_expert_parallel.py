@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests.bridge.test_models import relative_error
@@ -194,6 +195,19 @@ def test_hf_moe_trains_expert_parallel_like_torch_on_one_device(name):
     for site, routed in stats.items():
         assert routed["rows_per_expert"].shape == (4,), site
         assert routed["rows_per_expert"].sum() == 8 * SEQ * 2 and routed["dropped"] == 0, site
+
+
+def test_expert_parallel_composes_with_zero3():
+    """ZeRO-3 shards the experts' other dims over `data` and everything else over data x
+    expert; the step gathers them where they are used and must still train like torch."""
+    torch.manual_seed(0)
+    config = {**EP_CONFIG, "zero": {"stage": 3}}
+    ours, theirs, aux, step, engine = _train_like_torch(mixtral(output_router_logits=True), config)
+    _check_parity(ours, theirs, aux)
+    assert step.count("all-to-all(") >= 16
+    specs = {n: engine.plan.params[n].spec for n in engine.plan.params}
+    assert specs["model.layers.0.mlp.experts.gate_up_proj"] == P("expert", "data", None)
+    assert specs["model.embed_tokens.weight"] == P(("data", "expert"), None)
 
 
 def test_capacity_mode_reports_dropped_tokens_through_the_engine():
