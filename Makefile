@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-distributed test-other-cpu coverage bench bench-train bench-ckpt bench-kernels lint clean
+.PHONY: demo test test-all test-distributed test-other-cpu coverage bench bench-train bench-ckpt bench-kernels bench-moe lint clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -70,6 +70,10 @@ bench-ckpt: $(STAMP)
 
 bench-kernels: $(STAMP)
 	$(PY) bench/kernels.py
+
+# Expert parallel vs replicated experts on 8 simulated CPU devices; flat vs hierarchical bytes.
+bench-moe: $(STAMP)
+	$(PY) bench/moe.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples

@@ -80,8 +80,19 @@ BAD_CONFIGS = [
         {"zero_sage": 3},
         (
             "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
-            "zero, rules, inputs, precision, kernels, checkpoint, activation_checkpointing, train, "
-            "devices, runtime, optimizer"
+            "zero, rules, inputs, precision, kernels, moe, checkpoint, activation_checkpointing, "
+            "train, devices, runtime, optimizer"
+        ),
+    ),
+    (
+        {"moe": {"capacity_factor": 0}},
+        "moe.capacity_factor=0: expected a number > 0",
+    ),
+    (
+        {"moe": {"capacity": 1.25}},
+        (
+            "moe.capacity: unknown key (did you mean 'capacity_factor'?); allowed keys: "
+            "capacity_factor"
         ),
     ),
     (

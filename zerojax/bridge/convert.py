@@ -115,6 +115,7 @@ class Converted:
         float_dtype=None,
         kernels=None,
         batch_mesh=None,
+        expert_parallel=None,
         remat=None,
         param_use=None,
         **kwargs,
@@ -124,7 +125,9 @@ class Converted:
         `kernels` (a `zerojax.config.KernelsConfig`) picks the fused kernels the bridge
         substitutes; None uses the defaults (Pallas on GPU, their XLA references elsewhere).
         `batch_mesh=(mesh, batch_axes)` says the batch dim is sharded over those mesh axes, so
-        Pallas kernels run per shard instead of on gathered arrays. `remat` (a
+        Pallas kernels run per shard instead of on gathered arrays. `expert_parallel` (a
+        `zerojax.bridge.expert_parallel.ExpertParallel`) runs the MoE grouped GEMMs with the
+        experts split over its mesh's expert axis. `remat` (a
         `zerojax.config.ActivationCheckpointingConfig`) picks the modules whose activations are
         recomputed in the backward pass; None honours the model's own torch.utils.checkpoint
         calls only (bridge/remat.py). `param_use(name, value)` is applied to a parameter at
@@ -147,6 +150,7 @@ class Converted:
             float_dtype=float_dtype,
             kernels=kernels,
             batch_mesh=batch_mesh,
+            expert_parallel=expert_parallel,
             remat=remat,
             param_use=param_use,
         )

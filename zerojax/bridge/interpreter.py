@@ -164,6 +164,7 @@ class GraphFunction:
         float_dtype=None,
         kernels: KernelsConfig | None = None,
         batch_mesh: tuple | None = None,
+        expert_parallel=None,
         remat: ActivationCheckpointingConfig | None = None,
         param_use: Callable[[str, jax.Array, list[jax.Array]], jax.Array] | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
@@ -225,6 +226,7 @@ class GraphFunction:
                 float_dtype=float_dtype,
                 kernels=kernels,
                 batch_mesh=batch_mesh,
+                expert_parallel=expert_parallel,
             )
 
         regions = self.regions_for(graph, remat)

@@ -243,6 +243,9 @@ class LoweringContext:
     # (mesh, batch axes) when the caller shards the batch: Pallas kernels then run per shard
     # (see kernel_sharding.py); None runs them on whole arrays.
     batch_mesh: tuple[Any, tuple[str, ...]] | None = None
+    # An `ExpertParallel` (bridge/expert_parallel.py) when the mesh has an expert axis: grouped
+    # GEMMs then run expert-parallel (dispatch, local experts, combine); None runs them whole.
+    expert_parallel: Any = None
 
     def kernel(self, family: str) -> tuple[str, bool] | None:
         """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",

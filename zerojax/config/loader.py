@@ -23,6 +23,7 @@ from zerojax.config.sections import (
     parse_inputs,
     parse_kernels,
     parse_mesh,
+    parse_moe,
     parse_optimizer,
     parse_precision_section,
     parse_rules,
@@ -42,6 +43,7 @@ TOP_LEVEL_KEYS = (
     "inputs",
     "precision",
     "kernels",
+    "moe",
     "checkpoint",
     "activation_checkpointing",
     "train",
@@ -80,6 +82,7 @@ def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: st
         inputs=parse_inputs(raw.get("inputs"), mesh.axis_names),
         precision=parse_precision_section(raw.get("precision")),
         kernels=parse_kernels(raw.get("kernels")),
+        moe=parse_moe(raw.get("moe")),
         checkpoint=parse_checkpoint(raw.get("checkpoint")),
         activation_checkpointing=parse_activation_checkpointing(
             raw.get("activation_checkpointing")

@@ -67,9 +67,12 @@ class ZeroConfig:
     """ZeRO stage: 0 replicates everything over the data-parallel axes; 1 shards optimizer state
     and master weights; 2 also gradients; 3 also parameters (gathered for compute)."""
 
-    data_parallel_axes: tuple[str, ...] = ("data", "fsdp")
-    """Mesh axes that count as data-parallel: ZeRO shards over their product. Axes the mesh
-    does not have are ignored."""
+    data_parallel_axes: tuple[str, ...] = ("data", "fsdp", "expert")
+    """Mesh axes that count as data-parallel: ZeRO shards over their product and the batch is
+    split over them. Axes the mesh does not have are ignored. `expert` is one by default, as
+    in DeepSpeed-MoE and Megatron, where the expert-parallel ranks are data-parallel ranks for
+    everything but the experts: each holds its own tokens, and an axis a rule already uses on a
+    parameter (the experts' dim 0) is not added to it again."""
 
     max_replicated_fraction: float = DEFAULT_MAX_REPLICATED_FRACTION
     """Largest fraction of parameter bytes allowed to stay replicated because no dim divides
@@ -175,6 +178,15 @@ class KernelsConfig:
         "loss"); None when the config turns it off."""
         implementation = getattr(self, family)
         return None if implementation == "off" else (implementation, self.interpret)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoeConfig:
+    capacity_factor: float | None = None
+    """Expert-parallel dispatch (mesh axis `expert` > 1): None is dropless, every routed token
+    reaches its expert. A number f > 0 caps what one device sends one expert-axis peer at
+    f x its balanced share; tokens past the cap are dropped (their expert output is zero) and
+    counted (`zerojax.bridge.expert_parallel`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -292,6 +304,9 @@ class Config:
 
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     """Pallas kernel selection."""
+
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts dispatch under expert parallelism."""
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Orbax checkpointing."""

@@ -41,6 +41,7 @@ from zerojax.config.schema import (
     KernelsConfig,
     LossScaleConfig,
     MeshConfig,
+    MoeConfig,
     OptimizerConfig,
     PrecisionConfig,
     Rule,
@@ -304,6 +305,15 @@ def parse_kernels(raw: Any) -> KernelsConfig:
     if "interpret" in raw:
         kwargs["interpret"] = as_bool("kernels.interpret", raw["interpret"])
     return KernelsConfig(**kwargs)
+
+
+def parse_moe(raw: Any) -> MoeConfig:
+    raw = as_mapping("moe", raw)
+    check_keys("moe", raw, ("capacity_factor",))
+    factor = raw.get("capacity_factor")
+    if factor is not None:
+        factor = as_float("moe.capacity_factor", factor, positive=True)
+    return MoeConfig(capacity_factor=factor)
 
 
 def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:

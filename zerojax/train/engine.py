@@ -527,6 +527,15 @@ class Engine:
             skipped_steps=skipped,
         )
 
+    def moe_stats(self) -> dict[str, dict[str, Any]]:
+        """Routing of the latest model call under expert parallelism (mesh axis `expert` > 1),
+        per grouped GEMM ("<module path>:<node>"): `rows_per_expert`, the token-expert pairs
+        each expert received (the load histogram: hot experts show here), and `dropped`, the
+        pairs capacity-factor dispatch dropped (0 when dropless). Empty without expert
+        parallelism. Waits for the step's host callbacks (`jax.effects_barrier`)."""
+        jax.effects_barrier()
+        return dict(self.programs.expert_load_log.latest)
+
     def compiled_programs(self) -> dict[str, Any]:
         """Program name (`zerojax.train.programs.PROGRAM_NAMES`) -> the compiled executable its
         latest call ran (`.memory_analysis()`, `.as_text()`), for the programs run so far."""

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted
+from zerojax.bridge.expert_parallel import ExpertLoadLog, ExpertParallel
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.sharding.zero import ShardingPlan
@@ -128,6 +129,7 @@ class StepPrograms:
         self.mesh = plan.mesh
         self.replicated = NamedSharding(plan.mesh, PartitionSpec())
         self._programs: dict[tuple, Program] = {}
+        self.expert_load_log = ExpertLoadLog()
 
     def compiled(self) -> dict[str, Any]:
         """Program name -> the compiled executable its latest call ran, in `PROGRAM_NAMES`
@@ -174,6 +176,7 @@ class StepPrograms:
             float_dtype=policy.compute_override,
             kernels=self.config.kernels,
             batch_mesh=self.batch_mesh(),
+            expert_parallel=self.expert_parallel(),
             remat=self.config.activation_checkpointing,
             param_use=param_use,
             **kwargs,
@@ -189,6 +192,21 @@ class StepPrograms:
         if axes is None:
             return None
         return self.mesh, tuple(np.atleast_1d(axes).tolist())
+
+    def expert_parallel(self) -> ExpertParallel | None:
+        """How the MoE grouped GEMMs split when the mesh has an `expert` axis larger than 1:
+        experts over it, routed rows over it and the batch axes (each device dispatches its
+        own tokens); None otherwise."""
+        if self.mesh.shape.get("expert", 1) == 1:
+            return None
+        axes = set(self.plan.batch_axes) | {"expert"}
+        return ExpertParallel(
+            mesh=self.mesh,
+            expert_axes=("expert",),
+            row_axes=tuple(a for a in self.mesh.axis_names if a in axes),
+            capacity_factor=self.config.moe.capacity_factor,
+            load_log=self.expert_load_log,
+        )
 
     def as_grads(self, grads):
         """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards)."""

@@ -6,7 +6,7 @@ running sum (`cumsum`) as group offsets, and multiply each group of rows by its 
 (a grouped GEMM: `aten._grouped_mm`, or `transformers::grouped_mm_fallback`, the custom op
 transformers uses when torch's kernel is unavailable, e.g. fp32 under export). The grouped GEMM
 lowers to `jax.lax.ragged_dot`, JAX's native grouped matmul, which is also the form expert
-parallelism shards. All shapes stay static: groups have data-dependent *sizes*, not shapes.
+parallelism shards (on a mesh with an `expert` axis, `expert_parallel.py`). All shapes stay static: groups have data-dependent *sizes*, not shapes.
 """
 
 import jax
@@ -16,7 +16,8 @@ import torch
 from jax import lax
 
 from zerojax.bridge.dtypes import is_floating, result_type
-from zerojax.bridge.errors import DataDependentShapeError
+from zerojax.bridge.errors import DataDependentShapeError, node_location
+from zerojax.bridge.expert_parallel import expert_parallel_ragged_dot
 from zerojax.bridge.lowerings.matmul import product_options
 from zerojax.bridge.registry import lowering, register_lowering
 
@@ -44,12 +45,21 @@ def _operands(lhs, rhs):
     return lhs.astype(dtype), rhs.astype(dtype), options
 
 
-def _ragged_rows(lhs, rhs, offs):
+def _ragged_rows(lhs, rhs, offs, ctx=None):
     """out[r] = lhs[r] @ rhs[g] for the rows r of group g; rows past offs[-1] are zero.
 
-    lhs (M, K), rhs (G, K, N), offs (G,) cumulative row ends -> (M, N).
+    lhs (M, K), rhs (G, K, N), offs (G,) cumulative row ends -> (M, N). Expert-parallel
+    (bridge/expert_parallel.py) when the context's mesh has an expert axis.
     """
     lhs, rhs, options = _operands(lhs, rhs)
+    placement = getattr(ctx, "expert_parallel", None)
+    if placement is not None:
+        where = f"{ctx.node.target} in {node_location(ctx.node)}"
+        stack = list((ctx.node.meta.get("nn_module_stack") or {}).values())
+        site = f"{stack[-1][0]}:{ctx.node.name}" if stack else ctx.node.name
+        return expert_parallel_ragged_dot(
+            placement, lhs, rhs, offs, where=where, site=site, **options
+        )
     return lax.ragged_dot(lhs, rhs, _group_sizes(offs), **options)
 
 
@@ -91,7 +101,7 @@ def lower__grouped_mm_default(ctx, self, mat2, offs=None, bias=None, out_dtype=N
     if offs is None:
         raise ValueError(f"aten._grouped_mm: {ranks[0]}D x {ranks[1]}D needs offs")
     if ranks == (2, 3):
-        return _ragged_rows(self, mat2, offs)
+        return _ragged_rows(self, mat2, offs, ctx)
     if ranks == (3, 2):
         # Column groups: out.T[n] = mat2.T[n] @ self[g].T for the columns n of group g.
         return _ragged_rows(mat2.T, jnp.swapaxes(self, 1, 2), offs).T
@@ -106,7 +116,7 @@ def lower_transformers_grouped_mm_fallback(ctx, input, weight, offs):
     """transformers' loop-over-experts grouped GEMM: input (S, K) sorted by expert, weight
     (E, K, N), offs (E,) cumulative token counts -> (S, N); rows past offs[-1] are zero, as
     transformers' own implementation leaves them."""
-    return _ragged_rows(input, weight, offs)
+    return _ragged_rows(input, weight, offs, ctx)
 
 
 @register_lowering("transformers::grouped_mm_fallback_backward")
