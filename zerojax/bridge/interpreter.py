@@ -170,7 +170,7 @@ class GraphFunction:
     ) -> tuple[list, dict[str, jax.Array]]:
         """Run the graph. `param_use(name, value, operands)` is applied to a parameter where an
         op reads it (not once up front), `operands` being the op's other array inputs (its
-        activations): a ZeRO-3 all-gather there lands inside the checkpointed region that uses
+        activations; for an op on the parameter alone, such as `t`, its users'): a ZeRO-3 all-gather there lands inside the checkpointed region that uses
         it, so the backward pass gathers again instead of keeping every layer's gathered
         weights (FSDP's reshard after forward), and can be ordered after the activations the
         op waits for anyway."""
