@@ -38,7 +38,7 @@ evaluation of them is ~1.5e-7 off float64, so which one wins, and which input pi
 gradient goes to, is a coin toss per evaluation order; the losing side puts `features.0.weight`
 1.26e-2 off float64. torch contiguous and channels_last land on float64's side (1e-6, 3e-6),
 torch with oneDNN off and zerojax on the other (both 1.26e-2), and so do 2 of 6 torch fp32 runs
-on inputs nudged by 1 ulp, where float64's own gradient moves by only 9e-8.
+on inputs nudged by +-1 ulp per element, where float64's own gradient moves by only 9e-8.
 Where BatchNorm in train mode makes batch 2 ill-conditioned, as measured by torch fp32 itself
 (its gradient error above `GRADIENT_BOUND`), the verdict comes from a second comparison at batch
 8, the batch of the ZeRO-3 step. There each error is one draw of amplified rounding, and one
