@@ -6,11 +6,16 @@ The torch calls used here reach the graph as exactly these overloads (torch.matm
 operands becomes expand/view/bmm; baddbmm, mv, dot and addr decompose to mul/sum).
 """
 
+import copy
+
+import jax
 import pytest
 import torch
 
+import zerojax
 from tests import tolerances
 from tests.bridge.parity import check, run_both
+from zerojax.bridge.dtypes import from_torch, to_torch
 
 # fp32 on both sides: the same products summed in a different order (XLA's blocked dot vs
 # torch's kernel); each order is within (K - 1) u S of the exact sum, S = sum |terms| (computed
@@ -138,3 +143,78 @@ def test_bilinear():
         torch.randn(2, 4, 5),
         w,
     )
+
+
+class _BroadcastBatchProducts(torch.nn.Module):
+    """Products torch.matmul turns into expand -> bmm: a Linear on a transposed (not
+    contiguous) input, as nn.MultiheadAttention's in-projection of its seq-first layout; a
+    4-d such input (the expand's [2, 4] batch dims viewed as one); a [1, M, K] left operand
+    broadcast against a [B, K, N] batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(24, 40)
+        self.left = torch.nn.Parameter(torch.randn(1, 7, 24))
+
+    def forward(self, x, y):
+        seq_first = x.transpose(0, 1)  # (5, 3, 24)
+        four_d = y.transpose(1, 2)  # (2, 4, 3, 24)
+        return self.proj(seq_first), self.proj(four_d), self.left @ seq_first.transpose(1, 2)
+
+
+def _float64_grads(module, cotangents, *inputs) -> dict:
+    """Outputs and gradients of sum(output * cotangent) in float64 torch, by name."""
+    module = copy.deepcopy(module).double()
+    inputs = [t.double().requires_grad_() for t in inputs]
+    outs = module(*inputs)
+    total = sum((o * c.double()).sum() for o, c in zip(outs, cotangents, strict=True))
+    names = [f"input {i}" for i in range(len(inputs))] + [n for n, _ in module.named_parameters()]
+    grads = torch.autograd.grad(total, [*inputs, *module.parameters()])
+    return {"outputs": [o.detach() for o in outs]} | dict(zip(names, grads, strict=True))
+
+
+def test_batch_broadcast_operand_is_contracted_as_one_matrix():
+    """A bmm operand that is an expand of one matrix over the batch is contracted as that
+    matrix: XLA otherwise materializes the B copies (torch's expand is a stride-0 view), and
+    the backward a [B, K, N] gradient (ViT-B/16: 120 MB per layer and device). The compiled
+    forward + backward holds no buffer of an expanded shape, and outputs and gradients match
+    float64 torch."""
+    torch.manual_seed(0)
+    module = _BroadcastBatchProducts()
+    x, y = torch.randn(3, 5, 24), torch.randn(2, 3, 4, 24)
+    cotangents = [torch.randn(5, 3, 40), torch.randn(2, 4, 3, 40), torch.randn(5, 7, 3)]
+    converted = zerojax.convert(module, (x, y))
+
+    def loss(params, x, y):
+        outs, _ = converted.apply(params, converted.buffers, x, y)
+        total = sum((o * from_torch(c)).sum() for o, c in zip(outs, cotangents, strict=True))
+        return total, outs
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    jax_x, jax_y = from_torch(x), from_torch(y)
+    compiled = step.lower(converted.params, jax_x, jax_y).compile().as_text()
+    for expanded in ("f32[5,24,40]", "f32[2,4,24,40]", "f32[8,24,40]", "f32[5,7,24]"):
+        assert expanded not in compiled, f"{expanded} is materialized"
+    (_, outs), (grad_params, grad_x, grad_y) = step(converted.params, jax_x, jax_y)
+    got = {"outputs": outs, "input 0": grad_x, "input 1": grad_y} | {
+        name: grad_params[converted.alias[name]] for name, _ in module.named_parameters()
+    }
+
+    # Each fp32 value is one sum of n products; with S = sum of |products| it is within
+    # n u S of the exact sum ((n - 1) additions and n products, each rounding <= u S). S is the
+    # same graph run on absolute values. n: 25 per output (24 products + bias, 24 for `left`'s
+    # product); input 0's gradient sums 40 output channels + 7 `left` rows, input 1's 40;
+    # proj's weight and bias sum 5 x 3 + 2 x 4 x 3 = 39 rows, `left` 5 x 3.
+    exact = _float64_grads(module, cotangents, x, y)
+    absolute = copy.deepcopy(module)
+    with torch.no_grad():
+        for p in absolute.parameters():
+            p.abs_()
+    magnitude = _float64_grads(absolute, [c.abs() for c in cotangents], x.abs(), y.abs())
+    terms = {"input 0": 47, "input 1": 40, "proj.weight": 39, "proj.bias": 39, "left": 15}
+    for i, (g, e, m) in enumerate(zip(got["outputs"], exact["outputs"], magnitude["outputs"])):
+        bound = tolerances.rounded_intermediates(torch.float32, 25, m)
+        tolerances.assert_within(to_torch(g).double(), e, bound, f"output {i}")
+    for name, n in terms.items():
+        bound = tolerances.rounded_intermediates(torch.float32, n, magnitude[name])
+        tolerances.assert_within(to_torch(got[name]).double(), exact[name], bound, name)

@@ -69,6 +69,32 @@ def test_parity_verdict_uses_torch_fp32_error_as_the_yardstick():
     )
 
 
+def test_torch_fp32_orders_are_distinct_evaluations():
+    """torch fp32's yardstick is its worst of three evaluation orders for image models
+    (tools/model_zoo.py: one order can land on the other side of a max-pool near-tie). Each
+    order must really round differently, or it adds nothing: here every order's first-conv
+    gradient differs from the contiguous one in some bits, and oneDNN is back on afterwards."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 16, 3, padding=1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16 * 8 * 8, 10),
+    )
+    built = model_zoo.Built(model, (torch.randn(2, 3, 16, 16),), {}, None)
+    probe = model_zoo.probes([(2, 10)])
+    runs = dict(model_zoo._torch_fp32_runs(built, probe))
+    assert list(runs) == ["contiguous", "channels_last", "onednn_off"]
+    assert torch.backends.mkldnn.enabled
+    contiguous = runs["contiguous"][1]["0.weight"]
+    for order in ("channels_last", "onednn_off"):
+        assert not np.array_equal(runs[order][1]["0.weight"], contiguous), order
+    tokens = model_zoo.Built(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2]]),), {}, None)
+    assert [order for order, _ in model_zoo._torch_fp32_runs(tokens, None)] == ["contiguous"]
+
+
 @pytest.mark.parametrize(
     ("train_batchnorm", "torch_error", "judged_at"),
     [(True, 3e-3, 8), (True, 5e-5, 2), (False, 3e-3, 2)],

@@ -30,7 +30,7 @@ def product_options(dtype) -> dict:
     return {}
 
 
-def _einsum(spec: str, a, b):
+def matmul_einsum(spec: str, a, b):
     """`spec` contraction of a and b in their common torch dtype, accumulated like torch."""
     dtype = result_type(a, b)
     return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), **product_options(dtype))
@@ -50,30 +50,30 @@ def _add_scaled(self, product, beta, alpha):
 
 @lowering(aten.mm.default)
 def lower_mm_default(ctx, self, mat2):
-    return _einsum("ij,jk->ik", self, mat2)
+    return matmul_einsum("ij,jk->ik", self, mat2)
 
 
 @lowering(aten.bmm.default)
 def lower_bmm_default(ctx, self, mat2):
-    return _einsum("bij,bjk->bik", self, mat2)
+    return matmul_einsum("bij,bjk->bik", self, mat2)
 
 
 @lowering(aten.addmm.default)
 def lower_addmm_default(ctx, self, mat1, mat2, *, beta=1, alpha=1):
     """beta * self + alpha * (mat1 @ mat2); self broadcasts to the (n, p) result."""
-    return _add_scaled(self, _einsum("ij,jk->ik", mat1, mat2), beta, alpha)
+    return _add_scaled(self, matmul_einsum("ij,jk->ik", mat1, mat2), beta, alpha)
 
 
 @lowering(aten.addbmm.default)
 def lower_addbmm_default(ctx, self, batch1, batch2, *, beta=1, alpha=1):
     """beta * self + alpha * sum_b(batch1[b] @ batch2[b])."""
-    return _add_scaled(self, _einsum("bij,bjk->ik", batch1, batch2), beta, alpha)
+    return _add_scaled(self, matmul_einsum("bij,bjk->ik", batch1, batch2), beta, alpha)
 
 
 @lowering(aten.addmv.default)
 def lower_addmv_default(ctx, self, mat, vec, *, beta=1, alpha=1):
     """beta * self + alpha * (mat @ vec)."""
-    return _add_scaled(self, _einsum("ij,j->i", mat, vec), beta, alpha)
+    return _add_scaled(self, matmul_einsum("ij,j->i", mat, vec), beta, alpha)
 
 
 @lowering(aten._trilinear.default)
