@@ -869,13 +869,17 @@ def _channels_last(built: Built) -> Built:
 @contextlib.contextmanager
 def _onednn_disabled():
     """torch without oneDNN: convolutions through ATen's own kernels (another accumulation
-    order). Set directly: `torch.backends.mkldnn.flags()` also switches oneDNN's TF32 on."""
-    enabled = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
+    order). Through `flags()`, which works after `torch.backends.disable_global_flags()` (torch's
+    test utilities call it on import), with the other flags passed as they are: its defaults
+    would switch oneDNN's TF32 on. `set_flags` leaves a flag given as None alone."""
+    mkldnn = torch.backends.mkldnn
+    with mkldnn.flags(
+        enabled=False,
+        deterministic=mkldnn.deterministic,
+        allow_tf32=None,
+        fp32_precision=mkldnn.fp32_precision,
+    ):
         yield
-    finally:
-        torch.backends.mkldnn.enabled = enabled
 
 
 def _torch_fp32_runs(built: Built, probe: list[np.ndarray]):

@@ -73,7 +73,12 @@ def test_torch_fp32_orders_are_distinct_evaluations():
     """torch fp32's yardstick is its worst of three evaluation orders for image models
     (tools/model_zoo.py: one order can land on the other side of a max-pool near-tie). Each
     order must really round differently, or it adds nothing: here every order's first-conv
-    gradient differs from the contiguous one in some bits, and oneDNN is back on afterwards."""
+    gradient differs from the contiguous one in some bits, and oneDNN is back on afterwards.
+    torch's own test utilities freeze the global flags on import (`disable_global_flags`, as
+    the OpInfo tests beside this one do): switching oneDNN off must still work then, and
+    leave oneDNN's fp32 precision (no TF32) as it was."""
+    torch.backends.disable_global_flags()
+    precision = torch.backends.mkldnn.fp32_precision
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 16, 3, padding=1),
@@ -88,6 +93,7 @@ def test_torch_fp32_orders_are_distinct_evaluations():
     runs = dict(model_zoo._torch_fp32_runs(built, probe))
     assert list(runs) == ["contiguous", "channels_last", "onednn_off"]
     assert torch.backends.mkldnn.enabled
+    assert torch.backends.mkldnn.fp32_precision == precision
     contiguous = runs["contiguous"][1]["0.weight"]
     for order in ("channels_last", "onednn_off"):
         assert not np.array_equal(runs[order][1]["0.weight"], contiguous), order

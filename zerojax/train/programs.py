@@ -17,10 +17,10 @@ reads them (stage 3 all-gathers there, per step, freed after use; recomputed in 
 pass inside a checkpointed region), gradients -> `plan.grads` (stage 2+ reduces them
 into shards), new params -> `plan.params`; the optimizer state stays on `plan.opt_state`.
 
-Every program is compiled ahead of time (`Program`, with `xla_options.compiler_options`: on CPU
-activation checkpointing's barriers kept, gradients reduced per layer, the update in place), so what training ran can be inspected:
-`Program.last.memory_analysis()` is the executable the last call used, which is what
-`zerojax.memory_report` reports.
+Every program is compiled ahead of time (`Program`, with `xla_options.compiler_options`: on
+CPU activation checkpointing's barriers kept, gradients reduced per layer, the update in
+place), so what training ran can be inspected: `Program.last.memory_analysis()` is the
+executable the last call used, which is what `zerojax.memory_report` reports.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ running sum (`cumsum`) as group offsets, and multiply each group of rows by its 
 (a grouped GEMM: `aten._grouped_mm`, or `transformers::grouped_mm_fallback`, the custom op
 transformers uses when torch's kernel is unavailable, e.g. fp32 under export). The grouped GEMM
 lowers to `jax.lax.ragged_dot`, JAX's native grouped matmul, which is also the form expert
-parallelism shards (on a mesh with an `expert` axis, `expert_parallel.py`). All shapes stay static: groups have data-dependent *sizes*, not shapes.
+parallelism shards (on a mesh with an `expert` axis, `expert_parallel.py`). All shapes stay
+static: groups have data-dependent *sizes*, not shapes.
 """
 
 import jax
