@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax
 from tests.bridge.test_models import relative_error
-from tests.bridge.test_moe import SEQ, VOCAB, mixtral, qwen2_moe, qwen3_moe
+from tests.bridge.test_moe import EXPERTS, SEQ, VOCAB, mixtral, qwen2_moe, qwen3_moe
 from zerojax.bridge.expert_parallel import (
     ExpertParallel,
     expert_parallel_ragged_dot,
@@ -227,3 +227,55 @@ def test_capacity_mode_reports_dropped_tokens_through_the_engine():
     for site, routed in stats.items():
         assert routed["rows_per_expert"].sum() == 8 * SEQ * 2, site
         assert 64 <= routed["dropped"] < 128, (site, routed["dropped"])
+
+
+def test_checkpoint_restores_onto_another_expert_axis_size(tmp_path):
+    """Experts saved from `expert: 4` restore onto `expert: 2` (each device now owns 2 of the
+    4 experts, their optimizer moments with them) bitwise, and training goes on like torch's:
+    the restored run's losses meet the same bar as an uninterrupted one (TRAIN_RTOL)."""
+    from zerojax.ckpt.checkpointer import Checkpointer
+
+    torch.manual_seed(0)
+    module = mixtral(output_router_logits=True)
+    reference = copy.deepcopy(module)
+    fresh = copy.deepcopy(module)  # another run's start: every value comes from the checkpoint
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    tokens = torch.randint(0, VOCAB, (8, SEQ))
+
+    def steps(model, optimizer, count):
+        losses = []
+        for _ in range(count):
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    theirs = steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), STEPS)
+    model, optimizer = zerojax.initialize(
+        module, torch.optim.AdamW(module.parameters(), lr=1e-2), EP_CONFIG
+    )
+    ours = steps(model, optimizer, STEPS // 2)
+    with Checkpointer(tmp_path / "ckpt", model, optimizer) as ckpt:
+        ckpt.save(STEPS // 2, force=True)
+    saved = {n: np.asarray(a) for n, a in model.engine.params.items()}
+
+    narrower = {**EP_CONFIG, "mesh": {"data": 4, "expert": 2}}
+    model, optimizer = zerojax.initialize(
+        fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), narrower
+    )
+    with Checkpointer(tmp_path / "ckpt", model, optimizer) as ckpt:
+        ckpt.restore()
+    engine = model.engine
+    assert dict(engine.mesh.shape) == {"data": 4, "expert": 2}
+    for name, array in engine.params.items():
+        np.testing.assert_array_equal(np.asarray(array), saved[name], err_msg=name)
+        assert array.sharding == engine.plan.params[name], name
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+    assert engine.params[experts].sharding.spec[0] == "expert"
+    assert engine.params[experts].addressable_shards[0].data.shape[0] == EXPERTS // 2
+    ours += steps(model, optimizer, STEPS - STEPS // 2)
+    _check_parity(ours, theirs, ((), ()))
