@@ -156,6 +156,10 @@ BAD_CONFIGS = [
         ),
     ),
     (
+        {"mesh": {"data": 2, "sequence": 4}, "sequence_parallel": {"modules": "vision"}},
+        "sequence_parallel.modules='vision': expected a list of module path regexes",
+    ),
+    (
         {
             "mesh": {"data": 2, "sequence": 4},
             "inputs": {"batch_axes": ["data", "sequence"]},
@@ -271,6 +275,15 @@ def test_sequence_parallel_section_splits_the_inputs_sequence_not_the_batch():
     # The batch (and DeepSpeed's batch-size arithmetic) counts the data axis only.
     assert (config.data_parallel_axes, config.data_parallel_size) == (("data",), 2)
     assert load({"mesh": {"data": 8}}).sequence_parallel.axis is None
+    # Per-module: only attention inside the modules is split, so the inputs are not.
+    vision = load(
+        {
+            "mesh": {"data": 2, "sequence": 4},
+            "sequence_parallel": {"modules": [r"model\.vision_tower"]},
+        }
+    )
+    assert vision.sequence_parallel.modules == (r"model\.vision_tower",)
+    assert vision.inputs.sequence_axis is None
 
 
 def test_config_error_is_value_error():

@@ -283,3 +283,99 @@ def test_hf_model_trains_sequence_parallel_like_torch_on_one_device(name, attent
     # boolean padding mask, a few hundred bytes, is the only thing XLA all-gathers).
     gathered = [line for line in step.splitlines() if "all-gather(" in line and "f32[" in line]
     assert not gathered, gathered[:3]
+
+
+# --- per-module layouts: a sequence-parallel vision tower beside a tensor-parallel LM --------
+
+IMAGE, PATCH = 24, 8  # 9 patches + CLS = 10 vision tokens: 5 per device of `sequence: 2`
+LM_LAYER = r"^model\.language_model\.layers\.\d+\."
+# Megatron's split of the language model only; the vision tower's weights stay whole.
+LM_TENSOR_PARALLEL = [
+    {"pattern": LM_LAYER + r"self_attn\.(q|k|v)_proj\.weight$", "spec": ["tensor", None]},
+    {"pattern": LM_LAYER + r"self_attn\.o_proj\.weight$", "spec": [None, "tensor"]},
+    {"pattern": LM_LAYER + r"mlp\.(gate|up)_proj\.weight$", "spec": ["tensor", None]},
+    {"pattern": LM_LAYER + r"mlp\.down_proj\.weight$", "spec": [None, "tensor"]},
+]
+
+
+def llava():
+    """LLaVA from tiny configs: CLIP vision tower, Llama language model (GQA)."""
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=IMAGE,
+        patch_size=PATCH,
+    )
+    text = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    image_token, num_image_tokens = VOCAB - 1, (IMAGE // PATCH) ** 2
+    config = transformers.LlavaConfig(
+        vision_config=vision.to_dict() | {"model_type": "clip_vision_model"},
+        text_config=text.to_dict() | {"model_type": "llama"},
+        image_token_index=image_token,
+        image_seq_length=num_image_tokens,
+        attn_implementation="sdpa",
+    )
+    batch = 4
+    tokens = torch.randint(4, image_token, (batch, 32 + num_image_tokens))
+    tokens[:, 1 : 1 + num_image_tokens] = image_token
+    labels = tokens.clone()
+    labels[tokens == image_token] = -100
+    inputs = {
+        "input_ids": tokens,
+        "pixel_values": torch.randn(batch, 3, IMAGE, IMAGE),
+        "labels": labels,
+    }
+    return transformers.LlavaForConditionalGeneration(config), inputs
+
+
+def test_llava_trains_with_a_sequence_parallel_vision_tower_and_tensor_parallel_lm():
+    """Issue 13's per-module layout on one mesh: the vision tower's attention runs Ulysses over
+    `sequence`, the language model is split over `tensor` by rules; one program, like torch."""
+    torch.manual_seed(0)
+    module, inputs = llava()
+    reference = copy.deepcopy(module)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    config = {
+        "mesh": {"data": 2, "sequence": 2, "tensor": 2},
+        "rules": LM_TENSOR_PARALLEL,
+        "sequence_parallel": {"attention": "ulysses", "modules": [r"model\.vision_tower"]},
+    }
+    model, optimizer = zerojax.initialize(module, optimizer, config)
+    engine = model.engine
+    names = dict(reference.named_parameters())
+    for step in range(STEPS):
+        ours = model(**inputs).loss
+        ours.backward()
+        theirs = reference(**inputs).loss
+        theirs.backward()
+        a, b = ours.item(), theirs.item()
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: loss {a} vs torch {b}"
+        expected = {n: p.grad.numpy() for n, p in names.items() if p.grad is not None}
+        floor = GRAD_FLOOR * max(np.linalg.norm(g) for g in expected.values())
+        for param, want in expected.items():
+            got = engine.gathered_grad(engine.alias.get(param, param))
+            err = relative_error(got, want, floor=floor)
+            assert err <= GRAD_RTOL, f"step {step}: gradient of {param}: {err:.2e}"
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    # The text tokens are not split (the language model is tensor-parallel); the LM's weights
+    # are split over `tensor`, the vision tower's are whole.
+    assert engine.plan.input_sharding(2).spec == P("data", None)
+    compute = engine.plan.compute_params
+    assert compute["model.language_model.layers.0.self_attn.q_proj.weight"].spec[0] == "tensor"
+    assert compute["model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"].spec[0] is None
+    # Ulysses in both vision layers (XLA may fuse the q/k/v exchanges into one all-to-all, so
+    # at least one in and one out per layer); the language model's attention runs whole.
+    step = engine.compiled_programs()["loss_and_grads"].as_text()
+    assert step.count("all-to-all(") >= 2 * 2, step.count("all-to-all(")

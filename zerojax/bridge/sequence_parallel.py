@@ -38,6 +38,7 @@ is the XLA reference (fp32 scores and softmax), not the Pallas flash kernel.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import jax
@@ -71,6 +72,10 @@ class SequenceParallel:
     batch_axes: tuple[str, ...] = ()
     """Mesh axes the batch dim is split over: attention runs per batch shard on them."""
 
+    modules: tuple[str, ...] = ()
+    """Module path regexes: only attention inside a fully matching module runs split; empty:
+    every attention."""
+
     def __post_init__(self) -> None:
         for axis in (self.axis, *self.batch_axes):
             if axis not in self.mesh.shape:
@@ -88,6 +93,13 @@ class SequenceParallel:
                 f"SequenceParallel: attention={self.attention!r}; allowed: "
                 f"{', '.join(SEQUENCE_PARALLEL_ATTENTION)}"
             )
+
+    def covers(self, module_paths: list[str]) -> bool:
+        """Whether attention called inside these modules (a node's `nn_module_stack` paths)
+        runs sequence-parallel."""
+        if not self.modules:
+            return True
+        return any(re.fullmatch(p, path) for p in self.modules for path in module_paths if path)
 
     @property
     def size(self) -> int:

@@ -204,6 +204,13 @@ class SequenceParallelConfig:
     """ulysses, ring or auto (SEQUENCE_PARALLEL_ATTENTION): how attention crosses the split
     (`zerojax.bridge.sequence_parallel`)."""
 
+    modules: tuple[str, ...] = ()
+    """Module path regexes (full match against a path as in `named_modules()`, e.g.
+    `model\\.vision_tower`): only attention inside a matching module runs sequence-parallel,
+    the rest runs whole (per-module layouts: a vision tower split over `sequence` beside a
+    tensor-parallel language model). Empty: every attention, and the inputs' sequence dim is
+    split; with modules the inputs are not split (the split starts inside those modules)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:

@@ -325,7 +325,7 @@ def parse_sequence_parallel(
     if raw is None:
         return SequenceParallelConfig(), inputs
     raw = as_mapping("sequence_parallel", raw)
-    check_keys("sequence_parallel", raw, ("axis", "attention"))
+    check_keys("sequence_parallel", raw, ("axis", "attention", "modules"))
     axis = raw.get("axis", "sequence")
     if axis not in mesh_axes:
         raise error(
@@ -349,7 +349,19 @@ def parse_sequence_parallel(
             list(inputs.batch_axes),
             f"contains the sequence-parallel axis {axis!r}; it splits the sequence, not the batch",
         )
-    section = SequenceParallelConfig(axis=axis, attention=attention)
+    modules = raw.get("modules") or ()
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+        raise error("sequence_parallel.modules", modules, "expected a list of module path regexes")
+    for i, pattern in enumerate(modules):
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ConfigError(
+                f"sequence_parallel.modules[{i}]: invalid module path regex {pattern!r}: {exc}"
+            ) from exc
+    section = SequenceParallelConfig(axis=axis, attention=attention, modules=tuple(modules))
+    if modules:
+        return section, inputs  # the split starts inside the modules, not at the inputs
     return section, replace(inputs, sequence_axis=axis)
 
 

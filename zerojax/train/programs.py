@@ -221,6 +221,7 @@ class StepPrograms:
             axis=section.axis,
             attention=section.attention,
             batch_axes=self.plan.batch_axes,
+            modules=section.modules,
         )
 
     def as_grads(self, grads):

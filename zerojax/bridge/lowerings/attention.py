@@ -100,7 +100,13 @@ def lower_scaled_dot_product_attention(
     """Sequence-parallel when the engine splits the sequence; else routed to the
     flash-attention kernel (config `kernels.attention`), else the reference."""
     placement = ctx.sequence_parallel
-    if placement is not None and query.ndim == 4 and key.ndim == 4:
+    stack = (ctx.node.meta.get("nn_module_stack") or {}).values()
+    if (
+        placement is not None
+        and query.ndim == 4
+        and key.ndim == 4
+        and placement.covers([path for path, _ in stack])
+    ):
         where = f"{ctx.node.target} in {node_location(ctx.node)}"
         if dropout_p > 0.0:
             raise NotImplementedError(
