@@ -155,6 +155,29 @@ def test_attention_matches_one_device_values_and_gradients(attention, heads, kv_
         assert "all-to-all(" not in text
 
 
+def test_ulysses_runs_each_devices_heads_through_the_flash_kernel():
+    """`kernels: {attention: pallas, interpret: true}`: the Pallas kernel (interpret mode on
+    CPU) computes each device's heads over the whole sequence, between the all-to-alls."""
+    q, k, v, mask, causal = _attention_inputs(4, 2, "padded_causal_bool", head_dim=16)
+
+    def split(q, k, v):
+        return sequence_parallel_attention(
+            _placement("ulysses"), q, k, v, mask, kernel=("pallas", True), where="test"
+        )
+
+    assert "pallas_call" in str(jax.make_jaxpr(split)(q, k, v))  # the kernel, not the reference
+    compiled = jax.jit(split).lower(q, k, v).compile()
+    assert relative_error(compiled(q, k, v), _reference(q, k, v, mask, causal)) <= VALUE_RTOL
+    assert compiled.as_text().count("all-to-all(") == 4
+    cotangent = np.random.default_rng(1).standard_normal(q.shape).astype(np.float32)
+    grads = jax.jit(jax.grad(lambda *a: jnp.vdot(split(*a), cotangent), argnums=(0, 1, 2)))(q, k, v)
+    expected = jax.grad(
+        lambda *a: jnp.vdot(_reference(*a, mask, causal), cotangent), argnums=(0, 1, 2)
+    )(q, k, v)
+    for name, got, want in zip("qkv", grads, expected, strict=True):
+        assert relative_error(got, want) <= GRAD_RTOL, name
+
+
 def test_ulysses_refuses_heads_that_do_not_split_over_the_axis_and_auto_picks_ring():
     q, k, v, _, _ = _attention_inputs(6, 6, "is_causal")
     with pytest.raises(

@@ -31,8 +31,10 @@ additive masks are honoured too; a sub-block is skipped only when its mask exclu
 The backward pass is JAX's transpose of these programs (an all-to-all's transpose is the
 reverse all-to-all, a ppermute's the reverse permutation). Each ring sub-block is
 rematerialised (`jax.checkpoint`) so the backward pass keeps only q, the K/V blocks and the
-softmax statistics, not the L/N x L/N probabilities of every step. The per-block computation
-is the XLA reference (fp32 scores and softmax), not the Pallas flash kernel.
+softmax statistics, not the L/N x L/N probabilities of every step. Ulysses runs each
+device's heads through the flash-attention kernel where the config's `kernels.attention` picks
+Pallas (GPU; interpret mode in tests), the XLA reference elsewhere; ring attention merges its
+blocks with the XLA reference (the kernel returns no softmax statistics to merge).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from zerojax.bridge.kernel_sharding import uses_pallas
 from zerojax.config.schema import SEQUENCE_PARALLEL_ATTENTION
 
 __all__ = [
@@ -129,6 +132,7 @@ def sequence_parallel_attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    kernel: tuple[str, bool] | None = None,
     where: str,
 ) -> jax.Array:
     """softmax(q k^T * scale + mask) v as torch's SDPA computes it, with the sequence split
@@ -136,7 +140,10 @@ def sequence_parallel_attention(
 
     query (B, H, L, D), key/value (B, Hk, S, D) with H % Hk == 0 (grouped-query heads are
     served without enable_gqa too); `mask` boolean (True = attend) or additive, broadcastable
-    to (B, H, L, S); `causal` top-left aligned. `where` names the op and module for errors.
+    to (B, H, L, S); `causal` top-left aligned. `kernel` is the config's (implementation,
+    interpret) for attention: Ulysses runs each device's heads through the flash-attention
+    kernel when that choice picks Pallas (ring attention merges blocks with the XLA reference).
+    `where` names the op and module for errors.
     """
     batch, heads, length, head_dim = query.shape
     kv_heads, source_length = key.shape[1], key.shape[2]
@@ -168,15 +175,23 @@ def sequence_parallel_attention(
     batch_split = math.prod(placement.mesh.shape[a] for a in batch_axes)
     batch_spec = batch_axes if batch_axes and batch % batch_split == 0 else None
     seq = PartitionSpec(batch_spec, None, placement.axis, None)
+    pallas = False
     if method == "ulysses":
         mask_spec = _mask_spec(mask, batch, batch_spec, heads=(heads, placement.axis))
-        body = _ulysses_body(placement.axis, placement.size, causal, scale)
+        pallas = kernel is not None and uses_pallas(*kernel)
+        attend = (
+            _flash_attend(kernel, causal, scale) if pallas else _reference_attend(causal, scale)
+        )
+        body = _ulysses_body(placement.axis, placement.size, attend)
     else:
         mask_spec = _mask_spec(mask, batch, batch_spec, rows=(length, placement.axis))
         body = _ring_body(placement.axis, placement.size, causal, scale, mask)
     operands = (query, key, value) + ((mask,) if mask is not None else ())
     in_specs = (seq, seq, seq) + ((mask_spec,) if mask is not None else ())
-    return jax.shard_map(body, mesh=placement.mesh, in_specs=in_specs, out_specs=seq)(*operands)
+    # check_vma=False with Pallas: its calls (and their interpret mode) carry no varying axes.
+    return jax.shard_map(
+        body, mesh=placement.mesh, in_specs=in_specs, out_specs=seq, check_vma=not pallas
+    )(*operands)
 
 
 def _mask_spec(mask, batch, batch_spec, *, heads=None, rows=None) -> PartitionSpec | None:
@@ -195,9 +210,40 @@ def _mask_spec(mask, batch, batch_spec, *, heads=None, rows=None) -> PartitionSp
 # --- Ulysses ---------------------------------------------------------------------------------
 
 
-def _ulysses_body(axis: str, size: int, causal: bool, scale: float):
+def _reference_attend(causal: bool, scale: float):
     from zerojax.bridge.lowerings.attention import attention_reference
 
+    def attend(query, key, value, mask):
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key, value = (jnp.repeat(x, groups, axis=1) for x in (key, value))
+        return attention_reference(query, key, value, mask=mask, causal=causal, scale=scale)[0]
+
+    return attend
+
+
+def _flash_attend(kernel: tuple[str, bool], causal: bool, scale: float):
+    from zerojax.pallas_kernels.flash_attention import flash_attention
+
+    implementation, interpret = kernel
+
+    def attend(query, key, value, mask):
+        # The kernel serves grouped-query heads itself and never holds the L x L scores.
+        return flash_attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            causal=causal,
+            scale=scale,
+            implementation=implementation,
+            interpret=interpret,
+        )
+
+    return attend
+
+
+def _ulysses_body(axis: str, size: int, attend):
     def body(query, key, value, mask=None):
         heads, kv_heads = query.shape[1], key.shape[1]
         if kv_heads % size:
@@ -209,10 +255,7 @@ def _ulysses_body(axis: str, size: int, causal: bool, scale: float):
             lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
             for x in (query, key, value)
         )
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:
-            key, value = (jnp.repeat(x, groups, axis=1) for x in (key, value))
-        out, _ = attention_reference(query, key, value, mask=mask, causal=causal, scale=scale)
+        out = attend(query, key, value, mask)
         # Head-sharded -> sequence-sharded: the reverse exchange.
         return lax.all_to_all(out, axis, split_axis=2, concat_axis=1, tiled=True)
 

@@ -121,7 +121,15 @@ def lower_scaled_dot_product_attention(
                 f"{key.shape[1]} key heads without enable_gqa ({where})"
             )
         return sequence_parallel_attention(
-            placement, query, key, value, attn_mask, causal=is_causal, scale=scale, where=where
+            placement,
+            query,
+            key,
+            value,
+            attn_mask,
+            causal=is_causal,
+            scale=scale,
+            kernel=ctx.kernel("attention"),
+            where=where,
         )
     choice = ctx.kernel("attention")
     # The kernel takes SDPA's usual [batch, heads, seq, head_dim]; other ranks stay here.
