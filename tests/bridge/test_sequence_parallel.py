@@ -259,22 +259,30 @@ def bert():
 MODELS = {"llama": llama, "bert": bert}
 
 
+# Each Llama decoder layer recomputed in the backward pass: the layout bench/long_context.py
+# measures for the longest sequences.
+CHECKPOINT_LAYERS = {"modules": {r"model\.layers\.\d+": "full"}}
+
+
 @pytest.mark.parametrize(
-    "name, attention",
+    "name, attention, checkpointing",
     [
-        ("llama", "ulysses"),
-        ("bert", "ulysses"),
-        ("llama", "ring"),
-        ("bert", "ring"),
+        ("llama", "ulysses", False),
+        ("bert", "ulysses", False),
+        ("llama", "ring", False),
+        ("bert", "ring", False),
+        ("llama", "ring", True),
     ],
 )
-def test_hf_model_trains_sequence_parallel_like_torch_on_one_device(name, attention):
+def test_hf_model_trains_sequence_parallel_like_torch_on_one_device(name, attention, checkpointing):
     torch.manual_seed(0)
     module, inputs = MODELS[name]()
     reference = copy.deepcopy(module)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
     config = {"mesh": MESH_SHAPE, "sequence_parallel": {"attention": attention}}
+    if checkpointing:
+        config["activation_checkpointing"] = CHECKPOINT_LAYERS
     model, optimizer = zerojax.initialize(module, optimizer, config)
     engine = model.engine
     names = dict(reference.named_parameters())
