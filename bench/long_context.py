@@ -95,6 +95,13 @@ class LlamaLoss(nn.Module):
         return self.lm(input_ids=tokens, labels=tokens).loss
 
 
+def llama_4k():
+    """`zerojax plan` factory: the bench's model on 2 sequences of 4,096 tokens, e.g.
+    `zerojax plan --config examples/long_context.yaml bench/long_context.py:llama_4k
+    --devices 8` (the README's "Long sequences" compares it with and without the split)."""
+    return LlamaLoss(4096), (torch.zeros((2, 4096), dtype=torch.long),)
+
+
 def step_peak_bytes(config: dict, batch: int, length: int) -> int:
     """Peak bytes per device of the training step, compiled for the mesh, never run."""
     with torch.device("meta"):
