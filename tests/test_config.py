@@ -286,6 +286,17 @@ def test_sequence_parallel_section_splits_the_inputs_sequence_not_the_batch():
     assert vision.inputs.sequence_axis is None
 
 
+def test_long_context_example_splits_sequences_with_ring_attention():
+    config = load(EXAMPLES / "long_context.yaml")
+    assert dict(zip(config.mesh.axis_names, config.mesh.shape)) == {"data": 2, "sequence": 4}
+    assert (config.sequence_parallel.axis, config.sequence_parallel.attention) == (
+        "sequence",
+        "ring",
+    )
+    assert config.inputs.sequence_axis == "sequence"
+    assert config.activation_checkpointing.policy_for("lm.model.layers.1") == "full"
+
+
 def test_config_error_is_value_error():
     assert issubclass(ConfigError, ValueError)
 
