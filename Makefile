@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-distributed test-other-cpu coverage bench bench-train bench-ckpt bench-kernels bench-moe lint clean
+.PHONY: demo test test-all test-distributed test-other-cpu coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context lint clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -74,6 +74,10 @@ bench-kernels: $(STAMP)
 # Expert parallel vs replicated experts on 8 simulated CPU devices; flat vs hierarchical bytes.
 bench-moe: $(STAMP)
 	$(PY) bench/moe.py
+
+# ZeRO-3 vs ZeRO-3 + sequence parallelism: longest sequence per device budget, step time.
+bench-long-context: $(STAMP)
+	$(PY) bench/long_context.py --plot bench/long_context.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples

@@ -80,8 +80,8 @@ BAD_CONFIGS = [
         {"zero_sage": 3},
         (
             "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
-            "zero, rules, inputs, precision, kernels, moe, checkpoint, activation_checkpointing, "
-            "train, devices, runtime, optimizer"
+            "zero, rules, inputs, precision, kernels, moe, sequence_parallel, checkpoint, "
+            "activation_checkpointing, train, devices, runtime, optimizer"
         ),
     ),
     (
@@ -132,6 +132,43 @@ BAD_CONFIGS = [
     (
         {"inputs": {"sequence_axis": "sequence"}},
         "inputs.sequence_axis='sequence': allowed: data, null",
+    ),
+    (
+        {"mesh": {"data": 8}, "sequence_parallel": {"axis": "sequence"}},
+        (
+            "sequence_parallel.axis='sequence': not in the mesh; mesh axes: data (add it to "
+            "mesh:, e.g. mesh: {data: 2, sequence: 4})"
+        ),
+    ),
+    (
+        {"mesh": {"data": 2, "sequence": 4}, "sequence_parallel": {"attention": "flash"}},
+        "sequence_parallel.attention='flash': allowed: ulysses, ring, auto",
+    ),
+    (
+        {
+            "mesh": {"data": 2, "sequence": 2, "tensor": 2},
+            "inputs": {"sequence_axis": "tensor"},
+            "sequence_parallel": {},
+        },
+        (
+            "inputs.sequence_axis='tensor': differs from sequence_parallel.axis='sequence'; "
+            "drop it (the section sets it)"
+        ),
+    ),
+    (
+        {"mesh": {"data": 2, "sequence": 4}, "sequence_parallel": {"modules": "vision"}},
+        "sequence_parallel.modules='vision': expected a list of module path regexes",
+    ),
+    (
+        {
+            "mesh": {"data": 2, "sequence": 4},
+            "inputs": {"batch_axes": ["data", "sequence"]},
+            "sequence_parallel": {},
+        },
+        (
+            'inputs.batch_axes=["data", "sequence"]: contains the sequence-parallel axis '
+            "'sequence'; it splits the sequence, not the batch"
+        ),
     ),
     (
         {"precision": {"param_dtype": "fp8"}},
@@ -226,6 +263,38 @@ BAD_CONFIGS = [
 def test_bad_config_message(raw, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         load(raw)
+
+
+def test_sequence_parallel_section_splits_the_inputs_sequence_not_the_batch():
+    config = load({"mesh": {"data": 2, "sequence": 4}, "sequence_parallel": {"attention": "ring"}})
+    assert (config.sequence_parallel.axis, config.sequence_parallel.attention) == (
+        "sequence",
+        "ring",
+    )
+    assert config.inputs.sequence_axis == "sequence"
+    # The batch (and DeepSpeed's batch-size arithmetic) counts the data axis only.
+    assert (config.data_parallel_axes, config.data_parallel_size) == (("data",), 2)
+    assert load({"mesh": {"data": 8}}).sequence_parallel.axis is None
+    # Per-module: only attention inside the modules is split, so the inputs are not.
+    vision = load(
+        {
+            "mesh": {"data": 2, "sequence": 4},
+            "sequence_parallel": {"modules": [r"model\.vision_tower"]},
+        }
+    )
+    assert vision.sequence_parallel.modules == (r"model\.vision_tower",)
+    assert vision.inputs.sequence_axis is None
+
+
+def test_long_context_example_splits_sequences_with_ring_attention():
+    config = load(EXAMPLES / "long_context.yaml")
+    assert dict(zip(config.mesh.axis_names, config.mesh.shape)) == {"data": 2, "sequence": 4}
+    assert (config.sequence_parallel.axis, config.sequence_parallel.attention) == (
+        "sequence",
+        "ring",
+    )
+    assert config.inputs.sequence_axis == "sequence"
+    assert config.activation_checkpointing.policy_for("lm.model.layers.1") == "full"
 
 
 def test_config_error_is_value_error():

@@ -335,6 +335,20 @@ def test_input_sharding_with_sequence_axis():
     assert plan.input_sharding(1).spec == P("data")
 
 
+def test_sequence_parallel_shards_zero_over_data_and_sequence_but_the_batch_over_data():
+    """DeepSpeed-Ulysses' layout: every device along `sequence` holds the whole model for its
+    own tokens, so ZeRO partitions over data x sequence; the batch is split over data only."""
+    plan = plan_for(
+        {"mesh": {"data": 2, "sequence": 4}, "zero_stage": 3, "sequence_parallel": {}},
+        {"w": (64, 8)},
+    )
+    assert plan.data_parallel_axes == ("data", "sequence")
+    assert plan.params["w"].spec == P(("data", "sequence"), None)
+    assert plan.compute_params["w"].spec == P(None, None)
+    assert plan.batch_axes == ("data",)
+    assert plan.input_sharding(2).spec == P("data", "sequence")
+
+
 def test_stage3_step_all_gathers_params():
     """Stage 3 stores params split and the compiled step gathers them for compute."""
     shapes = {"w1": (64, 256), "w2": (256, 8)}

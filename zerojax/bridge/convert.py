@@ -116,6 +116,7 @@ class Converted:
         kernels=None,
         batch_mesh=None,
         expert_parallel=None,
+        sequence_parallel=None,
         remat=None,
         param_use=None,
         **kwargs,
@@ -127,7 +128,9 @@ class Converted:
         `batch_mesh=(mesh, batch_axes)` says the batch dim is sharded over those mesh axes, so
         Pallas kernels run per shard instead of on gathered arrays. `expert_parallel` (a
         `zerojax.bridge.expert_parallel.ExpertParallel`) runs the MoE grouped GEMMs with the
-        experts split over its mesh's expert axis. `remat` (a
+        experts split over its mesh's expert axis. `sequence_parallel` (a
+        `zerojax.bridge.sequence_parallel.SequenceParallel`) runs attention sequence-parallel
+        (Ulysses or ring) over its mesh's sequence axis. `remat` (a
         `zerojax.config.ActivationCheckpointingConfig`) picks the modules whose activations are
         recomputed in the backward pass; None honours the model's own torch.utils.checkpoint
         calls only (bridge/remat.py). `param_use(name, value)` is applied to a parameter at
@@ -151,6 +154,7 @@ class Converted:
             kernels=kernels,
             batch_mesh=batch_mesh,
             expert_parallel=expert_parallel,
+            sequence_parallel=sequence_parallel,
             remat=remat,
             param_use=param_use,
         )

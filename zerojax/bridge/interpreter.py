@@ -165,6 +165,7 @@ class GraphFunction:
         kernels: KernelsConfig | None = None,
         batch_mesh: tuple | None = None,
         expert_parallel=None,
+        sequence_parallel=None,
         remat: ActivationCheckpointingConfig | None = None,
         param_use: Callable[[str, jax.Array, list[jax.Array]], jax.Array] | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
@@ -227,6 +228,7 @@ class GraphFunction:
                 kernels=kernels,
                 batch_mesh=batch_mesh,
                 expert_parallel=expert_parallel,
+                sequence_parallel=sequence_parallel,
             )
 
         regions = self.regions_for(graph, remat)

@@ -246,6 +246,9 @@ class LoweringContext:
     # An `ExpertParallel` (bridge/expert_parallel.py) when the mesh has an expert axis: grouped
     # GEMMs then run expert-parallel (dispatch, local experts, combine); None runs them whole.
     expert_parallel: Any = None
+    # A `SequenceParallel` (bridge/sequence_parallel.py) when the config splits the sequence:
+    # attention then runs as Ulysses or ring attention over that axis; None runs it whole.
+    sequence_parallel: Any = None
 
     def kernel(self, family: str) -> tuple[str, bool] | None:
         """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",

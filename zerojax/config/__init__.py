@@ -20,6 +20,7 @@ Example (YAML; every section is optional)::
       - {pattern: 'wte\\.weight$', spec: [tensor, null]}
       - gpt2                                       # a built-in preset, expanded in place
     inputs: {sequence_axis: null}
+    sequence_parallel: {axis: sequence, attention: auto}  # needs a `sequence` mesh axis
     precision: "params=bfloat16,compute=bfloat16,master=float32"
     train: {gradient_accumulation_steps: 4, gradient_clipping: 1.0}
     optimizer: {type: AdamW, params: {lr: 3.0e-4, weight_decay: 0.1}}  # built if none given
@@ -53,6 +54,7 @@ from zerojax.config.schema import (
     PrecisionConfig,
     Rule,
     RuntimeConfig,
+    SequenceParallelConfig,
     TrainConfig,
     ZeroConfig,
 )
@@ -80,6 +82,7 @@ __all__ = [
     "PrecisionConfig",
     "Rule",
     "RuntimeConfig",
+    "SequenceParallelConfig",
     "TrainConfig",
     "ZeroConfig",
     "apply_devices",

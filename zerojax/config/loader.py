@@ -28,6 +28,7 @@ from zerojax.config.sections import (
     parse_precision_section,
     parse_rules,
     parse_runtime,
+    parse_sequence_parallel,
     parse_train,
     parse_zero,
 )
@@ -44,6 +45,7 @@ TOP_LEVEL_KEYS = (
     "precision",
     "kernels",
     "moe",
+    "sequence_parallel",
     "checkpoint",
     "activation_checkpointing",
     "train",
@@ -76,10 +78,16 @@ def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: st
     mesh = parse_mesh(raw.get("mesh"), _device_count(devices, num_devices))
     zero = parse_zero(raw.get("zero_stage"), raw.get("zero"))
     config = Config(mesh=mesh, zero=zero, devices=devices, source=source, format=fmt)
+    sequence_parallel, inputs = parse_sequence_parallel(
+        raw.get("sequence_parallel"),
+        mesh.axis_names,
+        parse_inputs(raw.get("inputs"), mesh.axis_names),
+    )
     return replace(
         config,
         rules=parse_rules(raw.get("rules"), mesh.axis_names),
-        inputs=parse_inputs(raw.get("inputs"), mesh.axis_names),
+        inputs=inputs,
+        sequence_parallel=sequence_parallel,
         precision=parse_precision_section(raw.get("precision")),
         kernels=parse_kernels(raw.get("kernels")),
         moe=parse_moe(raw.get("moe")),

@@ -21,6 +21,10 @@ REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 """Activation checkpointing policies: keep everything (none), recompute everything in the
 backward pass (full), keep matmul outputs and recompute the rest (save_dots), or move matmul
 outputs to host memory and back (offload, where the backend has host memory spaces)."""
+SEQUENCE_PARALLEL_ATTENTION = ("ulysses", "ring", "auto")
+"""How attention runs on a sequence-split mesh: Ulysses (all-to-all sequence <-> heads), ring
+attention (K/V passed around the axis), or auto (Ulysses when the heads split over the axis,
+else ring)."""
 OPTIMIZER_TYPES = ("adam", "adamw", "sgd")
 """Optimizers zerojax runs (torch.optim.Adam, AdamW, SGD, reproduced exactly in JAX)."""
 
@@ -190,6 +194,25 @@ class MoeConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SequenceParallelConfig:
+    axis: str | None = None
+    """Mesh axis the sequence is split over; None: no sequence parallelism. Setting it also
+    splits the inputs' sequence dim over it (`inputs.sequence_axis`) and adds it to the axes
+    ZeRO shards over (DeepSpeed-Ulysses' data x sequence group); the batch is not split on it."""
+
+    attention: str = "auto"
+    """ulysses, ring or auto (SEQUENCE_PARALLEL_ATTENTION): how attention crosses the split
+    (`zerojax.bridge.sequence_parallel`)."""
+
+    modules: tuple[str, ...] = ()
+    """Module path regexes (full match against a path as in `named_modules()`, e.g.
+    `model\\.vision_tower`): only attention inside a matching module runs sequence-parallel,
+    the rest runs whole (per-module layouts: a vision tower split over `sequence` beside a
+    tensor-parallel language model). Empty: every attention, and the inputs' sequence dim is
+    split; with modules the inputs are not split (the split starts inside those modules)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
     modules: tuple[tuple[str, str], ...] = ()
     """(module path regex, policy) in the order written: each submodule whose path (as in
@@ -307,6 +330,9 @@ class Config:
 
     moe: MoeConfig = field(default_factory=MoeConfig)
     """Mixture-of-experts dispatch under expert parallelism."""
+
+    sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
+    """Sequence parallelism: the split axis and the attention algorithm."""
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Orbax checkpointing."""

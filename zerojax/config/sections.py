@@ -34,6 +34,7 @@ from zerojax.config.schema import (
     OPTIMIZER_TYPES,
     PLATFORMS,
     REMAT_POLICIES,
+    SEQUENCE_PARALLEL_ATTENTION,
     ActivationCheckpointingConfig,
     CheckpointConfig,
     DevicesConfig,
@@ -46,6 +47,7 @@ from zerojax.config.schema import (
     PrecisionConfig,
     Rule,
     RuntimeConfig,
+    SequenceParallelConfig,
     TrainConfig,
     ZeroConfig,
 )
@@ -314,6 +316,53 @@ def parse_moe(raw: Any) -> MoeConfig:
     if factor is not None:
         factor = as_float("moe.capacity_factor", factor, positive=True)
     return MoeConfig(capacity_factor=factor)
+
+
+def parse_sequence_parallel(
+    raw: Any, mesh_axes: tuple[str, ...], inputs: InputsConfig
+) -> tuple[SequenceParallelConfig, InputsConfig]:
+    """The section, and `inputs` with its sequence dim split over the section's axis."""
+    if raw is None:
+        return SequenceParallelConfig(), inputs
+    raw = as_mapping("sequence_parallel", raw)
+    check_keys("sequence_parallel", raw, ("axis", "attention", "modules"))
+    axis = raw.get("axis", "sequence")
+    if axis not in mesh_axes:
+        raise error(
+            "sequence_parallel.axis",
+            axis,
+            f"not in the mesh; mesh axes: {', '.join(mesh_axes)} (add it to mesh:, e.g. "
+            "mesh: {data: 2, sequence: 4})",
+        )
+    attention = as_choice(
+        "sequence_parallel.attention", raw.get("attention", "auto"), SEQUENCE_PARALLEL_ATTENTION
+    )
+    if inputs.sequence_axis not in (None, axis):
+        raise error(
+            "inputs.sequence_axis",
+            inputs.sequence_axis,
+            f"differs from sequence_parallel.axis={axis!r}; drop it (the section sets it)",
+        )
+    if inputs.batch_axes is not None and axis in inputs.batch_axes:
+        raise error(
+            "inputs.batch_axes",
+            list(inputs.batch_axes),
+            f"contains the sequence-parallel axis {axis!r}; it splits the sequence, not the batch",
+        )
+    modules = raw.get("modules") or ()
+    if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+        raise error("sequence_parallel.modules", modules, "expected a list of module path regexes")
+    for i, pattern in enumerate(modules):
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ConfigError(
+                f"sequence_parallel.modules[{i}]: invalid module path regex {pattern!r}: {exc}"
+            ) from exc
+    section = SequenceParallelConfig(axis=axis, attention=attention, modules=tuple(modules))
+    if modules:
+        return section, inputs  # the split starts inside the modules, not at the inputs
+    return section, replace(inputs, sequence_axis=axis)
 
 
 def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:

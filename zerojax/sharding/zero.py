@@ -221,6 +221,13 @@ def make_sharding_plan(
     _warn_unmatched(rules, unmatched)
 
     dp_axes = tuple(a for a in config.data_parallel_axes if axis_sizes[a] > 1)
+    batch_dp_axes = dp_axes
+    sequence_axis = config.sequence_parallel.axis
+    if sequence_axis is not None and axis_sizes[sequence_axis] > 1:
+        # Every device along the sequence axis holds the whole model and its own tokens, so
+        # like a data-parallel rank it can own a ZeRO shard (DeepSpeed-Ulysses partitions over
+        # data x sequence); gradients are summed over it anyway. The batch is not split on it.
+        dp_axes = tuple(a for a in mesh.axis_names if a in dp_axes or a == sequence_axis)
     specs: dict[str, dict[str, PartitionSpec]] = {c: {} for c in COMPONENTS}
     shapes, nbytes, rule_for, replicated = {}, {}, {}, []
     for name, value in params.items():
@@ -258,7 +265,7 @@ def make_sharding_plan(
     report = tuple(sorted(replicated, key=lambda r: (-r.bytes, r.name)))
     batch_axes = config.inputs.batch_axes
     if batch_axes is None:
-        batch_axes = dp_axes
+        batch_axes = batch_dp_axes
     plan = ShardingPlan(
         mesh=mesh,
         stage=config.zero.stage,

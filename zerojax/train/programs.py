@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted
 from zerojax.bridge.expert_parallel import ExpertLoadLog, ExpertParallel
+from zerojax.bridge.sequence_parallel import SequenceParallel
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.sharding.zero import ShardingPlan
@@ -177,6 +178,7 @@ class StepPrograms:
             kernels=self.config.kernels,
             batch_mesh=self.batch_mesh(),
             expert_parallel=self.expert_parallel(),
+            sequence_parallel=self.sequence_parallel(),
             remat=self.config.activation_checkpointing,
             param_use=param_use,
             **kwargs,
@@ -206,6 +208,20 @@ class StepPrograms:
             row_axes=tuple(a for a in self.mesh.axis_names if a in axes),
             capacity_factor=self.config.moe.capacity_factor,
             load_log=self.expert_load_log,
+        )
+
+    def sequence_parallel(self) -> SequenceParallel | None:
+        """How attention crosses the sequence split when the config sets `sequence_parallel`
+        on an axis larger than 1, per batch shard; None otherwise."""
+        section = self.config.sequence_parallel
+        if section.axis is None or self.mesh.shape[section.axis] == 1:
+            return None
+        return SequenceParallel(
+            mesh=self.mesh,
+            axis=section.axis,
+            attention=section.attention,
+            batch_axes=self.plan.batch_axes,
+            modules=section.modules,
         )
 
     def as_grads(self, grads):

@@ -3,6 +3,8 @@
 torch's decomposition of SDPA produces bad strides (pytorch#141107) and would scatter the op
 into a dozen nodes; kept whole it is one call the bridge routes to the flash-attention kernel
 (zerojax.pallas_kernels.flash_attention) unless the config's `kernels.attention` is "off".
+On a mesh whose config sets `sequence_parallel`, it runs as Ulysses or ring attention over the
+sequence axis instead (zerojax.bridge.sequence_parallel).
 """
 
 import math
@@ -11,8 +13,10 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from zerojax.bridge.errors import node_location
 from zerojax.bridge.kernel_sharding import per_batch_shard
 from zerojax.bridge.registry import lowering
+from zerojax.bridge.sequence_parallel import sequence_parallel_attention
 
 aten = torch.ops.aten
 
@@ -93,7 +97,40 @@ def lower_scaled_dot_product_attention(
     scale=None,
     enable_gqa=False,
 ):
-    """Routed to the flash-attention kernel (config `kernels.attention`), else the reference."""
+    """Sequence-parallel when the engine splits the sequence; else routed to the
+    flash-attention kernel (config `kernels.attention`), else the reference."""
+    placement = ctx.sequence_parallel
+    stack = (ctx.node.meta.get("nn_module_stack") or {}).values()
+    if (
+        placement is not None
+        and query.ndim == 4
+        and key.ndim == 4
+        and placement.covers([path for path, _ in stack])
+    ):
+        where = f"{ctx.node.target} in {node_location(ctx.node)}"
+        if dropout_p > 0.0:
+            raise NotImplementedError(
+                f"sequence_parallel: attention dropout (dropout_p={dropout_p}) is not "
+                f"supported under sequence parallelism ({where}); set the model's attention "
+                "dropout to 0 (e.g. Hugging Face `attention_dropout` / "
+                "`attention_probs_dropout_prob`) or remove `sequence_parallel`"
+            )
+        if enable_gqa is False and key.shape[1] != query.shape[1]:
+            raise ValueError(
+                f"scaled_dot_product_attention: {query.shape[1]} query heads and "
+                f"{key.shape[1]} key heads without enable_gqa ({where})"
+            )
+        return sequence_parallel_attention(
+            placement,
+            query,
+            key,
+            value,
+            attn_mask,
+            causal=is_causal,
+            scale=scale,
+            kernel=ctx.kernel("attention"),
+            where=where,
+        )
     choice = ctx.kernel("attention")
     # The kernel takes SDPA's usual [batch, heads, seq, head_dim]; other ranks stay here.
     if choice is None or query.ndim != 4 or key.ndim != 4:
