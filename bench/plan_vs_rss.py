@@ -6,20 +6,18 @@ step takes, on this machine.
 For three configurations, each in fresh processes on 4 simulated CPU devices:
 
 - **planned**: `memory_report(abstract=True)` on the model built on the meta device (what
-  `zerojax plan --devices 4` runs): the per-device step peak, and the training state (the
-  engine keeps its gradient buffers between steps);
+  `zerojax plan --devices 4` runs): the per-device training-step peak;
 - **real**: the same model built for real and trained as users train it (`zerojax.initialize`,
-  `loss.backward()`, `optimizer.step()`, `zero_grad()`), three steps. The state resident
-  between steps is read off the live arrays' shards; the rest of the peak is the growth of the
-  process's resident memory (RSS) during the third step over its value just before it: the
-  kernel's own high-water mark (`VmHWM`, restarted through `/proc/self/clear_refs`), so no
-  short-lived peak is missed. Earlier steps compile the programs and write every state array (pages
-  of zeros are not resident until written), so that growth is execution alone: gradients,
-  activations, gathered weights, scratch. glibc is told to return large blocks to the system at
-  once (`MALLOC_MMAP_THRESHOLD_`), or freed scratch would stay resident and hide the growth.
+  `loss.backward()`, `optimizer.step()`, `zero_grad()`), 4 steps, each in two phases (the
+  forward call; backward + step). A phase's peak is the device buffers live when it starts
+  (each buffer once, by address) plus the growth of the process's resident memory during it:
+  the kernel's own high-water mark (`VmHWM`, restarted through `/proc/self/clear_refs`), so no
+  short-lived peak is missed. glibc is told to return large blocks to the system at once
+  (`MALLOC_MMAP_THRESHOLD_`), or freed scratch would stay resident and hide the growth. The
+  real peak is the largest phase peak after the first step (which compiles).
 
 On CPU the simulated devices share the process's memory, so the comparison is of totals over the
-4 devices: planned 4 x per-device peak vs real resident state + RSS growth. Goal: within 10%.
+4 devices: planned 4 x per-device peak vs the real peak. Goal: within 10%.
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICES = 4
+STEPS = 4
 
 CONFIGS = {
     "mlp-fp32-zero3": {
@@ -94,7 +93,7 @@ def planned(name: str) -> dict:
     with torch.device("meta"):
         model, args = build(name)
     report = zerojax.memory_report(model, args, CONFIGS[name]["config"], abstract=True)
-    return {"step_peak": report.step_peak, "resident": report.measured_total}
+    return {"step_peak": report.step_peak}
 
 
 def real(name: str) -> dict:
@@ -109,22 +108,39 @@ def real(name: str) -> dict:
             line = next(x for x in f if x.startswith(field + ":"))
         return int(line.split()[1]) * 1024
 
+    def held() -> int:
+        """Bytes of the live device buffers: each once, by address (a sharded array's shards
+        are also live arrays of their own once something has read them)."""
+        buffers = {
+            s.data.unsafe_buffer_pointer(): s.data.nbytes
+            for a in jax.live_arrays()
+            for s in a.addressable_shards
+        }
+        return sum(buffers.values())
+
     torch.manual_seed(0)
     model, args = build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = zerojax.initialize(model, optimizer, CONFIGS[name]["config"])
-    for step in range(3):
-        if step == 2:
-            resident = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards)
-            before = status("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # the kernel restarts the peak (VmHWM) from the current RSS
-        loss = model(*args)
-        loss.backward()
-        optimizer.step()
+    engine = model.engine
+    peaks = []
+
+    def phase(run, ready):
+        """Run one phase of a step; its peak: the arrays held before it + the RSS growth."""
+        resident, before = held(), status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the kernel restarts the peak (VmHWM) from the current RSS
+        result = run()
+        jax.block_until_ready(ready())
+        peaks.append(resident + status("VmHWM") - before)
+        return result
+
+    for step in range(STEPS):
+        loss = phase(lambda: model(*args), lambda: engine.state.grads or engine.state.params)
+        phase(lambda loss=loss: (loss.backward(), optimizer.step()), lambda: engine.state.params)
         optimizer.zero_grad()
         float(loss)
-    return {"resident": resident, "rss_growth": status("VmHWM") - before}
+    return {"peak": max(peaks[2:])}  # the first step compiles
 
 
 def run_child(role: str, name: str) -> dict:
@@ -149,20 +165,13 @@ def run_child(role: str, name: str) -> dict:
 
 def main() -> None:
     mb = lambda b: b / 2**20
-    print(
-        f"{'configuration':<22} {'planned (resident + step)':>27} "
-        f"{'real (resident + RSS growth)':>30} {'real/planned':>12}"
-    )
+    print(f"{'configuration':<22} {'planned':>10} {'real':>10} {'real/planned':>12}")
     for name, case in CONFIGS.items():
         plan, measured = run_child("planned", name), run_child("real", name)
         planned_total = DEVICES * plan["step_peak"]
-        real_total = measured["resident"] + measured["rss_growth"]
-        step = planned_total - DEVICES * plan["resident"]
         print(
-            f"{name:<22} {mb(planned_total):>8.0f} MiB ({mb(DEVICES * plan['resident']):.0f} + "
-            f"{mb(step):.0f}) {mb(real_total):>10.0f} MiB ({mb(measured['resident']):.0f} + "
-            f"{mb(measured['rss_growth']):.0f}) {real_total / planned_total:>12.3f}   "
-            f"{case['what']}",
+            f"{name:<22} {mb(planned_total):>6.0f} MiB {mb(measured['peak']):>6.0f} MiB "
+            f"{measured['peak'] / planned_total:>12.3f}   {case['what']}",
             flush=True,
         )
 
