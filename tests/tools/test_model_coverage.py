@@ -52,6 +52,23 @@ def test_zero3_step(name):
     assert changed > 0 and total > 0
 
 
+def test_step_fingerprints_see_a_one_ulp_change_without_copying_weights():
+    """The ZeRO-3 step check decides "parameters changed" from per-parameter digests instead of
+    a clone of every weight (2.55 GB for RegNet-Y-128GF): equal values give equal digests, one
+    ulp in one element, another shape of the same bytes, or another dtype gives a new one."""
+    weight = torch.randn(4, 5)
+    same = model_zoo.fingerprints([("w", weight.clone()), ("b", weight.to(torch.bfloat16))])
+    assert same["w"] == model_zoo.fingerprints([("w", weight)])["w"]
+    nudged = weight.clone()
+    nudged[2, 3] = torch.nextafter(nudged[2, 3], torch.tensor(float("inf")))
+    assert model_zoo.fingerprints([("w", nudged)])["w"] != same["w"]
+    assert model_zoo.fingerprints([("w", weight.reshape(5, 4))])["w"] != same["w"]
+    assert model_zoo.fingerprints([("w", weight.view(torch.int32))])["w"] != same["w"]
+    # Non-contiguous tensors (a transposed view) digest their values in logical order.
+    assert model_zoo.fingerprints([("w", weight.t().contiguous().t())])["w"] == same["w"]
+    assert len(same["b"]) == 16
+
+
 def test_torchvision_imports_without_its_extension():
     torchvision = model_zoo.import_torchvision()
     assert "resnet18" in torchvision.models.list_models(module=torchvision.models)
