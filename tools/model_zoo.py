@@ -67,6 +67,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
 import re
 import time
@@ -813,8 +814,14 @@ def probes(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
 
 
 def _torch_run(built: Built, dtype: torch.dtype, probe: list[np.ndarray] | None):
-    """(float output leaves as float64 numpy, per-parameter grads) of torch at `dtype`."""
-    model = copy.deepcopy(built.model).to(dtype)
+    """(float output leaves as float64 numpy, per-parameter grads) of torch at `dtype`.
+
+    The model runs itself, converted to `dtype` and back, rather than a copy: a copy is one more
+    set of weights beside the float64 reference's weights and gradients (ViT-H/14: 2.5 GB fp32
+    beside 10 GB, which ran the host out of memory). fp32 -> float64 -> fp32 is exact, buffers
+    a train-mode run updates (BatchNorm statistics) are put back, and gradients are detached
+    from the model, so the model leaves as it came."""
+    model = built.model
     if dtype == torch.float64 and getattr(
         getattr(model, "config", None), "_experts_implementation", None
     ) not in (
@@ -822,7 +829,9 @@ def _torch_run(built: Built, dtype: torch.dtype, probe: list[np.ndarray] | None)
         "eager",
     ):
         # torch's grouped_mm (HF's default MoE experts kernel) has no float64 kernel; the
-        # reference runs HF's per-expert loop, the same math. Only the reference changes.
+        # reference runs HF's per-expert loop, the same math, on a copy (only the reference
+        # changes; these models are tiny).
+        model = copy.deepcopy(model)
         model.set_experts_implementation("eager")
 
     def cast(x):
@@ -830,22 +839,49 @@ def _torch_run(built: Built, dtype: torch.dtype, probe: list[np.ndarray] | None)
 
     args = torch.utils._pytree.tree_map(cast, built.args)
     kwargs = torch.utils._pytree.tree_map(cast, built.kwargs)
-    torch.manual_seed(1)
-    outputs = model(*args, **kwargs)
-    leaves = float_leaves(outputs)
-    if probe is None:
-        probe = probes([tuple(leaf.shape) for leaf in leaves])
-    loss = sum(
-        (leaf * torch.as_tensor(p, dtype=leaf.dtype)).mean() for leaf, p in zip(leaves, probe)
-    )
-    loss.backward()
-    # In the run's own dtype (errors are taken in float64 per parameter): three float64 copies
-    # of a 644M-parameter model's gradients (RegNet-Y-128GF) would need 15 GB on their own.
-    grads = {
-        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
-        for name, p in model.named_parameters(remove_duplicate=False)
+    with _at_dtype(model, dtype):
+        torch.manual_seed(1)
+        outputs = model(*args, **kwargs)
+        leaves = float_leaves(outputs)
+        if probe is None:
+            probe = probes([tuple(leaf.shape) for leaf in leaves])
+        loss = sum(
+            (leaf * torch.as_tensor(p, dtype=leaf.dtype)).mean() for leaf, p in zip(leaves, probe)
+        )
+        loss.backward()
+        # In the run's own dtype (errors are taken in float64 per parameter): three float64
+        # copies of a 644M-parameter model's gradients (RegNet-Y-128GF) would need 15 GB.
+        grads = {
+            name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy()
+            for name, p in model.named_parameters(remove_duplicate=False)
+        }
+        out = [leaf.detach().double().numpy() for leaf in leaves]
+    return out, grads, probe
+
+
+@contextlib.contextmanager
+def _at_dtype(model: torch.nn.Module, dtype: torch.dtype):
+    """`model` with floating parameters and buffers at `dtype` inside, as it was afterwards:
+    same dtypes and values (the round trip is exact from a narrower dtype), buffers as they were
+    before the run, no `.grad` (the caller keeps the gradients it read)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} or {dtype}
+    (original,) = dtypes  # one dtype, which `dtype` holds exactly (float32 in float64)
+    assert torch.finfo(dtype).bits >= torch.finfo(original).bits, (original, dtype)
+    saved = {
+        (module, name): buffer.clone()
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
     }
-    return [leaf.detach().double().numpy() for leaf in leaves], grads, probe
+    model.to(dtype)
+    try:
+        yield model
+    finally:
+        for param in model.parameters():
+            param.grad = None
+        model.to(original)
+        for (module, name), buffer in saved.items():
+            module._buffers[name] = buffer
 
 
 def _takes_images(built: Built) -> bool:
@@ -855,16 +891,21 @@ def _takes_images(built: Built) -> bool:
     )
 
 
-def _channels_last(built: Built) -> Built:
-    """The same model and inputs in torch's channels_last memory format (same values)."""
+@contextlib.contextmanager
+def _channels_last(built: Built):
+    """The same model and inputs in torch's channels_last memory format (same values): the model
+    itself, converted and back (no copy of the weights, see `_torch_run`)."""
 
     def convert(x):
         if isinstance(x, torch.Tensor) and x.ndim == 4:
             return x.contiguous(memory_format=torch.channels_last)
         return x
 
-    model = copy.deepcopy(built.model).to(memory_format=torch.channels_last)
-    return Built(model, tuple(map(convert, built.args)), built.kwargs, built.target)
+    built.model.to(memory_format=torch.channels_last)
+    try:
+        yield Built(built.model, tuple(map(convert, built.args)), built.kwargs, built.target)
+    finally:
+        built.model.to(memory_format=torch.contiguous_format)
 
 
 @contextlib.contextmanager
@@ -886,7 +927,9 @@ def _torch_fp32_runs(built: Built, probe: list[np.ndarray]):
     gradient copies of RegNet-Y-128GF would be 7.7 GB)."""
     yield "contiguous", _torch_run(built, torch.float32, probe)
     if _takes_images(built):
-        yield "channels_last", _torch_run(_channels_last(built), torch.float32, probe)
+        with _channels_last(built) as channels_last:
+            run = _torch_run(channels_last, torch.float32, probe)
+        yield "channels_last", run
         with _onednn_disabled():
             yield "onednn_off", _torch_run(built, torch.float32, probe)
 
@@ -1009,6 +1052,10 @@ def _parity_at(case: ModelCase, batch: int) -> dict:
         # The torch runs above used copies: `built.model` is unchanged, and converting it in
         # place of a copy keeps one fewer copy of the weights (the largest models need it).
         converted = zerojax.convert(built.model, built.args, built.kwargs)
+        # The torch runs are done and `converted` holds its own copy of the weights: the torch
+        # ones go (ViT-H/14: 2.5 GB beside the float64 reference gradients and zerojax's own).
+        for tensor in itertools.chain(built.model.parameters(), built.model.buffers()):
+            tensor.data = torch.empty(0, dtype=tensor.dtype)
         jax_args, jax_kwargs = torch.utils._pytree.tree_map_only(
             torch.Tensor, from_torch, (built.args, built.kwargs)
         )
