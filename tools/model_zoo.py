@@ -930,6 +930,7 @@ def _torch_fp32_runs(built: Built, probe: list[np.ndarray]):
         with _channels_last(built) as channels_last:
             run = _torch_run(channels_last, torch.float32, probe)
         yield "channels_last", run
+        del run  # before the next run (the caller has dropped its references by now)
         with _onednn_disabled():
             yield "onednn_off", _torch_run(built, torch.float32, probe)
 
@@ -1038,14 +1039,17 @@ def _parity_at(case: ModelCase, batch: int) -> dict:
         result["stage"] = "torch"
         out64, grad64, probe = _torch_run(built, torch.float64, None)
         grad64 = {name: g for name, g in grad64.items() if name not in frozen}
-        # Per order: forward error and per-parameter gradient errors (the gradients are dropped).
-        fp32_errors_by_order = {
-            order: (
+        # Per order: forward error and per-parameter gradient errors. Each order's gradients
+        # are dropped before the next order runs (a comprehension's loop variable would keep
+        # them beside the next run's: 2.55 GB more for RegNet-Y-128GF).
+        fp32_errors_by_order = {}
+        for order, run in _torch_fp32_runs(built, probe):
+            out, grad, _ = run
+            fp32_errors_by_order[order] = (
                 _forward_error(out, out64),
                 _gradient_errors({k: grad[k] for k in grad64}, grad64),
             )
-            for order, (out, grad, _) in _torch_fp32_runs(built, probe)
-        }
+            del run, out, grad
         result["torch_fp32_orders"] = list(fp32_errors_by_order)
 
         result["stage"] = "convert"
