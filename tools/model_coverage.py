@@ -27,6 +27,7 @@ import json
 import os
 import pathlib
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -78,7 +79,11 @@ def run_worker(name: str, stage: str, out: pathlib.Path) -> None:
 
     case = model_zoo.cases([name.split("/", 1)[0]])[name]
     check = model_zoo.check_parity if stage == "parity" else model_zoo.check_zero3_step
-    out.write_text(json.dumps(check(case), indent=1, default=str))
+    result = check(case)
+    # This process's peak resident memory (Linux reports KiB): where a large model's memory
+    # goes, check by check.
+    result["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    out.write_text(json.dumps(result, indent=1, default=str))
 
 
 def _run_stage(name: str, stage: str, out: pathlib.Path, timeout: float) -> dict:

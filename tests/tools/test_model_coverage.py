@@ -12,6 +12,8 @@ closed-form backward (zerojax/bridge/lowerings/norm.py).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -50,6 +52,51 @@ def test_zero3_step(name):
     assert result["passed"], _explain(name, result)
     changed, total = map(int, result["params_changed"].split("/"))
     assert changed > 0 and total > 0
+
+
+def test_step_fingerprints_see_a_one_ulp_change_without_copying_weights():
+    """The ZeRO-3 step check decides "parameters changed" from per-parameter digests instead of
+    a clone of every weight (2.55 GB for RegNet-Y-128GF): equal values give equal digests, one
+    ulp in one element, another shape of the same bytes, or another dtype gives a new one."""
+    weight = torch.randn(4, 5)
+    same = model_zoo.fingerprints([("w", weight.clone()), ("b", weight.to(torch.bfloat16))])
+    assert same["w"] == model_zoo.fingerprints([("w", weight)])["w"]
+    nudged = weight.clone()
+    nudged[2, 3] = torch.nextafter(nudged[2, 3], torch.tensor(float("inf")))
+    assert model_zoo.fingerprints([("w", nudged)])["w"] != same["w"]
+    assert model_zoo.fingerprints([("w", weight.reshape(5, 4))])["w"] != same["w"]
+    assert model_zoo.fingerprints([("w", weight.view(torch.int32))])["w"] != same["w"]
+    # Non-contiguous tensors (a transposed view) digest their values in logical order.
+    assert model_zoo.fingerprints([("w", weight.t().contiguous().t())])["w"] == same["w"]
+    assert len(same["b"]) == 16
+
+
+def test_torch_runs_borrow_the_model_and_leave_it_as_it_came():
+    """Parity's torch runs (float64 reference, fp32 in three orders) run the model itself, not
+    a copy (a copy is 2.5 GB more for ViT-H/14): afterwards every parameter and buffer has its
+    dtype, layout and bits back (BatchNorm's statistics too, which a train-mode run updates),
+    no `.grad` is left, and the gradients equal those of a run on a copy."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 4),
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    copied = model_zoo.Built(copy.deepcopy(model), (torch.randn(2, 3, 8, 8),), {}, None)
+    built = model_zoo.Built(model, copied.args, {}, None)
+    _, grads64, probe = model_zoo._torch_run(built, torch.float64, None)
+    runs = dict(model_zoo._torch_fp32_runs(built, probe))
+    for name, value in model.state_dict().items():
+        assert value.dtype == before[name].dtype and value.is_contiguous(), name
+        assert torch.equal(value, before[name]), name
+    assert all(p.grad is None for p in model.parameters())
+    assert grads64["0.weight"].dtype == np.float64
+    _, grads64_copy, _ = model_zoo._torch_run(copied, torch.float64, probe)
+    for name, grad in grads64.items():
+        np.testing.assert_array_equal(grad, grads64_copy[name], err_msg=name)
+    assert not np.array_equal(runs["contiguous"][1]["0.weight"], grads64["0.weight"])
 
 
 def test_torchvision_imports_without_its_extension():

@@ -119,6 +119,7 @@ class Converted:
         sequence_parallel=None,
         remat=None,
         param_use=None,
+        regather_params=frozenset(),
         **kwargs,
     ):
         """Run the module as JAX: (outputs, new_buffers); see the class docstring.
@@ -135,7 +136,8 @@ class Converted:
         recomputed in the backward pass; None honours the model's own torch.utils.checkpoint
         calls only (bridge/remat.py). `param_use(name, value)` is applied to a parameter at
         each op that reads it (the engine's ZeRO-3 gather and compute-dtype cast: see
-        `GraphFunction.__call__`).
+        `GraphFunction.__call__`); an op that reads a parameter named in `regather_params`
+        gathers it again in the backward pass instead of keeping it (ZeRO-3, same place).
         """
         args, kwargs = _unwrap_static((args, kwargs))
         program, in_spec, out_spec = self._program_for(
@@ -157,6 +159,7 @@ class Converted:
             sequence_parallel=sequence_parallel,
             remat=remat,
             param_use=param_use,
+            regather_params=regather_params,
         )
         outputs = torch_pytree.tree_unflatten(outputs, out_spec)
         if self.train and not _wants_cache(args, kwargs):

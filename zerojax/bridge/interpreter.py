@@ -168,13 +168,15 @@ class GraphFunction:
         sequence_parallel=None,
         remat: ActivationCheckpointingConfig | None = None,
         param_use: Callable[[str, jax.Array, list[jax.Array]], jax.Array] | None = None,
+        regather_params: frozenset[str] = frozenset(),
     ) -> tuple[list, dict[str, jax.Array]]:
         """Run the graph. `param_use(name, value, operands)` is applied to a parameter where an
         op reads it (not once up front), `operands` being the op's other array inputs (its
         activations; for an op on the parameter alone, such as `t`, its users'): a ZeRO-3 all-gather there lands inside the checkpointed region that uses
         it, so the backward pass gathers again instead of keeping every layer's gathered
         weights (FSDP's reshard after forward), and can be ordered after the activations the
-        op waits for anyway."""
+        op waits for anyway. For the parameters in `regather_params` (ZeRO-3's) every op
+        that reads one is such a region of its own (`remat.find_gather_regions`)."""
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
                 f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "
@@ -232,6 +234,16 @@ class GraphFunction:
             )
 
         regions = self.regions_for(graph, remat)
+        if regather_params:
+            constants = {
+                node
+                for node, (kind, _) in zip(placeholders, self.inputs, strict=True)
+                if kind == InputKind.CONSTANT_TENSOR
+            }
+            gather_regions = remat_regions.find_gather_regions(
+                graph, param_names, regather_params, constants, regions
+            )
+            regions = {**regions, **gather_regions}
         skip = set()
         for node in graph.nodes:
             if node.op == "placeholder" or node in skip:

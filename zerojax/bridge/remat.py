@@ -28,7 +28,7 @@ import torch
 
 from zerojax.config import ActivationCheckpointingConfig
 
-__all__ = ["CHECKPOINT_TAG", "Region", "checkpoint_policy", "find_regions"]
+__all__ = ["CHECKPOINT_TAG", "Region", "checkpoint_policy", "find_gather_regions", "find_regions"]
 
 CHECKPOINT_TAG = "zerojax_torch_checkpoint"
 """Key in `node.meta["custom"]` of the nodes one torch checkpoint call made: its call number."""
@@ -125,3 +125,72 @@ def checkpoint_policy(policy: str, origin: str) -> Callable | None:
             )
         return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
     raise ValueError(f"unknown activation checkpointing policy {policy!r} for {origin}")
+
+
+def find_gather_regions(
+    graph: torch.fx.Graph,
+    params: dict[torch.fx.Node, str],
+    regather: frozenset[str],
+    constants: set[torch.fx.Node],
+    configured: dict[torch.fx.Node, Region],
+) -> dict[torch.fx.Node, Region]:
+    """ZeRO-3's reshard after forward, as FSDP does it: each op that reads a parameter named in
+    `regather` (directly, or through ops on parameters alone: a linear layer's `t` of its
+    weight) -> a region of that op and those ops, policy `full`, keyed by the op.
+
+    The parameter's all-gather happens where an op reads it (`GraphFunction.__call__`'s
+    `param_use`), so inside the region: the backward pass keeps the region's inputs (the shard
+    and the op's activations) and gathers again when it reaches the op, instead of keeping
+    every gathered weight from the forward pass on (which an op that differentiates through its
+    weight, a matmul or a convolution, otherwise does: the whole model on every device). What
+    the backward pass recomputes is the gather, the ops on the weight, and whatever of the op
+    its own backward needs (a normalization's statistics; a matmul's product is not needed).
+    Ops inside a configured region (`configured`, from `find_regions`) are left to it: it
+    recomputes their gathers already."""
+    in_configured = {node for region in configured.values() for node in region.nodes}
+    # Nodes computed from parameters (and constants) alone, with the regathered parameters
+    # each depends on.
+    derived: dict[torch.fx.Node, set[str]] = {}
+    regions = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node in in_configured:
+            continue
+        inputs = node.all_input_nodes
+        on_params = [n for n in inputs if n in params or n in derived]
+        if not on_params:
+            continue
+        names = set()
+        for n in on_params:
+            names |= ({params[n]} & regather) if n in params else derived[n]
+        if all(n in params or n in derived or n in constants for n in inputs):
+            derived[node] = names
+            continue
+        if not names:
+            continue
+        chain: dict[torch.fx.Node, None] = {}
+        stack = [n for n in on_params if n in derived]
+        while stack:
+            n = stack.pop()
+            if n not in chain:
+                chain[n] = None
+                stack.extend(m for m in n.all_input_nodes if m in derived)
+        members = sorted(chain, key=_graph_position(graph)) + [node]
+        member_set = set(members)
+        outside = {}
+        for member in members:
+            for used in member.all_input_nodes:
+                if used not in member_set:
+                    outside[used] = None
+        regions[node] = Region(
+            origin=f"ZeRO-3 gather for {node.name}",
+            policy="full",
+            nodes=tuple(members),
+            inputs=tuple(outside),
+            outputs=(node,),
+        )
+    return regions
+
+
+def _graph_position(graph: torch.fx.Graph) -> Callable[[torch.fx.Node], int]:
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    return position.__getitem__

@@ -13,8 +13,9 @@ function of its inputs, jitted and compiled once per input signature:
 
 ZeRO is nothing but where arrays live, so each program is ordinary JAX with sharding
 constraints where the stage decides: params -> `plan.compute_params` where an op of the model
-reads them (stage 3 all-gathers there, per step, freed after use; recomputed in the backward
-pass inside a checkpointed region), gradients -> `plan.grads` (stage 2+ reduces them
+reads them (stage 3 all-gathers there, per step, freed after use; each op reading one is a
+checkpointed region, so the backward pass gathers again rather than keep it: FSDP's reshard
+after forward, `bridge.remat.find_gather_regions`), gradients -> `plan.grads` (stage 2+ reduces them
 into shards), new params -> `plan.params`; the optimizer state stays on `plan.opt_state`.
 
 Every program is compiled ahead of time (`Program`, with `xla_options.compiler_options`: on
@@ -110,6 +111,20 @@ class Program:
         return compiled(*args)
 
 
+@jax.custom_jvp
+def _after(value, activations):
+    """`value`, computed no earlier than `activations` (an optimization barrier over both)."""
+    return jax.lax.optimization_barrier((value, activations))[0]
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+    # The tangent is `value`'s alone. Differentiating the barrier itself would carry zero
+    # tangents for `activations` through it, which the forward pass then returned as
+    # residuals: zeros the size of each gathered weight's activations, kept for the backward.
+    return _after(*primals), tangents[0]
+
+
 def _platform(leaves) -> str:
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -162,8 +177,7 @@ class StepPrograms:
                 # ...and not before the op's activations exist: without this order XLA:CPU's
                 # scheduler starts every layer's all-gather at the top of the program, so
                 # all of them are live at once (measured: 0.8 GB per 6.7B-model layer).
-                waited = [jax.lax.stop_gradient(a) for a in activations]
-                value, _ = jax.lax.optimization_barrier((value, waited))
+                value = _after(value, activations)
             value = jax.lax.with_sharding_constraint(value, gathered)
             if is_float(value) and policy.compute_override is not None:
                 value = value.astype(policy.compute_dtype)
@@ -181,6 +195,10 @@ class StepPrograms:
             sequence_parallel=self.sequence_parallel(),
             remat=self.config.activation_checkpointing,
             param_use=param_use,
+            # FSDP's reshard after forward (bridge/remat.py, find_gather_regions).
+            regather_params=frozenset(
+                n for n in params if self.plan.compute_params[n] != self.plan.params[n]
+            ),
             **kwargs,
         )
         outputs = jax.tree.map(
