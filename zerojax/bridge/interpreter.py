@@ -172,11 +172,12 @@ class GraphFunction:
     ) -> tuple[list, dict[str, jax.Array]]:
         """Run the graph. `param_use(name, value, operands)` is applied to a parameter where an
         op reads it (not once up front), `operands` being the op's other array inputs (its
-        activations; for an op on the parameter alone, such as `t`, its users'): a ZeRO-3 all-gather there lands inside the checkpointed region that uses
-        it, so the backward pass gathers again instead of keeping every layer's gathered
-        weights (FSDP's reshard after forward), and can be ordered after the activations the
-        op waits for anyway. For the parameters in `regather_params` (ZeRO-3's) every op
-        that reads one is such a region of its own (`remat.find_gather_regions`)."""
+        activations; for an op on the parameter alone, such as `t`, its users'): a ZeRO-3
+        all-gather there lands inside the checkpointed region that uses it, so the backward
+        pass gathers again instead of keeping every layer's gathered weights (FSDP's reshard
+        after forward), and can be ordered after the activations the op waits for anyway.
+        For the parameters in `regather_params` (ZeRO-3's) every op that reads one is such a
+        region of its own (`remat.find_gather_regions`)."""
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
                 f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "

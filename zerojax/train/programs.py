@@ -15,8 +15,9 @@ ZeRO is nothing but where arrays live, so each program is ordinary JAX with shar
 constraints where the stage decides: params -> `plan.compute_params` where an op of the model
 reads them (stage 3 all-gathers there, per step, freed after use; each op reading one is a
 checkpointed region, so the backward pass gathers again rather than keep it: FSDP's reshard
-after forward, `bridge.remat.find_gather_regions`), gradients -> `plan.grads` (stage 2+ reduces them
-into shards), new params -> `plan.params`; the optimizer state stays on `plan.opt_state`.
+after forward, `bridge.remat.find_gather_regions`), gradients -> `plan.grads` (stage 2+
+reduces them into shards), new params -> `plan.params`; the optimizer state stays on
+`plan.opt_state`.
 
 Every program is compiled ahead of time (`Program`, with `xla_options.compiler_options`: on
 CPU activation checkpointing's barriers kept, gradients reduced per layer, the update in
