@@ -264,6 +264,30 @@ MODELS = {"llama": llama, "bert": bert}
 CHECKPOINT_LAYERS = {"modules": {r"model\.layers\.\d+": "full"}}
 
 
+def _train_like_torch(model, optimizer, reference, ref_optimizer, inputs):
+    """STEPS AdamW steps of the wrapped model and its torch reference on `inputs`: every loss
+    within LOSS_RTOL of torch's, every gradient within GRAD_RTOL (relative to the largest
+    gradient's norm times GRAD_FLOOR at the least)."""
+    engine = model.engine
+    names = dict(reference.named_parameters())
+    for step in range(STEPS):
+        ours = model(**inputs).loss
+        ours.backward()
+        theirs = reference(**inputs).loss
+        theirs.backward()
+        a, b = ours.item(), theirs.item()
+        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: loss {a} vs torch {b}"
+        expected = {n: p.grad.numpy() for n, p in names.items() if p.grad is not None}
+        floor = GRAD_FLOOR * max(np.linalg.norm(g) for g in expected.values())
+        for param, want in expected.items():
+            got = engine.gathered_grad(engine.alias.get(param, param))
+            err = relative_error(got, want, floor=floor)
+            assert err <= GRAD_RTOL, f"step {step}: gradient of {param}: {err:.2e}"
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+
+
 @pytest.mark.parametrize(
     "name, attention, checkpointing",
     [
@@ -285,23 +309,7 @@ def test_hf_model_trains_sequence_parallel_like_torch_on_one_device(name, attent
         config["activation_checkpointing"] = CHECKPOINT_LAYERS
     model, optimizer = zerojax.initialize(module, optimizer, config)
     engine = model.engine
-    names = dict(reference.named_parameters())
-    for step in range(STEPS):
-        ours = model(**inputs).loss
-        ours.backward()
-        theirs = reference(**inputs).loss
-        theirs.backward()
-        a, b = ours.item(), theirs.item()
-        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: loss {a} vs torch {b}"
-        expected = {n: p.grad.numpy() for n, p in names.items() if p.grad is not None}
-        floor = GRAD_FLOOR * max(np.linalg.norm(g) for g in expected.values())
-        for param, want in expected.items():
-            got = engine.gathered_grad(engine.alias.get(param, param))
-            err = relative_error(got, want, floor=floor)
-            assert err <= GRAD_RTOL, f"step {step}: gradient of {param}: {err:.2e}"
-        for opt in (optimizer, ref_optimizer):
-            opt.step()
-            opt.zero_grad()
+    _train_like_torch(model, optimizer, reference, ref_optimizer, inputs)
     # The tokens and every activation between attention blocks stay split over `sequence`.
     assert engine.plan.input_sharding(2).spec == P("data", "sequence")
     step = engine.compiled_programs()["loss_and_grads"].as_text()
@@ -383,23 +391,7 @@ def test_llava_trains_with_a_sequence_parallel_vision_tower_and_tensor_parallel_
     }
     model, optimizer = zerojax.initialize(module, optimizer, config)
     engine = model.engine
-    names = dict(reference.named_parameters())
-    for step in range(STEPS):
-        ours = model(**inputs).loss
-        ours.backward()
-        theirs = reference(**inputs).loss
-        theirs.backward()
-        a, b = ours.item(), theirs.item()
-        assert abs(a - b) <= LOSS_RTOL * abs(b), f"step {step}: loss {a} vs torch {b}"
-        expected = {n: p.grad.numpy() for n, p in names.items() if p.grad is not None}
-        floor = GRAD_FLOOR * max(np.linalg.norm(g) for g in expected.values())
-        for param, want in expected.items():
-            got = engine.gathered_grad(engine.alias.get(param, param))
-            err = relative_error(got, want, floor=floor)
-            assert err <= GRAD_RTOL, f"step {step}: gradient of {param}: {err:.2e}"
-        for opt in (optimizer, ref_optimizer):
-            opt.step()
-            opt.zero_grad()
+    _train_like_torch(model, optimizer, reference, ref_optimizer, inputs)
     # The text tokens are not split (the language model is tensor-parallel); the LM's weights
     # are split over `tensor`, the vision tower's are whole.
     assert engine.plan.input_sharding(2).spec == P("data", None)
