@@ -32,6 +32,7 @@ from zerojax.pallas_kernels.flash_attention import (
     flash_attention,
     flash_attention_reference,
 )
+from zerojax.pallas_kernels.flash_attention.causal_blocks import causal_block_attention
 from zerojax.pallas_kernels.flash_attention.reference import dropout_keep, dropout_seed
 
 # Compared elementwise against tolerances.attention / attention_gradients: bounds derived from
@@ -432,11 +433,14 @@ class TestFlashAttentionKernel:
             assert_within(g, w, bounds[name], name)
         assert float(jnp.abs(got_grads[3]).max()) > 0.01  # not a vanished gradient
 
-    def test_auto_on_cpu_is_the_reference(self):
+    def test_auto_on_cpu_is_the_xla_implementation(self):
+        """Off GPU, auto is "xla": the reference, or the causal blocks for plain causal
+        self-attention (TestCausalBlocks compares those with the reference)."""
         q, k, v = _qkv(5, dtype=jnp.float32)
+        np.testing.assert_array_equal(flash_attention(q, k, v), flash_attention_reference(q, k, v))
         np.testing.assert_array_equal(
             flash_attention(q, k, v, causal=True),
-            flash_attention_reference(q, k, v, causal=True),
+            causal_block_attention(q, k, v),
         )
 
     @pytest.mark.parametrize("head_dim", [64, 128])
@@ -523,6 +527,65 @@ class TestFlashAttentionKernel:
         bounds = error_bounds(q, k, v, d_out, jnp.float32, causal=True)
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want, *want_grads), strict=True):
             assert_within(g, w, bounds[name], name)
+
+
+class TestCausalBlocks:
+    """The xla implementation of plain causal self-attention (causal_blocks.py): query blocks
+    scored against the keys they may see, flash-style backward from the saved logsumexp."""
+
+    @pytest.mark.parametrize("dtype", DTYPES)
+    @pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+    def test_matches_the_reference(self, request, dtype, heads_kv):
+        """Forward and dq, dk, dv within the same derived bounds the pallas kernel meets: both
+        sum in another order than the reference and round the same operands to bf16."""
+        seed = _seed(request)
+        q, k, v = _qkv(
+            seed,
+            batch=2,
+            heads_q=4,
+            heads_kv=heads_kv,
+            seq_q=128,
+            seq_k=128,
+            head_dim=32,
+            dtype=dtype,
+        )
+        d_out = _normal(jax.random.key(seed + 1), q.shape, dtype)
+
+        @jax.jit
+        def reference(q, k, v, d_out):
+            out, vjp = jax.vjp(
+                lambda q, k, v: flash_attention_reference(q, k, v, causal=True), q, k, v
+            )
+            return out, vjp(d_out)
+
+        want, want_grads = reference(q, k, v, d_out)
+        got, got_grads = _forward_and_grads(q, k, v, d_out, implementation="xla", causal=True)
+        bounds = error_bounds(q, k, v, d_out, dtype, causal=True)
+        assert_within(got, want, bounds["out"], "forward")
+        for name, g, w in zip(("dq", "dk", "dv"), got_grads, want_grads, strict=True):
+            assert_within(g, w, bounds[name], name)
+
+    def test_scores_only_the_visible_keys(self):
+        """4 query blocks: the score dots cover 1+2+3+4 of 16 block pairs, so the program does
+        fewer FLOPs than the reference's full [seq, seq] scores (XLA's own count)."""
+        q, k, v = _qkv(
+            3, batch=2, heads_q=4, heads_kv=4, seq_q=256, seq_k=256, head_dim=32, dtype=jnp.float32
+        )
+
+        def flops(attention):
+            grad = jax.grad(lambda q, k, v: attention(q, k, v).sum(), argnums=(0, 1, 2))
+            return jax.jit(grad).lower(q, k, v).compile().cost_analysis()["flops"]
+
+        blocked = flops(causal_block_attention)
+        full = flops(lambda q, k, v: flash_attention_reference(q, k, v, causal=True))
+        # Forward: QK^T and PV at 10/16; backward: QK^T again (recomputed) plus four dots at
+        # 10/16; the reference: six [seq, seq] dots. 7 * 10/16 / 6 = 0.73 of the dot FLOPs.
+        assert blocked < 0.8 * full, (blocked, full)
+
+    def test_rejects_shapes_it_does_not_serve(self):
+        q, k, v = _qkv(4, seq_q=40, seq_k=48, head_dim=16, dtype=jnp.float32)
+        with pytest.raises(ValueError, match="seq_q == seq_k"):
+            causal_block_attention(q, k, v)
 
 
 class TestBadConfig:

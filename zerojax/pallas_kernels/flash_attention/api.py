@@ -1,8 +1,9 @@
 """flash_attention: the public entry point, dispatching to the Pallas kernel or the jnp reference.
 
 `implementation="pallas"` runs the FlashAttention-2 Triton kernels of `kernel.py` (forward, dK/dV
-and dQ under one `jax.custom_vjp`); `"xla"` runs `reference.flash_attention_reference` and lets
-autodiff differentiate it; `"auto"` picks pallas on GPU when the shapes fit the block config and
+and dQ under one `jax.custom_vjp`); `"xla"` runs plain causal self-attention by query blocks
+with a flash-style backward (`causal_blocks.py`, what a CPU step uses) and everything else through
+`reference.flash_attention_reference`, differentiated by autodiff; `"auto"` picks pallas on GPU when the shapes fit the block config and
 xla otherwise. A Mosaic GPU kernel could later sit beside the Triton one behind this switch.
 """
 
@@ -17,6 +18,10 @@ import jax.numpy as jnp
 
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.pallas_kernels.flash_attention import kernel
+from zerojax.pallas_kernels.flash_attention.causal_blocks import (
+    causal_block_attention,
+    causal_blocks_fit,
+)
 from zerojax.pallas_kernels.flash_attention.reference import (
     dropout_seed,
     flash_attention_reference,
@@ -294,7 +299,8 @@ def flash_attention(
             (key, batch index, head index, q index, k index); under shard_map the batch index is
             the local one, so fold the shard index into the key to decorrelate shards.
         implementation: "pallas" (Triton kernel; ValueError when the shapes don't fit),
-            "xla" (the jnp reference), or "auto" (pallas on GPU when the shapes fit, else xla;
+            "xla" (jnp: plain causal self-attention by query blocks, `causal_blocks.py`;
+            anything else the reference), or "auto" (pallas on GPU when the shapes fit, else xla;
             pallas also when interpret=True).
         interpret: run the pallas kernels in interpret mode (CPU, for tests).
         block_config: tile sizes of the kernels; FlashAttentionConfig() by default.
@@ -320,6 +326,12 @@ def flash_attention(
         fits = pallas_unsupported_reason(q, k, v, config) is None
         use_pallas = fits and auto_picks_pallas(interpret)
     if not use_pallas:
+        plain_causal = causal and mask is None and segment_ids is None and dropout_p == 0.0
+        if plain_causal and causal_blocks_fit(q, k):
+            if k.shape[1] != q.shape[1]:  # grouped-query: as the reference, repeat kv heads
+                k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
+                v = jnp.repeat(v, q.shape[1] // v.shape[1], axis=1)
+            return causal_block_attention(q, k, v, scale=scale)
         return flash_attention_reference(
             q,
             k,
