@@ -7,6 +7,7 @@ operands becomes expand/view/bmm; baddbmm, mv, dot and addr decompose to mul/sum
 """
 
 import copy
+import re
 
 import jax
 import pytest
@@ -218,3 +219,62 @@ def test_batch_broadcast_operand_is_contracted_as_one_matrix():
     for name, n in terms.items():
         bound = tolerances.rounded_intermediates(torch.float32, n, magnitude[name])
         tolerances.assert_within(to_torch(got[name]).double(), exact[name], bound, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_linear_gradients_match_torch(dtype):
+    """A bf16/fp16 nn.Linear's backward: each gradient is one fp32-accumulated product rounded
+    once to the dtype, as torch's kernels compute it (the bias gradient a 64-term fp32 sum,
+    rounded once). The two roundings differ by <= 2 u S, S the sum of |terms|: |g| @ |W| for
+    the input, |g|^T @ |x| for the weight, sum |g| for the bias; the fp32 sums' reordering
+    (<= 2 * 63 * 2^-24 S) is far below one rounding."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 32).to(dtype)
+    x, g = torch.randn(64, 48, dtype=dtype), torch.randn(64, 32, dtype=dtype)
+    leaf = x.clone().requires_grad_()
+    layer(leaf).backward(g)
+
+    converted = zerojax.convert(layer, (x,))
+
+    def forward(params, x):
+        return converted.apply(params, converted.buffers, x)[0]
+
+    _, pullback = jax.vjp(forward, converted.params, from_torch(x))
+    d_params, d_x = jax.jit(pullback)(from_torch(g))
+    magnitude = {
+        "input": g.abs().double() @ layer.weight.abs().double(),
+        "weight": g.abs().double().T @ x.abs().double(),
+        "bias": g.abs().double().sum(0),
+    }
+    bound = {k: tolerances.rounded_intermediates(dtype, 2, m) for k, m in magnitude.items()}
+    tolerances.assert_within(to_torch(d_x), leaf.grad, bound["input"], "input")
+    tolerances.assert_within(
+        to_torch(d_params["weight"]), layer.weight.grad, bound["weight"], "weight"
+    )
+    tolerances.assert_within(to_torch(d_params["bias"]), layer.bias.grad, bound["bias"], "bias")
+
+
+def test_bf16_linear_multiplies_in_bf16_forward_and_backward():
+    """nn.Linear's `addmm(b, x, t(W))` in bf16: the forward product and the input gradient are
+    bf16 x bf16 -> fp32 dots in the optimized program (XLA:CPU's bf16 kernels), not dots on
+    operands converted to fp32 (4x slower on the bench CPU: BENCHMARKS.md, training step).
+    The weight gradient contracts over the rows, a layout XLA:CPU multiplies in fp32 either way.
+    """
+    layer = torch.nn.Linear(256, 512).to(torch.bfloat16)
+    x = torch.randn(128, 256, dtype=torch.bfloat16)
+    converted = zerojax.convert(layer, (x,))
+
+    def forward_and_backward(params, x, cotangent):
+        out, pullback = jax.vjp(
+            lambda params, x: converted.apply(params, converted.buffers, x)[0], params, x
+        )
+        return out, pullback(cotangent)
+
+    program = jax.jit(forward_and_backward)
+    cotangent = from_torch(torch.randn(128, 512, dtype=torch.bfloat16))
+    text = program.lower(converted.params, from_torch(x), cotangent).compile().as_text()
+    shapes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", text))
+    dots = re.findall(r"= (\w+)\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)", text)
+    operand_types = {shape: (shapes[a], shapes[b]) for _, shape, a, b in dots}
+    assert operand_types["128,512"] == ("bf16", "bf16"), dots  # forward
+    assert operand_types["128,256"] == ("bf16", "bf16"), dots  # input gradient

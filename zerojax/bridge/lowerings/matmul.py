@@ -7,6 +7,9 @@ fp32 matmul, while XLA on GPU would otherwise use TF32 or bf16 passes.
 Integer products stay integer, as torch's CPU kernels compute them (wrapping on overflow).
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -33,7 +36,42 @@ def product_options(dtype) -> dict:
 def matmul_einsum(spec: str, a, b):
     """`spec` contraction of a and b in their common torch dtype, accumulated like torch."""
     dtype = result_type(a, b)
-    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), **product_options(dtype))
+    a, b = a.astype(dtype), b.astype(dtype)
+    if np.dtype(dtype) in _LOW_PRECISION:
+        return _low_precision_einsum(spec, a, b)
+    return jnp.einsum(spec, a, b, **product_options(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _low_precision_einsum(spec: str, a, b):
+    """bf16/fp16 operands, fp32 result; its backward multiplies in the operands' dtype too.
+
+    Autodiff's own transpose would multiply the fp32 cotangent with the bf16 operand: a mixed
+    product that XLA:CPU computes by converting both to fp32 (~280 GFLOP/s on the bench CPU),
+    where bf16 x bf16 -> fp32 runs on its bf16 kernels (~1,100-1,500 GFLOP/s). Rounding the
+    cotangent to the operand dtype first changes nothing: the interpreter rounds this product to
+    torch's dtype, so the cotangent arriving here is that rounding's (bf16-valued), and torch
+    holds the gradient of a bf16 tensor in bf16 as well. Products of two bf16 values are exact in
+    fp32, so only the order of the fp32 sums differs from autodiff's.
+    """
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _low_precision_einsum_forward(spec, a, b):
+    return _low_precision_einsum(spec, a, b), (a, b)
+
+
+def _low_precision_einsum_backward(spec, operands, cotangent):
+    a, b = operands
+    inputs, out = spec.split("->")
+    a_spec, b_spec = inputs.split(",")
+    cotangent = cotangent.astype(a.dtype)
+    d_a = jnp.einsum(f"{out},{b_spec}->{a_spec}", cotangent, b, preferred_element_type=jnp.float32)
+    d_b = jnp.einsum(f"{a_spec},{out}->{b_spec}", a, cotangent, preferred_element_type=jnp.float32)
+    return d_a.astype(a.dtype), d_b.astype(b.dtype)
+
+
+_low_precision_einsum.defvjp(_low_precision_einsum_forward, _low_precision_einsum_backward)
 
 
 def _add_scaled(self, product, beta, alpha):
@@ -48,9 +86,32 @@ def _add_scaled(self, product, beta, alpha):
     return out + (self.astype(out.dtype) if beta == 1 else self.astype(out.dtype) * beta)
 
 
+def _is_transpose(node) -> bool:
+    """Whether an FX argument is the 2-d transpose of another value (`t`, `permute([1, 0])`,
+    `transpose(0, 1)`): what `nn.Linear` passes as mm's second operand."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if node.target is aten.t.default:
+        return True
+    if node.target is aten.permute.default:
+        return list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
+    if node.target is aten.transpose.int:
+        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
+    return False
+
+
+def _matrix_product(a, b, b_node):
+    """a @ b. When b is the transpose of a weight (nn.Linear's `t(W)`), multiply by the weight
+    itself: XLA:CPU folds the double transpose, and a bf16 product whose operand is a transpose
+    op is computed in fp32 (converted first), while one on the weight runs its bf16 kernels."""
+    if _is_transpose(b_node):
+        return matmul_einsum("ij,kj->ik", a, b.T)
+    return matmul_einsum("ij,jk->ik", a, b)
+
+
 @lowering(aten.mm.default)
 def lower_mm_default(ctx, self, mat2):
-    return matmul_einsum("ij,jk->ik", self, mat2)
+    return _matrix_product(self, mat2, ctx.node.args[1])
 
 
 @lowering(aten.bmm.default)
@@ -61,7 +122,7 @@ def lower_bmm_default(ctx, self, mat2):
 @lowering(aten.addmm.default)
 def lower_addmm_default(ctx, self, mat1, mat2, *, beta=1, alpha=1):
     """beta * self + alpha * (mat1 @ mat2); self broadcasts to the (n, p) result."""
-    return _add_scaled(self, matmul_einsum("ij,jk->ik", mat1, mat2), beta, alpha)
+    return _add_scaled(self, _matrix_product(mat1, mat2, ctx.node.args[2]), beta, alpha)
 
 
 @lowering(aten.addbmm.default)
