@@ -1,10 +1,11 @@
 """flash_attention: the public entry point, dispatching to the Pallas kernel or the jnp reference.
 
 `implementation="pallas"` runs the FlashAttention-2 Triton kernels of `kernel.py` (forward, dK/dV
-and dQ under one `jax.custom_vjp`); `"xla"` runs plain causal self-attention by query blocks
-with a flash-style backward (`causal_blocks.py`, what a CPU step uses) and everything else through
-`reference.flash_attention_reference`, differentiated by autodiff; `"auto"` picks pallas on GPU when the shapes fit the block config and
-xla otherwise. A Mosaic GPU kernel could later sit beside the Triton one behind this switch.
+and dQ under one `jax.custom_vjp`); `"xla"` runs plain causal self-attention by query blocks with
+a flash-style backward (`causal_blocks.py`, what a CPU step uses) and everything else through
+`reference.flash_attention_reference`, differentiated by autodiff; `"auto"` picks pallas on GPU
+when the shapes fit the block config and xla otherwise. A Mosaic GPU kernel could later sit
+beside the Triton one behind this switch.
 """
 
 import dataclasses
