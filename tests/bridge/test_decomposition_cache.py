@@ -149,7 +149,7 @@ def test_a_changed_model_or_input_is_decomposed_afresh(change, cache, monkeypatc
     assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
 
 
-def test_torch_version_and_table_are_in_the_key(monkeypatch):
+def test_torch_version_global_state_and_table_are_in_the_key(monkeypatch):
     module, x = Heads(), torch.randn(2, 5, 16)
     exported = torch.export.export(module, (x,), strict=False)
     table = capture_module.decomposition_table()
@@ -160,6 +160,13 @@ def test_torch_version_and_table_are_in_the_key(monkeypatch):
     smaller.pop(next(iter(smaller)))
     assert decomposition_cache.cache_key(exported, smaller) != key
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert decomposition_cache.cache_key(exported, table) != key
+    monkeypatch.undo()
+    assert decomposition_cache.cache_key(exported, table) == key
+    monkeypatch.setattr(torch, "get_default_dtype", lambda: torch.float64)
+    assert decomposition_cache.cache_key(exported, table) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert decomposition_cache.cache_key(exported, table) != key
 
 

@@ -4,7 +4,8 @@ Capture is torch.export (the model's Python code traced to a training-IR graph),
 `run_decompositions` (that graph traced again, down to core ATen). The second step is the
 larger part of a first step's capture (~0.6 s of ~1 s for the bench GPT-2, torch's first-call
 costs included) and it is a pure function of its inputs: the training-IR graph with its node
-metadata, the graph signature, the lifted constants, the decomposition table and torch itself.
+metadata, the graph signature, the lifted constants, the decomposition table, torch itself and
+the bits of torch's global state its decompositions read (default dtype, deterministic mode).
 So it is cached under a hash of exactly those, next to JAX's persistent compilation cache
 (`<jax_compilation_cache_dir>/zerojax-capture/`), and a restarted job loads the decomposed
 program (torch.export's own serialized form, pickled) instead of tracing it again.
@@ -149,6 +150,10 @@ def cache_key(exported: torch.export.ExportedProgram, table: dict) -> str | None
     parts = [
         f"format={FORMAT}",
         f"torch={torch.__version__} {torch.version.git_version}",
+        # Global state some of torch's decompositions read (window functions' default dtype,
+        # max-pool backward's deterministic fallback).
+        f"default dtype={torch.get_default_dtype()}",
+        f"deterministic={torch.are_deterministic_algorithms_enabled()}",
         _table_description(table),
     ]
     graph = exported.graph_module
