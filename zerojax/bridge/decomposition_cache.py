@@ -36,10 +36,6 @@ from collections.abc import Callable
 import jax
 import torch
 import torch.utils._pytree as torch_pytree
-from torch._export.serde.serialize import (
-    ExportedProgramDeserializer,
-    ExportedProgramSerializer,
-)
 
 log = logging.getLogger("zerojax")
 
@@ -101,6 +97,10 @@ def _save(decomposed: torch.export.ExportedProgram, directory: str, path: str) -
     """torch.export's serialized form of the program, without weights or example inputs (the
     fresh capture's are used), pickled: torch's own JSON reader (`torch.export.load`) took
     0.4 s for the bench GPT-2, as long as decomposing. Written atomically."""
+    # Imported here: torch's serializer pulls in torch._dynamo (~1 s), which `import zerojax`
+    # should not pay for; the first capture imports most of it anyway.
+    from torch._export.serde.serialize import ExportedProgramSerializer
+
     serialized = ExportedProgramSerializer().serialize(
         decomposed, serialize_state_dict=False, serialize_example_inputs=False
     )
@@ -116,6 +116,8 @@ def _save(decomposed: torch.export.ExportedProgram, directory: str, path: str) -
 
 
 def _load(path: str, exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    from torch._export.serde.serialize import ExportedProgramDeserializer
+
     with open(path, "rb") as file:
         serialized = pickle.load(file)
     loaded = ExportedProgramDeserializer().deserialize(
