@@ -197,6 +197,18 @@ def test_an_unreadable_entry_is_ignored(cache, monkeypatch):
     assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
 
 
+def test_a_graph_the_key_cannot_describe_is_decomposed_uncached(cache, monkeypatch):
+    def fails(value):
+        raise RuntimeError("no description")
+
+    module, x = Heads(), torch.randn(2, 5, 16)
+    monkeypatch.setattr(decomposition_cache, "_describe", fails)
+    got = capture(module, (x,), {}, train=True)
+    assert cache.entries() == []
+    monkeypatch.undo()
+    assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+
+
 def test_the_cache_lives_beside_the_compilation_cache_and_only_with_one(tmp_path, monkeypatch):
     def jax_with_cache_dir(directory):
         config = types.SimpleNamespace(jax_compilation_cache_dir=directory)

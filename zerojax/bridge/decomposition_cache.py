@@ -76,7 +76,13 @@ def decompose(
 ) -> torch.export.ExportedProgram:
     """`run(exported, table)`, or its result from the cache when the key matches."""
     directory = cache_directory()
-    key = cache_key(exported, table) if directory is not None else None
+    if directory is None:
+        return run(exported, table)
+    try:
+        key = cache_key(exported, table)
+    except Exception as error:  # noqa: BLE001 - a graph the key trips on is just not cached
+        log.debug("zerojax: no capture cache key for this graph (%s); decomposing", error)
+        key = None
     if key is None:
         return run(exported, table)
     path = os.path.join(directory, f"{key}.pickle")
