@@ -17,7 +17,8 @@ Everything runs on ONE CPU device (mesh {data: 1}): the contenders get the same 
 simulated multi-device mesh would split. Dropout is off (`model.eval()`) so all contenders do
 the same arithmetic; the first-step losses are printed as a check.
 
-Run: make bench-train   (or .venv/bin/python bench/train_step.py [--steps N] [--quick])
+Run: make bench-train   (or .venv/bin/python bench/train_step.py [--steps N] [--quick]
+     [--first-step-only] [--first-step-repeats N])
 """
 
 from __future__ import annotations
@@ -188,7 +189,10 @@ def first_step_child(quick: bool, fused: bool, cache_dir: str | None) -> None:
     )
 
 
-def first_step_table(quick: bool) -> str:
+def first_step_table(quick: bool, repeats: int = 1) -> str:
+    """One row per path and cache state; with `repeats` > 1 each cell is the median of that
+    many fresh processes (the "empty" ones each with a cache directory of their own)."""
+
     def child(fused: bool, cache_dir: str | None) -> dict:
         command = [sys.executable, __file__, "--first-step-child", "fused" if fused else "general"]
         command += ["--quick"] if quick else []
@@ -210,19 +214,24 @@ def first_step_table(quick: bool) -> str:
         "|---|---|---|---|---|---|",
     ]
     for fused in (True,) if quick else (True, False):
-        with tempfile.TemporaryDirectory(prefix="zerojax-bench-cache-") as cache_dir:
-            cases = [("none", None), ("empty (written)", cache_dir), ("warm", cache_dir)]
-            for label, directory in cases:
+        path = "fused" if fused else "general"
+        with tempfile.TemporaryDirectory(prefix="zerojax-bench-cache-") as root:
+            directories = [os.path.join(root, str(i)) for i in range(repeats)]
+            cases = [
+                ("none", [None] * repeats),
+                ("empty (written)", directories),
+                ("warm", [directories[-1]] * repeats),
+            ]
+            for label, case_directories in cases:
+                print(f"  first step, {path}, cache {label} ...", file=sys.stderr, flush=True)
+                runs = [child(fused, directory) for directory in case_directories]
+                r = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
                 print(
-                    f"  first step, {'fused' if fused else 'general'}, cache {label} ...",
-                    file=sys.stderr,
-                    flush=True,
+                    f"    first steps: {[round(run['first'], 2) for run in runs]}", file=sys.stderr
                 )
-                r = child(fused, directory)
                 lines.append(
-                    f"| zerojax {'fused' if fused else 'general'} | {label} | "
-                    f"{r['initialize']:.2f} | {r['first']:.2f} | {r['second'] * 1e3:.0f} ms | "
-                    f"{r['process']:.1f} |"
+                    f"| zerojax {path} | {label} | {r['initialize']:.2f} | {r['first']:.2f} | "
+                    f"{r['second'] * 1e3:.0f} ms | {r['process']:.1f} |"
                 )
     return "\n".join(lines)
 
@@ -241,6 +250,17 @@ def main() -> None:
         help="smoke test: a 2-layer width-64 model, batch 2 x 64, 3 steps",
     )
     parser.add_argument("--skip-first-step", action="store_true")
+    parser.add_argument(
+        "--first-step-only",
+        action="store_true",
+        help="only the first-step table (fresh processes; no steady-state timing)",
+    )
+    parser.add_argument(
+        "--first-step-repeats",
+        type=int,
+        default=1,
+        help="fresh processes per first-step cell; the table gives their median",
+    )
     parser.add_argument("--first-step-child", choices=["fused", "general"], help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -258,26 +278,36 @@ def main() -> None:
     # flips the ratio: the load average says whether these numbers are fit to publish.
     print(f"load average (1, 5, 15 min) at start: {os.getloadavg()}", file=sys.stderr)
     num_params = sum(p.numel() for p in build(options.quick)[0].parameters())
-    print(f"## Train step: forward + backward + AdamW ({shape}, {num_params / 1e6:.2f}M params)\n")
-    print(steady_state_table(options.quick, steps))
-    print(f"\nLoad average (1, 5, 15 min) after the steady-state runs: {os.getloadavg()}")
-    print(
-        f"\nMedian of {steps} steps after {WARMUP_STEPS} untimed steps; one CPU device "
-        f"(mesh data=1) for every contender; {torch.get_num_threads()} torch threads, {os.cpu_count()} CPUs; "
-        f"torch {torch.__version__}, jax {jax.__version__}. bf16: zerojax precision "
-        f'"{BF16_POLICY}", torch autocast(cpu, bfloat16). Speed-up = eager step time / step '
-        "time, same precision."
-    )
+    if not options.first_step_only:
+        print(
+            f"## Train step: forward + backward + AdamW ({shape}, {num_params / 1e6:.2f}M params)\n"
+        )
+        print(steady_state_table(options.quick, steps))
+        print(f"\nLoad average (1, 5, 15 min) after the steady-state runs: {os.getloadavg()}")
+        print(
+            f"\nMedian of {steps} steps after {WARMUP_STEPS} untimed steps; one CPU device "
+            f"(mesh data=1) for every contender; {torch.get_num_threads()} torch threads, "
+            f"{os.cpu_count()} CPUs; torch {torch.__version__}, jax {jax.__version__}. bf16: "
+            f'zerojax precision "{BF16_POLICY}", torch autocast(cpu, bfloat16). Speed-up = '
+            "eager step time / step time, same precision."
+        )
     if not options.skip_first_step:
-        print("\n## First step: trace + compile + run (fresh process each, fp32)\n")
-        print(first_step_table(options.quick))
+        print(f"\n## First step: trace + compile + run (fresh process each, fp32, {shape})\n")
+        print(first_step_table(options.quick, options.first_step_repeats))
+        print(f"\nLoad average (1, 5, 15 min) after the first-step runs: {os.getloadavg()}")
         print(
             "\ninitialize: building the model and zerojax.initialize (state to JAX arrays); "
             "first step: torch.export "
             "trace, lowering, XLA compile (or persistent-cache load) and one run of the "
             "forward, backward and AdamW programs. Cache: jax_compilation_cache_dir with "
-            "jax_persistent_cache_min_compile_time_secs=0. "
+            "jax_persistent_cache_min_compile_time_secs=0 (and zerojax's capture cache, "
+            "bridge/decomposition_cache.py, beside it). "
             "Whole process: python start to exit, imports included."
+            + (
+                f" Each cell: the median of {options.first_step_repeats} processes."
+                if options.first_step_repeats > 1
+                else ""
+            )
         )
 
 

@@ -28,6 +28,7 @@ import zerojax
 from bench.architectures import ARCHITECTURES, scalar_loss
 from tests import tolerances
 from zerojax.bridge.dtypes import from_torch
+from zerojax.train.programs import find_scalar_loss
 
 # Whole models in float32: no useful per-element bound, so every output, gradient and buffer is
 # held to torch's own float32 error against a float64 twin of the same model
@@ -427,6 +428,36 @@ def test_nested_output_structure_survives_jit():
         lambda p: scalar_loss(converted.apply(p, converted.buffers, from_torch(x))[0])
     )(converted.params)
     assert set(grads) == {"linear.weight", "linear.bias"}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_output_shapes_match_a_trace_of_apply(name):
+    """`Converted.output_shapes` (read off the captured graph) is what tracing `apply` gives:
+    the fused training path picks the loss from it instead of tracing the model twice."""
+    _, args, converted = _converted_eval(name)
+    jax_args = to_jax_args(args)
+    traced = jax.eval_shape(
+        lambda p, b, a: converted.apply(p, b, *a, rng=jax.random.key(0))[0],
+        converted.params,
+        converted.buffers,
+        jax_args,
+    )
+    recorded = converted.output_shapes(*jax_args)
+    assert jax.tree.structure(recorded) == jax.tree.structure(traced)
+    for got, want in zip(jax.tree.leaves(recorded), jax.tree.leaves(traced), strict=True):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
+def test_output_shapes_of_nested_outputs_and_a_scalar_loss():
+    x = torch.randn(3, 8)
+    converted = zerojax.convert(NestedOutputs().eval(), (x,))
+    shapes = converted.output_shapes(from_torch(x))
+    assert set(shapes) == {"logits", "aux"}
+    assert shapes["logits"] == jax.ShapeDtypeStruct((3, 8), np.float32)
+    assert shapes["aux"][1][1]["mean"] == jax.ShapeDtypeStruct((), np.float32)
+    assert find_scalar_loss(shapes) is None
+    loss_model = zerojax.convert(TupleOutput(), (x,))
+    assert [s.shape for s in loss_model.output_shapes(from_torch(x))] == [(3, 8), (3, 8)]
 
 
 class TupleOutput(nn.Module):

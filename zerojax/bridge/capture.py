@@ -7,6 +7,8 @@ registered a lowering for. Custom ops without a lowering are then traced through
 implementation where they have one (custom_ops.py). Last, runtime assertions and the values
 computed only for them leave the graph (assertions.py): a compiled program cannot raise.
 The model's torch.utils.checkpoint calls are tagged in the graph (torch_checkpoint.py).
+The decomposition step's result is cached on disk, keyed by the graph it decomposes, beside
+JAX's persistent compilation cache (decomposition_cache.py); torch.export itself always runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import warnings
 import torch
 from torch._decomp import core_aten_decompositions
 
-from zerojax.bridge import custom_ops
+from zerojax.bridge import custom_ops, decomposition_cache
 from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
@@ -87,7 +89,7 @@ def capture(
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.
                 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
                 table = custom_ops.without_kept_whole(decomposition_table())
-                decomposed = exported.run_decompositions(table)
+                decomposed = decomposition_cache.decompose(exported, table, _run_decompositions)
                 decomposed = custom_ops.decompose_unlowered(decomposed, table)
         except Exception as error:  # torch raises many types here; all mean "cannot capture"
             reason = f"{type(error).__name__}: {error}"
@@ -99,6 +101,10 @@ def capture(
     if drop_assertions(decomposed.graph_module.graph):
         decomposed.graph_module.recompile()
     return decomposed
+
+
+def _run_decompositions(exported, table):
+    return exported.run_decompositions(table)
 
 
 def find_host_read_inputs(

@@ -168,6 +168,19 @@ class Converted:
 
     __call__ = apply
 
+    def output_shapes(self, *args, **kwargs):
+        """The structure of `apply`'s outputs for these inputs, with `jax.ShapeDtypeStruct`
+        leaves for its arrays, read off the captured program (captured first if these input
+        shapes are new), not traced: no lowering runs."""
+        args, kwargs = _unwrap_static((args, kwargs))
+        program, _, out_spec = self._program_for(
+            args, kwargs, reason="new input shapes or non-tensor arguments"
+        )
+        outputs = torch_pytree.tree_unflatten(program.output_shapes(), out_spec)
+        if self.train and not _wants_cache(args, kwargs):
+            outputs = drop_caches(outputs)
+        return outputs
+
     def _capture(self, args, kwargs):
         """capture(), specialised on the inputs the model reads on the host where needed.
 

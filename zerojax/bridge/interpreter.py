@@ -114,6 +114,22 @@ class GraphFunction:
         self._graphs: dict[frozenset[str], torch.fx.Graph] = {frozenset(): self.graph}
         self._regions: dict[tuple, dict[torch.fx.Node, remat_regions.Region]] = {}
 
+    def output_shapes(self) -> list:
+        """The user outputs as torch.export recorded them, without tracing: a
+        `jax.ShapeDtypeStruct` per tensor output (its JAX dtype, as `__call__` returns it), the
+        value itself for any other output. What a program's outputs look like (is there a scalar
+        loss?) is known from the capture; an `eval_shape` of the whole model would trace it."""
+        output = next(node for node in reversed(self.graph.nodes) if node.op == "output")
+        shapes = []
+        for value, (kind, _) in zip(output.args[0], self.outputs, strict=True):
+            if kind != OutputKind.USER_OUTPUT:
+                continue
+            val = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+            if isinstance(val, torch.Tensor):
+                val = jax.ShapeDtypeStruct(tuple(val.shape), to_jax_dtype(val.dtype))
+            shapes.append(val)
+        return shapes
+
     def graph_for(self, kernels: KernelsConfig | None) -> torch.fx.Graph:
         """The graph to run: patterns of the kernel families `kernels` enables fused."""
         kernels = kernels if kernels is not None else KernelsConfig()

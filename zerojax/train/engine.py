@@ -167,6 +167,8 @@ class Engine:
         self._converted: dict[bool, Converted] = {}
         self._warned_uneven: set[tuple] = set()
         self._before_donation: list[Callable[[], None]] = []
+        self._torch_optimizer: torch.optim.Optimizer | None = None
+        self._update_prepared = False
 
     # --- the state -------------------------------------------------------------------------
 
@@ -283,6 +285,7 @@ class Engine:
     # --- optimizer -------------------------------------------------------------------------
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._torch_optimizer = optimizer
         names = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), self.alias[name])
@@ -403,7 +406,37 @@ class Engine:
             state.params, state.buffers, args, kwargs, rng, self.scale
         )
         self._state = self._state.replace(buffers=new_buffers)
+        self._prepare_update(grads)
         return outputs, grads
+
+    def _prepare_update(self, grads) -> None:
+        """Once: compile the update program for the call `optimizer.step()` will make after
+        these gradients, while the program computing them runs.
+
+        The first fused step waits for its loss (torch reads it) before `loss.backward()` and
+        `optimizer.step()`, which would then trace, lower and compile (or load) the update
+        with the CPU idle; here that work overlaps the forward-backward program instead. Only
+        the signature is predicted (shapes, dtypes, shardings: `Program.prepare`); should the
+        step's call differ (a parameter frozen before it, say), the update compiles then, as
+        it always did."""
+        if self._update_prepared or self.abstract or self.optimizer_spec is None:
+            return
+        self._update_prepared = True
+        state, frozen = self._state, self.frozen_names()
+        if state.grads is not None:  # gradients accumulate: the step's tree is not this one
+            return
+        try:
+            hyper = optimizers.hyper_from_torch(self._torch_optimizer, self.optimizer_spec)
+        except ValueError:  # the optimizer changed since attach: `step()` says how, not here
+            return
+        self.programs.update(self.optimizer_spec).prepare(
+            state.params,
+            state.master,
+            state.opt_state,
+            {n: g for n, g in grads.items() if n not in frozen},
+            hyper,
+            state.loss_scale,
+        )
 
     def backward(self, converted, pullback, cotangents):
         grads, input_grads = self.programs.backward(converted)(pullback, cotangents, self.scale)

@@ -79,10 +79,26 @@ def pick_loss(outputs, path):
 def _leaf_signature(leaf) -> tuple:
     if isinstance(leaf, jax.Array):
         # Key arrays (the rng) have no weak_type; their dtype names the key implementation.
-        return (leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False), leaf.sharding)
+        weak_type = getattr(leaf, "weak_type", False)
+        return (leaf.shape, leaf.dtype, weak_type, _sharding_key(leaf.sharding, leaf.ndim))
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        return (leaf.shape, leaf.dtype, leaf.weak_type, leaf.sharding)
+        return (leaf.shape, leaf.dtype, leaf.weak_type, _sharding_key(leaf.sharding, leaf.ndim))
     return (type(leaf), np.shape(leaf), np.result_type(leaf))
+
+
+def _sharding_key(sharding, ndim: int):
+    """What a compiled executable requires of an argument's sharding: equivalence (the layout
+    over the devices), not the object. The state's first params are placed with the plan's
+    specs (`P(None, None)`), the update returns them as `P()`; keyed by the objects, the
+    update compiled (or loaded from the cache) a second time in the second step, for the same
+    program. JAX itself accepts an argument whose sharding `is_equivalent_to` the compiled one."""
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return sharding
+    return (
+        sharding._to_xla_hlo_sharding(ndim),
+        sharding._device_assignment,
+        sharding.memory_kind,
+    )
 
 
 class Program:
@@ -99,6 +115,16 @@ class Program:
     def __call__(self, *args):
         """Run the program; with `jax.ShapeDtypeStruct` arguments (an abstract engine) only
         compile it and return its results' shapes and shardings."""
+        leaves = jax.tree.leaves(args)
+        compiled = self.last = self.prepare(*args)
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            return compiled.out_info
+        return compiled(*args)
+
+    def prepare(self, *args):
+        """The executable for these arguments' signature, compiled now if it is not yet (or
+        loaded from the persistent cache); nothing runs, and no argument's value is read, so
+        arrays still being computed can be passed."""
         leaves, treedef = jax.tree.flatten(args)
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
         compiled = self._compiled.get(key)
@@ -106,10 +132,11 @@ class Program:
             lowered = self._jitted.lower(*args)
             options = compiler_options(_platform(leaves))
             compiled = self._compiled[key] = lowered.compile(compiler_options=options or None)
-        self.last = compiled
-        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            return compiled.out_info
-        return compiled(*args)
+        return compiled
+
+    def num_compiled(self) -> int:
+        """How many signatures this program has been compiled for."""
+        return len(self._compiled)
 
 
 @jax.custom_jvp

@@ -1,0 +1,220 @@
+"""The persistent cache of capture's decomposition step (bridge/decomposition_cache.py).
+
+Run: .venv/bin/python -m pytest -q tests/bridge/test_decomposition_cache.py
+Exists because a cached graph must be the graph decomposition would give, and a changed model
+must never be served an old one: the key is the training-IR graph torch.export produces afresh
+on every capture, so a changed module attribute, model code, input shape, decomposition table
+or torch version changes it; what the key cannot describe (custom ops) is not cached.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.architectures import ARCHITECTURES
+from zerojax.bridge import capture as capture_module
+from zerojax.bridge import decomposition_cache
+from zerojax.bridge.capture import capture
+from zerojax.bridge.remat import CHECKPOINT_TAG
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """The cache in a fresh directory; `cache.loads` counts entries served from it."""
+    monkeypatch.setattr(decomposition_cache, "cache_directory", lambda: str(tmp_path))
+    loads = []
+    load = decomposition_cache._load
+
+    def counting_load(path, exported):
+        loads.append(path)
+        return load(path, exported)
+
+    monkeypatch.setattr(decomposition_cache, "_load", counting_load)
+
+    class Cache:
+        directory = tmp_path
+
+        @staticmethod
+        def entries():
+            return sorted(p.name for p in tmp_path.iterdir())
+
+    Cache.loads = loads
+    return Cache
+
+
+def uncached_capture(module, args, *, train, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setattr(decomposition_cache, "cache_directory", lambda: None)
+        return capture(module, args, {}, train=train)
+
+
+def checkpoint_tag(node: torch.fx.Node):
+    return (node.meta.get("custom") or {}).get(CHECKPOINT_TAG)
+
+
+def assert_same_program(got: torch.export.ExportedProgram, want: torch.export.ExportedProgram):
+    """Same code, signature, specs, constants and the node metadata zerojax reads."""
+    assert got.graph_module.code == want.graph_module.code
+    assert repr(got.graph_signature.input_specs) == repr(want.graph_signature.input_specs)
+    assert repr(got.graph_signature.output_specs) == repr(want.graph_signature.output_specs)
+    assert got.call_spec.in_spec == want.call_spec.in_spec
+    assert got.call_spec.out_spec == want.call_spec.out_spec
+    assert got.constants.keys() == want.constants.keys()
+    for name, value in want.constants.items():
+        torch.testing.assert_close(got.constants[name], value, rtol=0, atol=0)
+    got_nodes, want_nodes = list(got.graph.nodes), list(want.graph.nodes)
+    assert len(got_nodes) == len(want_nodes)
+    for g, w in zip(got_nodes, want_nodes, strict=True):
+        assert (g.op, g.name, g.target) == (w.op, w.name, w.target)
+        for key in ("nn_module_stack", "stack_trace"):
+            assert g.meta.get(key) == w.meta.get(key), (w.name, key)
+        # Of `custom`, zerojax reads its checkpoint tag; torch also notes there which function
+        # its tracer was in (`_torchdynamo_disable_method`), which varies from call to call.
+        assert checkpoint_tag(g) == checkpoint_tag(w), w.name
+        g_val, w_val = g.meta.get("val"), w.meta.get("val")
+        if isinstance(w_val, torch.Tensor):
+            assert (g_val.shape, g_val.stride(), g_val.dtype) == (
+                w_val.shape,
+                w_val.stride(),
+                w_val.dtype,
+            ), w.name
+        elif w.op != "output":  # the deserializer gives the output node a val of its own
+            assert type(g_val) is type(w_val), w.name
+
+
+@pytest.mark.parametrize(
+    ("name", "train"),
+    [(name, True) for name in ARCHITECTURES] + [("gpt2", False), ("cnn", False)],
+)
+def test_a_cached_decomposition_is_the_decomposition(name, train, cache, monkeypatch):
+    torch.manual_seed(0)
+    module, args = ARCHITECTURES[name]()
+    fresh = uncached_capture(module, args, train=train, monkeypatch=monkeypatch)
+    written = capture(module, args, {}, train=train)
+    assert len(cache.entries()) == 1 and not cache.loads
+    loaded = capture(module, args, {}, train=train)
+    assert len(cache.loads) == 1
+    assert_same_program(written, fresh)
+    assert_same_program(loaded, fresh)
+    # Exactly the deserializer's extra getitems were dropped: the loaded graph has none unused.
+    assert all(
+        node.users
+        for node in loaded.graph.nodes
+        if node.op == "call_function" and node.target is operator.getitem
+    )
+
+
+class Heads(nn.Module):
+    """Attention whose head count is an attribute only: changing it keeps every parameter."""
+
+    def __init__(self, width: int = 16, num_heads: int = 4):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.activation = F.gelu
+
+    def forward(self, x):
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.activation(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+def changes(module: Heads):
+    """(what changed, how) pairs, each applied to a fresh module or input."""
+    return {
+        "module attribute num_heads": lambda m, x: (setattr(m, "num_heads", 2), x)[1],
+        "model code (the activation)": lambda m, x: (setattr(m, "activation", torch.tanh), x)[1],
+        "input shape": lambda m, x: torch.randn(2, 6, 16),
+        "input dtype": lambda m, x: (m.double(), x.double())[1],
+    }
+
+
+@pytest.mark.parametrize("change", list(changes(Heads())))
+def test_a_changed_model_or_input_is_decomposed_afresh(change, cache, monkeypatch):
+    module, x = Heads(), torch.randn(2, 5, 16)
+    capture(module, (x,), {}, train=True)
+    assert len(cache.entries()) == 1
+    x = changes(module)[change](module, x)
+    got = capture(module, (x,), {}, train=True)
+    assert not cache.loads, f"{change}: served the old model's graph"
+    assert len(cache.entries()) == 2
+    assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+
+
+def test_torch_version_global_state_and_table_are_in_the_key(monkeypatch):
+    module, x = Heads(), torch.randn(2, 5, 16)
+    exported = torch.export.export(module, (x,), strict=False)
+    table = capture_module.decomposition_table()
+    key = decomposition_cache.cache_key(exported, table)
+    assert key is not None and key == decomposition_cache.cache_key(exported, dict(table))
+    smaller = dict(table)
+    smaller.pop(torch.ops.aten.gelu.default, None)
+    smaller.pop(next(iter(smaller)))
+    assert decomposition_cache.cache_key(exported, smaller) != key
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert decomposition_cache.cache_key(exported, table) != key
+    monkeypatch.undo()
+    assert decomposition_cache.cache_key(exported, table) == key
+    monkeypatch.setattr(torch, "get_default_dtype", lambda: torch.float64)
+    assert decomposition_cache.cache_key(exported, table) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert decomposition_cache.cache_key(exported, table) != key
+
+
+def test_custom_ops_are_not_cached(cache):
+    """A custom op's decomposition is the user's Python code, which the key cannot see."""
+    library = torch.library.Library("zerojax_cache_test", "FRAGMENT")  # noqa: TOR901
+    library.define("scale(Tensor x) -> Tensor")
+    library.impl("scale", lambda x: x * 2, "CompositeExplicitAutograd")
+    library.impl("scale", lambda x: torch.empty_like(x), "Meta")
+
+    class UsesCustomOp(nn.Module):
+        def forward(self, x):
+            return torch.ops.zerojax_cache_test.scale(x) + 1
+
+    x = torch.randn(3)
+    exported = torch.export.export(UsesCustomOp(), (x,), strict=False)
+    assert decomposition_cache.cache_key(exported, capture_module.decomposition_table()) is None
+    capture(UsesCustomOp(), (x,), {}, train=False)
+    assert cache.entries() == []
+
+
+def test_an_unreadable_entry_is_ignored(cache, monkeypatch):
+    module, x = Heads(), torch.randn(2, 5, 16)
+    capture(module, (x,), {}, train=True)
+    (entry,) = cache.directory.iterdir()
+    entry.write_bytes(b"not a pickle")
+    got = capture(module, (x,), {}, train=True)
+    assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+
+
+def test_a_graph_the_key_cannot_describe_is_decomposed_uncached(cache, monkeypatch):
+    def fails(value):
+        raise RuntimeError("no description")
+
+    module, x = Heads(), torch.randn(2, 5, 16)
+    monkeypatch.setattr(decomposition_cache, "_describe", fails)
+    got = capture(module, (x,), {}, train=True)
+    assert cache.entries() == []
+    monkeypatch.undo()
+    assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+
+
+def test_the_cache_lives_beside_the_compilation_cache_and_only_with_one(tmp_path, monkeypatch):
+    def jax_with_cache_dir(directory):
+        config = types.SimpleNamespace(jax_compilation_cache_dir=directory)
+        monkeypatch.setattr(decomposition_cache, "jax", types.SimpleNamespace(config=config))
+
+    jax_with_cache_dir(None)
+    assert decomposition_cache.cache_directory() is None
+    jax_with_cache_dir(str(tmp_path))
+    assert decomposition_cache.cache_directory() == str(tmp_path / "zerojax-capture")

@@ -1,0 +1,277 @@
+"""A persistent cache of the decomposition step of capture, keyed by the graph it decomposes.
+
+Capture is torch.export (the model's Python code traced to a training-IR graph), then
+`run_decompositions` (that graph traced again, down to core ATen). The second step is the
+larger part of a first step's capture (~0.6 s of ~1 s for the bench GPT-2, torch's first-call
+costs included) and it is a pure function of its inputs: the training-IR graph with its node
+metadata, the graph signature, the lifted constants, the decomposition table, torch itself and
+the bits of torch's global state its decompositions read (default dtype, deterministic mode).
+So it is cached under a hash of exactly those, next to JAX's persistent compilation cache
+(`<jax_compilation_cache_dir>/zerojax-capture/`), and a restarted job loads the decomposed
+program (torch.export's own serialized form, pickled) instead of tracing it again.
+
+What is deliberately *not* cached is torch.export itself: its result depends on the model's
+code and everything that code reads (module attributes such as `num_heads`, configs, globals,
+environment variables, torch flags), which no key can list. It runs every time; a changed model
+changes its graph, hence the key. A graph the key cannot describe completely is not cached:
+symbolic shapes, higher-order ops or submodules, ops outside ATen/prims (a custom op's
+decomposition is the user's Python code), metadata of kinds not listed in `_NODE_META`, or
+constants that are not tensors.
+
+Entries are written atomically (temporary file, then rename); an entry that does not load is
+ignored and the step runs as without a cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import operator
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+
+log = logging.getLogger("zerojax")
+
+FORMAT = 1
+"""Bumped whenever what is cached, or how it is keyed, changes."""
+
+SUBDIRECTORY = "zerojax-capture"
+
+# Node metadata torch.export writes on a training-IR graph and run_decompositions carries over
+# (`original_aten` and `seq_nr` where node meta is preserved, as capture does for checkpoint
+# tags). Any other key makes the graph uncacheable: its content would not be in the key.
+_NODE_META = (
+    "val",
+    "tensor_meta",
+    "nn_module_stack",
+    "stack_trace",
+    "torch_fn",
+    "custom",
+    "original_aten",
+    "seq_nr",
+)
+
+_CORE_NAMESPACES = ("aten", "prims")
+
+
+def cache_directory() -> str | None:
+    """Where entries live: beside JAX's persistent compilation cache, None without one."""
+    directory = jax.config.jax_compilation_cache_dir
+    if not directory:
+        return None
+    return os.path.join(directory, SUBDIRECTORY)
+
+
+def decompose(
+    exported: torch.export.ExportedProgram,
+    table: dict,
+    run: Callable[[torch.export.ExportedProgram, dict], torch.export.ExportedProgram],
+) -> torch.export.ExportedProgram:
+    """`run(exported, table)`, or its result from the cache when the key matches."""
+    directory = cache_directory()
+    if directory is None:
+        return run(exported, table)
+    try:
+        key = cache_key(exported, table)
+    except Exception as error:  # noqa: BLE001 - a graph the key trips on is just not cached
+        log.debug("zerojax: no capture cache key for this graph (%s); decomposing", error)
+        key = None
+    if key is None:
+        return run(exported, table)
+    path = os.path.join(directory, f"{key}.pickle")
+    if os.path.exists(path):
+        try:
+            return _load(path, exported)
+        except Exception as error:  # noqa: BLE001 - a bad entry only costs the decomposition
+            log.debug("zerojax: capture cache entry %s did not load (%s); decomposing", path, error)
+    decomposed = run(exported, table)
+    try:
+        _save(decomposed, directory, path)
+    except Exception as error:  # noqa: BLE001 - an unwritable cache only costs the next run
+        log.debug("zerojax: could not write capture cache entry %s (%s)", path, error)
+    return decomposed
+
+
+def _save(decomposed: torch.export.ExportedProgram, directory: str, path: str) -> None:
+    """torch.export's serialized form of the program, without weights or example inputs (the
+    fresh capture's are used), pickled: torch's own JSON reader (`torch.export.load`) took
+    0.4 s for the bench GPT-2, as long as decomposing. Written atomically."""
+    # Imported here: torch's serializer pulls in torch._dynamo (~1 s), which `import zerojax`
+    # should not pay for; the first capture imports most of it anyway.
+    from torch._export.serde.serialize import ExportedProgramSerializer
+
+    serialized = ExportedProgramSerializer().serialize(
+        decomposed, serialize_state_dict=False, serialize_example_inputs=False
+    )
+    os.makedirs(directory, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            pickle.dump(serialized, file, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def _load(path: str, exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    from torch._export.serde.serialize import ExportedProgramDeserializer
+
+    with open(path, "rb") as file:
+        serialized = pickle.load(file)
+    loaded = ExportedProgramDeserializer().deserialize(
+        serialized.exported_program,
+        exported.state_dict,
+        serialized.constants,
+        exported.example_inputs,
+    )
+    # The deserializer gives every output of a multi-output op a getitem node, used or not
+    # (`native_layer_norm_unused_1 = native_layer_norm[1]`); decomposition leaves none.
+    graph = loaded.graph_module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is operator.getitem and not node.users:
+            graph.erase_node(node)
+        elif _returns_a_list(node) and isinstance(node.meta.get("val"), tuple):
+            # ... and records an op's `Tensor[]` result (split) as a tuple, torch as a list.
+            node.meta["val"] = list(node.meta["val"])
+    loaded.graph_module.recompile()
+    return loaded
+
+
+def _returns_a_list(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
+
+
+def cache_key(exported: torch.export.ExportedProgram, table: dict) -> str | None:
+    """A hash of everything `run_decompositions(table)` reads, or None if the program has
+    something the key could not describe completely (module docstring)."""
+    parts = [
+        f"format={FORMAT}",
+        f"torch={torch.__version__} {torch.version.git_version}",
+        # Global state some of torch's decompositions read (window functions' default dtype,
+        # max-pool backward's deterministic fallback).
+        f"default dtype={torch.get_default_dtype()}",
+        f"deterministic={torch.are_deterministic_algorithms_enabled()}",
+        _table_description(table),
+    ]
+    graph = exported.graph_module
+    if any(True for _ in graph.named_children()):
+        return None  # higher-order ops' subgraphs
+    # Autograd's sequence numbers count every autograd node the process made before: keyed
+    # relative to the graph's first (a cached graph carries its writer's absolute numbers,
+    # which nothing in zerojax reads).
+    first_seq_nr = min(
+        (n.meta["seq_nr"] for n in graph.graph.nodes if isinstance(n.meta.get("seq_nr"), int)),
+        default=0,
+    )
+    for node in graph.graph.nodes:
+        if node.op in ("get_attr", "call_module", "call_method"):
+            return None
+        if node.op == "call_function" and not _is_plain_function(node.target):
+            return None
+        unknown = set(node.meta) - set(_NODE_META)
+        if unknown:
+            return None
+        described = [node.op, node.name, _target_name(node.target)]
+        described.append(_describe((node.args, node.kwargs)))
+        for name in _NODE_META:
+            if name in node.meta:
+                value = node.meta[name]
+                if name == "seq_nr" and isinstance(value, int):
+                    value -= first_seq_nr
+                described.append(f"{name}={_describe(value)}")
+        parts.append("|".join(described))
+    parts.append(repr(exported.graph_signature.input_specs))
+    parts.append(repr(exported.graph_signature.output_specs))
+    parts.append(repr(exported.range_constraints))
+    parts.append(repr(exported.module_call_graph))
+    for name, constant in sorted(exported.constants.items()):
+        if not isinstance(constant, torch.Tensor):
+            return None
+        parts.append(f"constant {name} {_describe(constant)} {_digest(constant)}")
+    text = "\n".join(parts)
+    if _UNDESCRIBED in text or " at 0x" in text:
+        return None  # an object known only by its identity: no stable description
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_UNDESCRIBED = "<undescribed>"
+
+
+def _is_plain_function(target) -> bool:
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace in _CORE_NAMESPACES
+    return getattr(target, "__module__", None) in ("_operator", "operator") and hasattr(
+        operator, getattr(target, "__name__", "")
+    )
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+
+
+def _describe(value) -> str:
+    """A repr that names everything decomposition sees: tensors by shape, strides, dtype,
+    device and flags (FakeTensor's repr omits strides), nodes by name."""
+    if isinstance(value, torch.fx.Node):
+        return f"%{value.name}"
+    if isinstance(value, torch.Tensor):
+        return (
+            f"T({tuple(value.shape)},{value.stride()},{value.storage_offset()},{value.dtype},"
+            f"{value.device},{value.requires_grad},{value.layout})"
+        )
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return _UNDESCRIBED  # symbolic shapes: their constraints live elsewhere
+    if isinstance(value, (list, tuple)):
+        inner = ",".join(_describe(v) for v in value)
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, dict):
+        inner = ",".join(f"{_describe(k)}:{_describe(v)}" for k, v in value.items())
+        return f"{type(value).__name__}{{{inner}}}"
+    if isinstance(value, (str, int, float, bool, complex, type(None), torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, torch._ops.OpOverload):
+        return str(value)
+    if isinstance(value, (torch.memory_format, torch.layout, type)):
+        return repr(value)
+    if torch_pytree.is_namedtuple_instance(value):
+        return f"{type(value).__name__}({_describe(tuple(value))})"
+    return _UNDESCRIBED
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    if tensor.device.type == "meta":
+        return "meta"
+    data = tensor.detach().contiguous().cpu()
+    if data.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def _table_description(table: dict) -> str:
+    """The table's ops and the decomposition each gets (by qualified name)."""
+    entries = sorted(f"{op}={_function_name(fn)}" for op, fn in table.items())
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()
+
+
+def _function_name(fn) -> str:
+    """A function by qualified name; a `functools.partial` (torch's CIA decompositions) by
+    its function's and its arguments' (an address in a key would never match again)."""
+    if isinstance(fn, functools.partial):
+        arguments = _describe((fn.args, fn.keywords))
+        return f"partial({_function_name(fn.func)},{arguments})"
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
