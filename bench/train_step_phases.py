@@ -80,17 +80,19 @@ def main() -> None:
     # The update donates params, master weights and optimizer state: the rounds thread the new
     # arrays through here (the engine's own state is left behind, unused).
     s = fused_engine.state
+    # (base key, call number), as the engine passes it: the programs fold the number in.
+    fused_rng, general_rng = fused_engine.next_rng(), general_engine.next_rng()
     current = {"params": s.params, "master": s.master, "opt_state": s.opt_state}
 
     def fused_forward_backward():
         return jax.block_until_ready(
-            fused_program(current["params"], s.buffers, (x, y), {}, s.rng, one)
+            fused_program(current["params"], s.buffers, (x, y), {}, fused_rng, one)
         )
 
     g = general_engine.state
 
     def general_forward_backward():
-        logits, _, pullback = vjp_program(g.params, g.buffers, (x,), {}, g.rng)
+        logits, _, pullback = vjp_program(g.params, g.buffers, (x,), {}, general_rng)
         cotangent = jnp.full(logits.shape, 1.0 / (logits.shape[0] * logits.shape[1]), logits.dtype)
         return jax.block_until_ready(backward_program(pullback, cotangent, one))
 
