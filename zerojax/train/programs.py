@@ -91,14 +91,14 @@ def _sharding_key(sharding, ndim: int):
     over the devices), not the object. The state's first params are placed with the plan's
     specs (`P(None, None)`), the update returns them as `P()`; keyed by the objects, the
     update compiled (or loaded from the cache) a second time in the second step, for the same
-    program. JAX itself accepts an argument whose sharding `is_equivalent_to` the compiled one."""
-    if not isinstance(sharding, jax.sharding.Sharding):
+    program. A NamedSharding is keyed by its mesh and its spec with every dimension spelled
+    out (`P()` == `P(None, None)`, `P(('data',))` == `P('data')`); other shardings by
+    themselves."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
-    return (
-        sharding._to_xla_hlo_sharding(ndim),
-        sharding._device_assignment,
-        sharding.memory_kind,
-    )
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    spec = tuple(axes[0] if isinstance(axes, tuple) and len(axes) == 1 else axes for axes in spec)
+    return (sharding.mesh, spec, sharding.memory_kind)
 
 
 class Program:
