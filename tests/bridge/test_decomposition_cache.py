@@ -218,3 +218,26 @@ def test_the_cache_lives_beside_the_compilation_cache_and_only_with_one(tmp_path
     assert decomposition_cache.cache_directory() is None
     jax_with_cache_dir(str(tmp_path))
     assert decomposition_cache.cache_directory() == str(tmp_path / "zerojax-capture")
+
+
+class StridedView(nn.Module):
+    def forward(self, x):
+        return x[1:].as_strided((2, 2), (1, 2), 4)
+
+
+def test_a_graph_whose_lowering_reads_storage_offsets_is_not_cached(cache):
+    """torch's serializer records every view with storage offset 0, and `as_strided`'s lowering
+    reads its input's offset (here 4, from `x[1:]`): served from the cache, the read would
+    land on the wrong elements. Such a graph is decomposed every time; others still cache."""
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        program = capture(StridedView(), (x,), {}, train=False)
+        offsets = {
+            n.name: n.meta["val"].storage_offset()
+            for n in program.graph.nodes
+            if n.op == "call_function" and n.target is torch.ops.aten.slice.Tensor
+        }
+        assert list(offsets.values()) == [4], offsets
+    assert cache.entries() == [] and not cache.loads
+    capture(Heads(), (torch.randn(2, 5, 16),), {}, train=False)
+    assert len(cache.entries()) == 1

@@ -39,7 +39,7 @@ import torch.utils._pytree as torch_pytree
 
 log = logging.getLogger("zerojax")
 
-FORMAT = 1
+FORMAT = 2
 """Bumped whenever what is cached, or how it is keyed, changes."""
 
 SUBDIRECTORY = "zerojax-capture"
@@ -59,6 +59,13 @@ _NODE_META = (
 )
 
 _CORE_NAMESPACES = ("aten", "prims")
+
+# Ops whose lowering reads their input's storage offset (bridge/lowerings/shape.py).
+_READS_STORAGE_OFFSET = (
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.as_strided_copy.default,
+    torch.ops.aten.as_strided_scatter.default,
+)
 
 
 def cache_directory() -> str | None:
@@ -93,16 +100,23 @@ def decompose(
             log.debug("zerojax: capture cache entry %s did not load (%s); decomposing", path, error)
     decomposed = run(exported, table)
     try:
-        _save(decomposed, directory, path)
+        _save(decomposed, exported, directory, path)
     except Exception as error:  # noqa: BLE001 - an unwritable cache only costs the next run
         log.debug("zerojax: could not write capture cache entry %s (%s)", path, error)
     return decomposed
 
 
-def _save(decomposed: torch.export.ExportedProgram, directory: str, path: str) -> None:
+def _save(
+    decomposed: torch.export.ExportedProgram,
+    exported: torch.export.ExportedProgram,
+    directory: str,
+    path: str,
+) -> None:
     """torch.export's serialized form of the program, without weights or example inputs (the
     fresh capture's are used), pickled: torch's own JSON reader (`torch.export.load`) took
-    0.4 s for the bench GPT-2, as long as decomposing. Written atomically."""
+    0.4 s for the bench GPT-2, as long as decomposing. Written atomically, and only if loading
+    it back gives the same graph as the lowerings read it (the serializer gives every view a
+    storage offset of 0: a graph with `as_strided`, whose lowering reads them, is not cached)."""
     # Imported here: torch's serializer pulls in torch._dynamo (~1 s), which `import zerojax`
     # should not pay for; the first capture imports most of it anyway.
     from torch._export.serde.serialize import ExportedProgramSerializer
@@ -110,6 +124,12 @@ def _save(decomposed: torch.export.ExportedProgram, directory: str, path: str) -
     serialized = ExportedProgramSerializer().serialize(
         decomposed, serialize_state_dict=False, serialize_example_inputs=False
     )
+    # The serializer drops views' storage offsets; only `as_strided` reads them.
+    offsets = any(node.target in _READS_STORAGE_OFFSET for node in decomposed.graph.nodes)
+    loaded = _deserialize(serialized, exported)
+    if _graph_description(loaded, offsets) != _graph_description(decomposed, offsets):
+        log.debug("zerojax: the decomposed graph does not survive serialization; not cached")
+        return
     os.makedirs(directory, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
     try:
@@ -122,10 +142,26 @@ def _save(decomposed: torch.export.ExportedProgram, directory: str, path: str) -
 
 
 def _load(path: str, exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    with open(path, "rb") as file:
+        return _deserialize(pickle.load(file), exported)
+
+
+def _graph_description(program: torch.export.ExportedProgram, storage_offsets: bool) -> list[str]:
+    """Every node as the interpreter and the lowerings see it: op, target, arguments and the
+    recorded value (shape, strides, storage offset if asked, dtype, ...). The output node's own
+    value is left out: the deserializer records one, decomposition does not, nothing reads it."""
+    described = []
+    for node in program.graph_module.graph.nodes:
+        value = None if node.op == "output" else node.meta.get("val")
+        parts = [node.op, node.name, _target_name(node.target)]
+        parts += [_describe(x, storage_offsets) for x in (node.args, node.kwargs, value)]
+        described.append("|".join(parts))
+    return described
+
+
+def _deserialize(serialized, exported: torch.export.ExportedProgram):
     from torch._export.serde.serialize import ExportedProgramDeserializer
 
-    with open(path, "rb") as file:
-        serialized = pickle.load(file)
     loaded = ExportedProgramDeserializer().deserialize(
         serialized.exported_program,
         exported.state_dict,
@@ -224,23 +260,26 @@ def _target_name(target) -> str:
     return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
 
 
-def _describe(value) -> str:
-    """A repr that names everything decomposition sees: tensors by shape, strides, dtype,
-    device and flags (FakeTensor's repr omits strides), nodes by name."""
+def _describe(value, storage_offsets: bool = True) -> str:
+    """A repr that names everything decomposition sees: tensors by shape, strides, storage
+    offset (unless `storage_offsets` is False), dtype, device and flags (FakeTensor's repr
+    omits strides), nodes by name."""
+    describe = functools.partial(_describe, storage_offsets=storage_offsets)
     if isinstance(value, torch.fx.Node):
         return f"%{value.name}"
     if isinstance(value, torch.Tensor):
         return (
-            f"T({tuple(value.shape)},{value.stride()},{value.storage_offset()},{value.dtype},"
+            f"T({tuple(value.shape)},{value.stride()},"
+            f"{value.storage_offset() if storage_offsets else '_'},{value.dtype},"
             f"{value.device},{value.requires_grad},{value.layout})"
         )
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return _UNDESCRIBED  # symbolic shapes: their constraints live elsewhere
     if isinstance(value, (list, tuple)):
-        inner = ",".join(_describe(v) for v in value)
+        inner = ",".join(describe(v) for v in value)
         return f"{type(value).__name__}({inner})"
     if isinstance(value, dict):
-        inner = ",".join(f"{_describe(k)}:{_describe(v)}" for k, v in value.items())
+        inner = ",".join(f"{describe(k)}:{describe(v)}" for k, v in value.items())
         return f"{type(value).__name__}{{{inner}}}"
     if isinstance(value, (str, int, float, bool, complex, type(None), torch.dtype, torch.device)):
         return repr(value)
@@ -249,7 +288,7 @@ def _describe(value) -> str:
     if isinstance(value, (torch.memory_format, torch.layout, type)):
         return repr(value)
     if torch_pytree.is_namedtuple_instance(value):
-        return f"{type(value).__name__}({_describe(tuple(value))})"
+        return f"{type(value).__name__}({describe(tuple(value))})"
     return _UNDESCRIBED
 
 
