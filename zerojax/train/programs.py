@@ -115,8 +115,8 @@ class Program:
     def __call__(self, *args):
         """Run the program; with `jax.ShapeDtypeStruct` arguments (an abstract engine) only
         compile it and return its results' shapes and shardings."""
-        leaves = jax.tree.leaves(args)
-        compiled = self.last = self.prepare(*args)
+        leaves, treedef = jax.tree.flatten(args)
+        compiled = self.last = self._executable(args, leaves, treedef)
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             return compiled.out_info
         return compiled(*args)
@@ -125,7 +125,9 @@ class Program:
         """The executable for these arguments' signature, compiled now if it is not yet (or
         loaded from the persistent cache); nothing runs, and no argument's value is read, so
         arrays still being computed can be passed."""
-        leaves, treedef = jax.tree.flatten(args)
+        return self._executable(args, *jax.tree.flatten(args))
+
+    def _executable(self, args, leaves, treedef):
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
         compiled = self._compiled.get(key)
         if compiled is None:
