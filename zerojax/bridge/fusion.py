@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import torch
 
 from zerojax.bridge.kernel_sharding import per_batch_shard
-from zerojax.bridge.lowerings.matmul import matmul_einsum
+from zerojax.bridge.lowerings.matmul import is_matrix_transpose, matmul_einsum
 from zerojax.bridge.registry import LoweringContext
 from zerojax.config import KernelsConfig
 from zerojax.pallas_kernels.backend import auto_picks_pallas
@@ -311,12 +311,7 @@ def _fuse_linear_cross_entropy(
             return
     else:
         return
-    if (
-        not (_is(transposed, aten.permute.default, aten.t.default))
-        or _shape(logits) != tokens_vocab
-    ):
-        return
-    if transposed.target == aten.permute.default and list(transposed.args[1]) != [1, 0]:
+    if not is_matrix_transpose(transposed) or _shape(logits) != tokens_vocab:
         return
     weight, hidden_shape = transposed.args[0], _shape(hidden)
     if hidden_shape is None or _shape(weight) != (tokens_vocab[1], hidden_shape[1]):

@@ -86,25 +86,21 @@ def _add_scaled(self, product, beta, alpha):
     return out + (self.astype(out.dtype) if beta == 1 else self.astype(out.dtype) * beta)
 
 
-def _is_transpose(node) -> bool:
-    """Whether an FX argument is the 2-d transpose of another value (`t`, `permute([1, 0])`,
-    `transpose(0, 1)`): what `nn.Linear` passes as mm's second operand."""
+def is_matrix_transpose(node) -> bool:
+    """Whether an FX argument is `t(x)` or `permute(x, [1, 0])`: how nn.Linear's weight reaches
+    mm/addmm after decomposition (also what the loss fusion looks for, bridge/fusion.py)."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
         return False
-    if node.target is aten.t.default:
-        return True
     if node.target is aten.permute.default:
-        return list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
-    if node.target is aten.transpose.int:
-        return sorted(d % 2 for d in node.args[1:3]) == [0, 1]
-    return False
+        return list(node.args[1]) == [1, 0]
+    return node.target is aten.t.default
 
 
 def _matrix_product(a, b, b_node):
     """a @ b. When b is the transpose of a weight (nn.Linear's `t(W)`), multiply by the weight
     itself: XLA:CPU folds the double transpose, and a bf16 product whose operand is a transpose
     op is computed in fp32 (converted first), while one on the weight runs its bf16 kernels."""
-    if _is_transpose(b_node):
+    if is_matrix_transpose(b_node):
         return matmul_einsum("ij,kj->ik", a, b.T)
     return matmul_einsum("ij,jk->ik", a, b)
 
