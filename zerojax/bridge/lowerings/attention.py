@@ -17,6 +17,7 @@ from zerojax.bridge.errors import node_location
 from zerojax.bridge.kernel_sharding import per_batch_shard
 from zerojax.bridge.registry import lowering
 from zerojax.bridge.sequence_parallel import sequence_parallel_attention
+from zerojax.pallas_kernels.flash_attention.reference import repeat_kv_heads
 
 aten = torch.ops.aten
 
@@ -62,15 +63,9 @@ def attention_reference(
     ).astype(query.dtype), weights
 
 
-def _repeat_kv_heads(query, key, value):
-    """Grouped-query attention: each key/value head serves query_heads / kv_heads queries."""
-    groups = query.shape[-3] // key.shape[-3]
-    return jnp.repeat(key, groups, axis=-3), jnp.repeat(value, groups, axis=-3)
-
-
 def _sdpa(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     if enable_gqa and key.shape[-3] != query.shape[-3]:
-        key, value = _repeat_kv_heads(query, key, value)
+        key, value = repeat_kv_heads(key, value, query.shape[-3])
     rng = ctx.rng_key() if dropout_p > 0.0 else None
     return attention_reference(
         query,

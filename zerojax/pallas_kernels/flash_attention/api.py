@@ -26,6 +26,7 @@ from zerojax.pallas_kernels.flash_attention.causal_blocks import (
 from zerojax.pallas_kernels.flash_attention.reference import (
     dropout_seed,
     flash_attention_reference,
+    repeat_kv_heads,
 )
 
 Implementation = Literal["auto", "pallas", "xla"]
@@ -329,9 +330,7 @@ def flash_attention(
     if not use_pallas:
         plain_causal = causal and mask is None and segment_ids is None and dropout_p == 0.0
         if plain_causal and causal_blocks_fit(q, k):
-            if k.shape[1] != q.shape[1]:  # grouped-query: as the reference, repeat kv heads
-                k = jnp.repeat(k, q.shape[1] // k.shape[1], axis=1)
-                v = jnp.repeat(v, q.shape[1] // v.shape[1], axis=1)
+            k, v = repeat_kv_heads(k, v, q.shape[1])  # grouped-query, as the reference
             return causal_block_attention(q, k, v, scale=scale)
         return flash_attention_reference(
             q,

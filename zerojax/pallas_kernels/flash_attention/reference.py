@@ -119,6 +119,15 @@ def attention_allowed(
     return allowed
 
 
+def repeat_kv_heads(k: jax.Array, v: jax.Array, heads_q: int) -> tuple[jax.Array, jax.Array]:
+    """Grouped-query k/v [..., heads_kv, seq, d] widened to `heads_q` heads, as
+    repeat_interleave: kv head j serves q heads j*groups .. j*groups + groups - 1."""
+    groups = heads_q // k.shape[-3]
+    if groups == 1:
+        return k, v
+    return jnp.repeat(k, groups, axis=-3), jnp.repeat(v, groups, axis=-3)
+
+
 def flash_attention_reference(
     q: jax.Array,
     k: jax.Array,
@@ -145,12 +154,8 @@ def flash_attention_reference(
         (1, 2, 16, 64)
     """
     batch, heads_q, seq_q, head_dim = q.shape
-    heads_kv, seq_k = k.shape[1], k.shape[2]
-    groups = heads_q // heads_kv
-    if groups > 1:
-        # repeat_interleave: kv head j serves q heads j*groups .. j*groups + groups - 1.
-        k = jnp.repeat(k, groups, axis=1)
-        v = jnp.repeat(v, groups, axis=1)
+    seq_k = k.shape[2]
+    k, v = repeat_kv_heads(k, v, heads_q)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     scores = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
     scores = scores * jnp.float32(scale)
