@@ -61,9 +61,12 @@ $(BENCH_VENV)/.installed: pyproject.toml
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_VENV)/bin/python bench/bridge.py
 
-# Train step (forward + backward + AdamW): zerojax vs PyTorch eager / torch.compile, fp32 and bf16.
+# Train step (forward + backward + AdamW): zerojax vs PyTorch eager / torch.compile, fp32 and bf16,
+# then the step's matmul floor (its products alone, XLA:CPU vs torch) against the targets.
 bench-train: $(STAMP)
 	$(PY) bench/train_step.py
+	$(PY) bench/train_step_floor.py --precision fp32
+	$(PY) bench/train_step_floor.py --precision bf16
 
 bench-ckpt: $(STAMP)
 	$(PY) bench/checkpoint.py
