@@ -1,7 +1,7 @@
 """Run a script under `python -m torch.distributed.run` on 127.0.0.1, bounded in time.
 
-Every run gets free ports (MASTER_PORT and the JAX coordinator's MASTER_PORT + 1, both found by
-binding port 0), a marker in its environment (on timeout every process carrying it is killed:
+Every run gets free ports (MASTER_PORT and the JAX coordinator's MASTER_PORT + 1, drawn below
+the ephemeral port range), a marker in its environment (on timeout every process carrying it is killed:
 torchrun starts each rank in its own session, and a rank whose agent died is no longer its
 descendant, so neither a process group nor the process tree reaches them all), output to a file
 (an orphaned rank holding a pipe would block the reader forever) and a clean environment: tests/conftest.py's XLA_FLAGS (8 devices in *this* process) is dropped,
@@ -11,6 +11,7 @@ each rank sets its own device count, and PYTHONPATH puts this checkout's zerojax
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,15 +34,29 @@ def _port_is_free(port: int) -> bool:
         return True
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_master_port() -> int:
-    """A port that is free, and whose coordinator port (+ offset) is free too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + COORDINATOR_PORT_OFFSET < 65536 and _port_is_free(port + COORDINATOR_PORT_OFFSET):
+    """A port that is free, and whose coordinator port (+ offset) is free too.
+
+    Drawn at random from below the kernel's ephemeral range: a port found by binding port 0 lies
+    inside it, where every outgoing connection (the ranks' gloo and TCPStore clients, a parallel
+    test's) takes its local port, so one could take the pair between this check and torchrun's
+    bind. The random draw (from the OS, not a seeded generator) keeps parallel test workers apart.
+    """
+    low_ephemeral, _ = _ephemeral_port_range()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(10_000, low_ephemeral - COORDINATOR_PORT_OFFSET)
+        if _port_is_free(port) and _port_is_free(port + COORDINATOR_PORT_OFFSET):
             return port
-    raise RuntimeError("no free pair of ports found on 127.0.0.1")
+    raise RuntimeError(f"no free pair of ports found on 127.0.0.1 in [10000, {low_ephemeral})")
 
 
 def kill_marked(marker: str) -> None:
