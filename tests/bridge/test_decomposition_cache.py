@@ -10,6 +10,7 @@ or torch version changes it; what the key cannot describe (custom ops) is not ca
 from __future__ import annotations
 
 import operator
+import os
 import types
 
 import pytest
@@ -218,6 +219,38 @@ def test_the_cache_lives_beside_the_compilation_cache_and_only_with_one(tmp_path
     assert decomposition_cache.cache_directory() is None
     jax_with_cache_dir(str(tmp_path))
     assert decomposition_cache.cache_directory() == str(tmp_path / "zerojax-capture")
+
+
+def test_the_directory_keeps_the_most_recently_used_entries_within_its_bound(cache, monkeypatch):
+    """Each write evicts the least recently used entries (written or served) beyond max_bytes():
+    a cache beside the compilation cache must not grow with every edit of every model."""
+    module = Heads()
+    inputs = {length: torch.randn(2, length, 16) for length in (3, 4, 5)}  # a graph each
+    capture(module, (inputs[3],), {}, train=True)
+    (first,) = cache.directory.iterdir()
+    budget = int(2.5 * first.stat().st_size)  # two entries of this graph's size, not three
+    monkeypatch.setattr(decomposition_cache, "max_bytes", lambda: budget)
+    capture(module, (inputs[4],), {}, train=True)
+    (second,) = set(cache.directory.iterdir()) - {first}
+    os.utime(first, (1, 1))  # first is the older one...
+    os.utime(second, (2, 2))
+    capture(module, (inputs[3],), {}, train=True)  # ...until it is served again
+    assert cache.loads == [str(first)]
+    capture(module, (inputs[5],), {}, train=True)
+    kept = set(cache.directory.iterdir())
+    assert first in kept and second not in kept and len(kept) == 2
+    assert sum(path.stat().st_size for path in kept) <= budget
+
+
+def test_the_bound_is_jax_compilation_cache_bound_when_set(monkeypatch):
+    def jax_with_max_size(size):
+        config = types.SimpleNamespace(jax_compilation_cache_max_size=size)
+        monkeypatch.setattr(decomposition_cache, "jax", types.SimpleNamespace(config=config))
+
+    jax_with_max_size(-1)  # JAX's default: unbounded
+    assert decomposition_cache.max_bytes() == decomposition_cache.DEFAULT_MAX_BYTES
+    jax_with_max_size(10_000)
+    assert decomposition_cache.max_bytes() == 10_000
 
 
 class StridedView(nn.Module):

@@ -19,7 +19,10 @@ decomposition is the user's Python code), metadata of kinds not listed in `_NODE
 constants that are not tensors.
 
 Entries are written atomically (temporary file, then rename); an entry that does not load is
-ignored and the step runs as without a cache.
+ignored and the step runs as without a cache. The directory is bounded: after each write the
+least recently used entries go until the rest fit in `max_bytes()` (JAX's
+`jax_compilation_cache_max_size` when set, else DEFAULT_MAX_BYTES). An entry is a few KB to
+~1 MB and every edit of a model writes a new one, so an unbounded cache only grows.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ FORMAT = 2
 """Bumped whenever what is cached, or how it is keyed, changes."""
 
 SUBDIRECTORY = "zerojax-capture"
+
+DEFAULT_MAX_BYTES = 256 * 2**20
+"""The directory's size bound when JAX's compilation cache has none (its default, -1): a few
+hundred captures of models the size of the bench GPT-2 (~1 MB each); scanning the directory
+after a write costs ~7 ms at 3,000 entries."""
 
 # Node metadata torch.export writes on a training-IR graph and run_decompositions carries over
 # (`original_aten` and `seq_nr` where node meta is preserved, as capture does for checkpoint
@@ -95,15 +103,47 @@ def decompose(
     path = os.path.join(directory, f"{key}.pickle")
     if os.path.exists(path):
         try:
-            return _load(path, exported)
+            loaded = _load(path, exported)
+            os.utime(path)  # recently used: the last to be evicted
+            return loaded
         except Exception as error:  # noqa: BLE001 - a bad entry only costs the decomposition
             log.debug("zerojax: capture cache entry %s did not load (%s); decomposing", path, error)
     decomposed = run(exported, table)
     try:
         _save(decomposed, exported, directory, path)
+        evict_least_recently_used(directory, max_bytes())
     except Exception as error:  # noqa: BLE001 - an unwritable cache only costs the next run
         log.debug("zerojax: could not write capture cache entry %s (%s)", path, error)
     return decomposed
+
+
+def max_bytes() -> int:
+    """The directory's size bound: JAX's compilation cache bound when set, else the default."""
+    configured = jax.config.jax_compilation_cache_max_size
+    return configured if configured >= 0 else DEFAULT_MAX_BYTES
+
+
+def evict_least_recently_used(directory: str, budget: int) -> None:
+    """Delete entries, least recently used (written or served) first, until the rest fit in
+    `budget` bytes. Another process may delete or replace entries meanwhile: a vanished file is
+    skipped, and a process that finds its entry gone decomposes again."""
+    entries = []
+    for entry in os.scandir(directory):
+        if entry.name.endswith(".pickle"):
+            try:
+                status = entry.stat()
+            except FileNotFoundError:
+                continue
+            entries.append((status.st_mtime, status.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= budget:
+            break
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        total -= size
 
 
 def _save(
