@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -113,10 +114,15 @@ def main() -> None:
         out, losses=np.array(losses), norms=np.array(norms), indices=np.array(indices), **params
     )
     if args.engine == "torch":
-        # Both ranks leave together: a rank tearing gloo down while the other still writes its
-        # file sometimes left the slower one hanging at exit.
+        # Both ranks leave together, once both files are written; then without the interpreter's
+        # teardown: with gloo's threads still about, a rank sometimes hung there after main()
+        # returned (2 of 24 runs beside another such loop; faulthandler showed the main thread at
+        # the module's last line and one native thread), until the test's timeout killed it.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
