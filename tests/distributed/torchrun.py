@@ -1,10 +1,11 @@
 """Run a script under `python -m torch.distributed.run` on 127.0.0.1, bounded in time.
 
 Every run gets free ports (MASTER_PORT and the JAX coordinator's MASTER_PORT + 1, drawn below
-the ephemeral port range), a marker in its environment (on timeout every process carrying it is killed:
-torchrun starts each rank in its own session, and a rank whose agent died is no longer its
-descendant, so neither a process group nor the process tree reaches them all), output to a file
-(an orphaned rank holding a pipe would block the reader forever) and a clean environment: tests/conftest.py's XLA_FLAGS (8 devices in *this* process) is dropped,
+the ephemeral port range), a marker in its environment (on timeout every process carrying it
+is killed: torchrun starts each rank in its own session, and a rank whose agent died is no
+longer its descendant, so neither a process group nor the process tree reaches them all),
+output to a file (an orphaned rank holding a pipe would block the reader forever) and a clean
+environment: tests/conftest.py's XLA_FLAGS (8 devices in *this* process) is dropped,
 each rank sets its own device count, and PYTHONPATH puts this checkout's zerojax first.
 """
 
