@@ -46,7 +46,7 @@ import torch
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from bench.train_step import PRECISIONS, WARMUP_STEPS, torch_step
+from bench.train_step import PRECISIONS, time_steps, torch_step
 from bench.train_step_phases import wrapped
 from zerojax.bridge.dtypes import from_torch
 
@@ -182,9 +182,7 @@ def main() -> None:
     found = products(jax.make_jaxpr(program._jitted)(*args).jaxpr)
 
     eager = torch_step(quick=False, precision=options.precision, compiled=False)
-    for _ in range(WARMUP_STEPS):
-        eager()
-    eager_seconds = median_seconds(eager, options.repeats)
+    _, eager_seconds = time_steps(eager, options.repeats)  # as bench/train_step.py times it
 
     rows, total_flops = [], 0.0
     floor = collections.defaultdict(float)  # (library, "linear" or "attention") -> seconds

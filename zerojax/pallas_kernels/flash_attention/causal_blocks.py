@@ -131,14 +131,7 @@ def _backward(scale, num_blocks, residuals, d_out):
         visible = (i + 1) * block
         keys, values = k[:, :, :visible], v[:, :, :visible]
         probs = jnp.exp(_block_scores(q_blocks[i], keys, i, scale) - logsumexps[i])
-        d_v = d_v.at[:, :, :visible].add(
-            jnp.einsum(
-                "bhqk,bhqd->bhkd",
-                probs.astype(d_out.dtype),
-                d_out_blocks[i],
-                preferred_element_type=jnp.float32,
-            )
-        )
+        d_v = d_v.at[:, :, :visible].add(_key_side(probs.astype(d_out.dtype), d_out_blocks[i]))
         d_probs = jnp.einsum(
             "bhqd,bhkd->bhqk", d_out_blocks[i], values, preferred_element_type=jnp.float32
         )
@@ -151,16 +144,15 @@ def _backward(scale, num_blocks, residuals, d_out):
                 preferred_element_type=jnp.float32,
             )
         )
-        d_k = d_k.at[:, :, :visible].add(
-            jnp.einsum(
-                "bhqk,bhqd->bhkd",
-                d_scores.astype(q.dtype),
-                q_blocks[i],
-                preferred_element_type=jnp.float32,
-            )
-        )
+        d_k = d_k.at[:, :, :visible].add(_key_side(d_scores.astype(q.dtype), q_blocks[i]))
     d_q = _unblocked(jnp.stack(d_q_blocks))
     return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype)
+
+
+def _key_side(weights, rows):
+    """[b, h, q, k] weights^T x [b, h, q, d] rows -> [b, h, k, d] in fp32: a block's share of
+    dK (score gradients x queries) or dV (probabilities x output gradients)."""
+    return jnp.einsum("bhqk,bhqd->bhkd", weights, rows, preferred_element_type=jnp.float32)
 
 
 _attention.defvjp(_forward, _backward)
