@@ -372,7 +372,7 @@ def test_yaml_file_and_example(tmp_path):
     config = load_config(EXAMPLES / "zero3.yaml")
     assert config.mesh.axes == (("fsdp", -1),) and config.mesh.shape == (8,)
     assert config.zero_stage == 3 and config.rules[0].preset == "gpt2"
-    assert config.source.endswith("zero3.yaml") and config.train.patch_clip_grad_norm is False
+    assert config.source.endswith("zero3.yaml")
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"mesh": {"fsdp": 8}, "zero_stage": 2}))
     assert load_config(path).zero_stage == 2
@@ -534,13 +534,19 @@ def test_deepspeed_native_train_merges_with_deepspeed_keys():
     config = load(
         {
             "gradient_accumulation_steps": 2,
-            "gradient_clipping": 0.5,
-            "zerojax": {"train": {"patch_clip_grad_norm": True}},
+            "zerojax": {"train": {"gradient_clipping": 0.5}},
         }
     )
     train = config.train
     assert (train.gradient_accumulation_steps, train.gradient_clipping) == (2, 0.5)
-    assert train.patch_clip_grad_norm is True
+
+
+def test_obsolete_clip_patch_key_loads_with_a_warning():
+    """`train.patch_clip_grad_norm` (torch's clip_grad_norm_ needed it before gradients were
+    live) still loads, so old configs keep working, and says it does nothing now."""
+    with pytest.warns(ConfigWarning, match="patch_clip_grad_norm: no longer needed"):
+        config = load({"train": {"patch_clip_grad_norm": True}})
+    assert not hasattr(config.train, "patch_clip_grad_norm")
 
 
 def test_deepspeed_optimizer_kernel_choices_warn():

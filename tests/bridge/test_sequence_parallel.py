@@ -280,7 +280,7 @@ def _train_like_torch(model, optimizer, reference, ref_optimizer, inputs):
         expected = {n: p.grad.numpy() for n, p in names.items() if p.grad is not None}
         floor = GRAD_FLOOR * max(np.linalg.norm(g) for g in expected.values())
         for param, want in expected.items():
-            got = engine.gathered_grad(engine.alias.get(param, param))
+            got = np.asarray(engine.grad_value(engine.alias.get(param, param), np.float32))
             err = relative_error(got, want, floor=floor)
             assert err <= GRAD_RTOL, f"step {step}: gradient of {param}: {err:.2e}"
         for opt in (optimizer, ref_optimizer):

@@ -1,11 +1,11 @@
-"""Gradient clipping on a wrapped model: `model.clip_grad_norm_`, and torch's function only
-when the config opts in to the patch.
+"""Gradient clipping on a wrapped model: `model.clip_grad_norm_`, and torch's own functions
+(`clip_grad_norm_`, `clip_grad_value_`, `get_total_norm`, `_foreach_*`) on the live gradients.
 
 Run: .venv/bin/python -m pytest -q tests/train/test_clipping.py -p no:cacheprovider
-Why: issue 14 item 3. zerojax must not replace `torch.nn.utils.clip_grad_norm_` for the whole
-process by default, and a torch user calling it on zerojax parameters must get an error that
-says what to do, never a silent clip of a host copy. (The patch's lifetime, restored when the
-last engine that asked is collected, is checked in a fresh process in test_initialize_config.)
+Why: issue 24 item 2. The most common line of training scripts,
+`torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`, must work unpatched and with no
+config key, on the shards (no gradient gathered to the host), and in-place changes to `p.grad`
+must reach the gradient the optimizer uses, never a silently discarded host copy.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch.nn.functional as F
 import zerojax
 from bench.architectures import MLP
 from tests import tolerances
-from zerojax.train import clipping
+from zerojax.train import engine as engine_module
+from zerojax.train import live_tensor
+from zerojax.train.live_tensor import LiveTensor
 
 pytestmark = pytest.mark.multidevice
 
@@ -65,32 +67,70 @@ def test_model_clip_grad_norm_matches_torch(norm_type):
     assert float(theirs) > 0.1  # the clip really scaled something
 
 
-def test_initialize_does_not_patch_torch_by_default():
-    model, _ = wrapped_and_reference()
-    # Another test's live engine may hold the opt-in patch; this engine must not have added it.
-    if clipping._num_patching_engines == 0:
-        assert torch.nn.utils.clip_grad_norm_ is clipping.torch_clip_grad_norm_
-    assert model.engine.config.train.patch_clip_grad_norm is False
+def refuse_host_copies(monkeypatch):
+    """Make every way zerojax copies an array to the host raise (XLA:CPU's transfer guard does
+    not count CPU arrays read by NumPy, so the copy functions themselves are replaced)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a gradient was copied to the host")
+
+    monkeypatch.setattr(live_tensor, "host_copy", refuse)
+    monkeypatch.setattr(engine_module, "host_copy", refuse)
 
 
-def test_unpatched_torch_clip_on_sharded_params_is_a_clear_error():
-    """torch's own function (what an unpatched process calls) reads host copies of the
-    gradients; its in-place scaling must fail and name the two fixes."""
-    model, _ = wrapped_and_reference()
-    with pytest.raises(RuntimeError) as info:
-        clipping.torch_clip_grad_norm_(model.parameters(), 0.1)
-    message = str(info.value)
-    assert "model.clip_grad_norm_(max_norm)" in message
-    assert "train.patch_clip_grad_norm: true" in message
-    # Nothing was clipped: the next clip sees the unclipped norm.
-    assert float(model.clip_grad_norm_(0.1)) > 0.1
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_torch_clip_grad_norm_runs_on_the_shards(norm_type, monkeypatch):
+    """torch's own function, unpatched, on the live gradients: the same norm and clipped
+    gradients as torch's, with nothing copied to the host on the way."""
+    assert torch.nn.utils.clip_grad_norm_.__module__ == "torch.nn.utils.clip_grad"
+    model, reference, exact = wrapped_and_reference(with_exact=True)
+    with monkeypatch.context() as patch:
+        refuse_host_copies(patch)
+        ours = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, norm_type)
+    assert isinstance(ours, LiveTensor)
+    theirs = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, norm_type)
+    assert_clip_matches(model, reference, exact, ours, theirs, norm_type)
+    assert float(theirs) > 0.1
 
 
-def test_patched_torch_clip_runs_on_the_shards():
-    model, reference, exact = wrapped_and_reference(
-        {**ZERO3, "train": {"patch_clip_grad_norm": True}}, with_exact=True
-    )
-    assert torch.nn.utils.clip_grad_norm_ is clipping.clip_grad_norm_
-    ours = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-    theirs = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)  # torch's path
-    assert_clip_matches(model, reference, exact, ours, theirs, 2.0)
+def test_clip_grad_value_and_get_total_norm_match_torch():
+    model, reference, exact = wrapped_and_reference(with_exact=True)
+    for m in (model, reference, exact):
+        torch.nn.utils.clip_grad_value_(m.parameters(), 0.01)
+    # Clamping is exact: the clipped gradients differ as the unclipped ones did.
+    grads = [{n: p.grad for n, p in m.named_parameters()} for m in (model.module, reference, exact)]
+    tolerances.assert_params_within_torch_error(*grads, "value-clipped gradients")
+    assert max(float(p.grad.abs().max()) for p in model.parameters()) == pytest.approx(0.01)
+    norms = [
+        float(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]))
+        for m in (model, reference, exact)
+    ]
+    count = sum(p.numel() for p in reference.parameters())
+    floor = tolerances.rounded_intermediates(torch.float32, 2 * count, norms[2])
+    tolerances.assert_within_torch_error([norms[0]], [norms[1]], [norms[2]], "total norm", floor)
+
+
+def test_grad_in_place_ops_write_the_engine_gradients():
+    """`p.grad.data.mul_`, `torch._foreach_mul_` and `p.grad = t` change the gradient the
+    optimizer uses (a host copy would silently lose them)."""
+    model, reference = wrapped_and_reference()
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    first = params[0]
+    for p in params:
+        p.grad.data.mul_(0.5)
+    torch._foreach_mul_([p.grad for p in params[1:]], 3.0)
+    replacement = torch.randn_like(ref_params[-1])
+    params[-1].grad = replacement
+    with torch.no_grad():
+        for i, q in enumerate(ref_params):
+            q.grad.mul_(0.5)
+            if i:
+                q.grad.mul_(3.0)
+        ref_params[-1].grad = replacement.clone()
+    for p, q in zip(params, ref_params, strict=True):
+        # Multiplying by 0.5 is exact and by 3.0 rounds once, alike on both sides: the
+        # gradients differ only as they did before (the forward's reordering), in float32 ulps.
+        torch.testing.assert_close(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-7)
+    assert first.grad.data_ptr() == 0  # a live tensor: no host storage behind it
+    with pytest.raises(RuntimeError, match="view op"):
+        first.grad.view(-1).mul_(2.0)

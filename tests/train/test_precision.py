@@ -70,14 +70,7 @@ class Task:
 
 
 def config(precision, stage=3, **extra):
-    # The patch lets `step` clip both models with torch.nn.utils.clip_grad_norm_.
-    return {
-        "mesh": {"data": -1},
-        "zero_stage": stage,
-        "precision": precision,
-        "train": {"patch_clip_grad_norm": True},
-        **extra,
-    }
+    return {"mesh": {"data": -1}, "zero_stage": stage, "precision": precision, **extra}
 
 
 def setup(precision, **extra):

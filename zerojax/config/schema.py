@@ -276,11 +276,6 @@ class TrainConfig:
     """Examples per optimizer step over all ranks: micro_batch_size x
     gradient_accumulation_steps x data-parallel size (DeepSpeed's train_batch_size)."""
 
-    patch_clip_grad_norm: bool = False
-    """Route `torch.nn.utils.clip_grad_norm_` through zerojax (clipping on the shards) while
-    an engine that asked for it is alive; torch's function is restored when the last such
-    engine is collected. Off: use `model.clip_grad_norm_(max_norm)` on the wrapped model."""
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DevicesConfig:

@@ -462,8 +462,14 @@ def parse_train(raw: Any, data_parallel_size: int, *, deepspeed: bool = False) -
         if raw.get(key) is not None:
             kwargs[key] = as_int(path[key], raw[key], minimum=1)
     if "patch_clip_grad_norm" in raw:
-        kwargs["patch_clip_grad_norm"] = as_bool(
-            path["patch_clip_grad_norm"], raw["patch_clip_grad_norm"]
+        # Checked as before, so an old config still loads; it no longer does anything.
+        as_bool(path["patch_clip_grad_norm"], raw["patch_clip_grad_norm"])
+        warnings.warn(
+            f"{path['patch_clip_grad_norm']}: no longer needed and without effect: "
+            "torch.nn.utils.clip_grad_norm_ runs on the shards as it is (gradients are live "
+            "tensors); remove the key",
+            ConfigWarning,
+            stacklevel=2,
         )
     train = TrainConfig(**kwargs)
     train = _resolve_batch_sizes(train, data_parallel_size, path)

@@ -29,6 +29,7 @@ micro-batch) accumulates.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -144,7 +145,11 @@ class Engine:
         def field(name):
             return {n: a for (f, n), a in placed.items() if f == name}
 
-        seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else seed
+        if seed is None:
+            # Drawn from torch's generator without advancing it: the script's own draws after
+            # initialize (data order, its sampling) stay those of the same script without us.
+            with torch.random.fork_rng(devices=[]):
+                seed = int(torch.randint(0, 2**31 - 1, ()).item())
         if self.process_local is not None:
             seed = rank0_seed(seed)  # one dropout stream for the job
         rng = self._placed_rng(jax.random.key(seed))
@@ -497,12 +502,49 @@ class Engine:
             if not p.requires_grad
         }
 
-    def gathered_grad(self, name: str) -> np.ndarray | None:
-        """One parameter's gradient on the host (unscaled): for `p.grad`, never the hot path."""
+    # --- single entries, for live tensors (zerojax.train.live_tensor) ------------------------
+
+    def has_grad(self, name: str) -> bool:
+        grads = self._state.grads
+        return grads is not None and name in grads
+
+    def grad_value(self, name: str, dtype) -> jax.Array | None:
+        """One parameter's accumulated gradient as torch shows it: unscaled, in `dtype`; None
+        when it has none. On the shards: nothing is gathered."""
         grads = self._state.grads
         if grads is None or name not in grads:
             return None
-        return host_copy(grads[name]).astype(np.float32) / float(self.scale)
+        if self._state.loss_scale is not None:
+            return _unscaled(grads[name], self.scale, dtype)
+        grad = grads[name]
+        return grad if grad.dtype == dtype else grad.astype(dtype)
+
+    def write_grad(self, name: str, value: jax.Array) -> None:
+        """Set one parameter's accumulated gradient to `value` (as torch shows it: unscaled),
+        stored times the loss scale, in the grad dtype, on the plan's sharding."""
+        if name not in self.plan.grads:
+            raise ValueError(f"zerojax: '{name}' is not a float parameter; it has no gradient")
+        if self._state.loss_scale is not None:
+            value = value.astype(jnp.float32) * self.scale
+        grad = _put(value.astype(self.policy.grad_dtype), self.plan.grads[name])
+        self._state = self._state.replace(grads={**(self._state.grads or {}), name: grad})
+
+    def weight_value(self, name: str, dtype) -> jax.Array:
+        """One parameter's authoritative value (its master weight where kept), in `dtype`."""
+        weights = self._state.master if self._state.master is not None else {}
+        weight = weights.get(name, self._state.params[name])
+        return weight if weight.dtype == dtype else weight.astype(dtype)
+
+    def write_weight(self, name: str, value: jax.Array) -> None:
+        """Set one parameter (its master weight, and the param cast from it, where the policy
+        keeps one: what the optimizer update does), on the plan's shardings."""
+        state = self._state.with_weights({name: value})
+        plan = self.plan
+        params = {**state.params, name: _put(state.params[name], plan.params[name])}
+        master = state.master
+        if master is not None and name in master:
+            master = {**master, name: _put(master[name], plan.master_weights[name])}
+        self._state = state.replace(params=params, master=master)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> jax.Array:
         """Scale the accumulated gradients so their global norm is at most `max_norm`, on the
@@ -612,6 +654,11 @@ def abstract_state(module: torch.nn.Module):
 
     params = shapes(module.named_parameters(remove_duplicate=False))
     return params, shapes(module.named_buffers(remove_duplicate=False)), alias
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _unscaled(grad, scale, dtype):
+    return (grad.astype(jnp.float32) / scale).astype(dtype)
 
 
 def place_abstract(structs: dict, shardings: dict) -> dict:

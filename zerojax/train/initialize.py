@@ -10,11 +10,11 @@ from zerojax import distributed
 from zerojax.config import Config, apply_devices, load_config
 from zerojax.runtime import effective_time
 from zerojax.runtime.compilation_cache import enable_compilation_cache
-from zerojax.train import clipping
 from zerojax.train.engine import Engine
-from zerojax.train.module import ZeroModule, release_parameters
+from zerojax.train.module import ZeroModule
 from zerojax.train.optimizer_config import build_optimizer, check_optimizer_matches_config
 from zerojax.train.optimizer_shim import ZeroOptimizer
+from zerojax.train.parameters import plain_parameters, release_parameters
 
 
 def initialize(
@@ -37,15 +37,16 @@ def initialize(
     axis over all devices, ZeRO stage 0, fp32. Its `devices` section is applied to JAX here if
     JAX has not started yet (else it must match the running backend). With `optimizer=None`
     and an `optimizer:` section, the torch optimizer is built from it (and returned, wrapped);
-    a passed optimizer must agree with that section. `train.patch_clip_grad_norm: true` routes
-    `torch.nn.utils.clip_grad_norm_` through zerojax while this model lives; otherwise clip
-    with `model.clip_grad_norm_(max_norm)`. `example_inputs` traces now instead of on the
+    a passed optimizer must agree with that section. `example_inputs` traces now instead of on the
     first call. `loss_fn(outputs, target)` is traced into the program: call the model as
     `model(*inputs, target)` and it returns the loss, computed forward and backward in one
     fused program (as happens automatically when the model returns a scalar or `.loss`);
-    `fused=False` turns that off. `seed` seeds dropout (default: drawn from torch's RNG).
-    After this call the torch parameters hold no memory; read state with
-    `model.state_dict()`, which gathers it. The config's `runtime` section turns on JAX's
+    `fused=False` turns that off. `seed` seeds dropout (default: drawn
+    from torch's RNG state, which is left as it was: initialize never advances it).
+    After this call the engine's sharded arrays are the parameters' only copy, and the torch
+    parameters are live views of them (`zerojax.train.parameters`): `p.grad`, `p.data`,
+    `model.module.state_dict()`, `torch.nn.utils.clip_grad_norm_` and in-place ops read and
+    write the engine's state, on the shards. The config's `runtime` section turns on JAX's
     persistent compilation cache and the effective-training-time report (see
     `zerojax.train.effective_time`).
 
@@ -88,11 +89,10 @@ def initialize(
             wrapped_optimizer = ZeroOptimizer(optimizer, engine)
         wrapped = ZeroModule(model, engine)
         release_parameters(model, engine)
-        if config.train.patch_clip_grad_norm:
-            clipping.patch_torch_clip_grad_norm(engine)
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        engine.converted(model.training, args, {})
+        with plain_parameters():
+            engine.converted(model.training, args, {})
     return wrapped, wrapped_optimizer
 
 

@@ -8,12 +8,15 @@ out of `_JaxCall`, a `torch.autograd.Function` whose backward calls the JAX pull
 parameter gradients go into the engine's sharded accumulator, input gradients go back to torch
 (so a wrapped model can feed another one, or a torch loss, as in GANs and distillation).
 
-The original module's parameters keep their names, shapes and dtypes but give their memory up
-(each becomes a zero-stride view of one element): the JAX state is the only copy. Their class
-becomes `ShardedParameter`, whose `.grad` gathers the accumulated gradient to the host when read.
+The original module's parameters keep their identity, names, shapes and dtypes but give their
+memory up: the JAX state is the only copy, and torch code reaching them (`p.grad`, `p.data`,
+`module.state_dict()`) reads and writes it live (`zerojax.train.parameters`).
 """
 
 from __future__ import annotations
+
+import copy
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,59 +28,8 @@ from zerojax.bridge.convert import Static
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.bridge.value_inputs import input_key
 from zerojax.train.engine import Engine
+from zerojax.train.parameters import plain_parameters
 from zerojax.train.programs import find_scalar_loss
-
-
-class GradSnapshot(torch.Tensor):
-    """A host copy of a sharded gradient: reading works, writing in place is refused (it would
-    change the copy, not the gradient the optimizer uses)."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):
-            raise RuntimeError(
-                f"zerojax: `{name}` would modify a host copy of a sharded gradient (p.grad), not "
-                f"the gradient itself. Clip with model.clip_grad_norm_(max_norm) on the wrapped "
-                f"model (it runs on the shards), or set train.gradient_clipping in the config, or "
-                f"set train.patch_clip_grad_norm: true to have torch.nn.utils.clip_grad_norm_ "
-                f"run on the shards."
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        return out
-
-
-class ShardedParameter(torch.nn.Parameter):
-    """A parameter whose values and gradient live in a zerojax engine (memory-free here)."""
-
-    @property
-    def grad(self):
-        value = self._zerojax_engine.gathered_grad(self._zerojax_name)
-        if value is None:
-            return None
-        tensor = torch.from_numpy(np.ascontiguousarray(value)).to(self.dtype)
-        return tensor.as_subclass(GradSnapshot)
-
-    @grad.setter
-    def grad(self, value):
-        if value is not None:
-            raise RuntimeError(
-                "zerojax: gradients live in the sharded engine; only `p.grad = None` "
-                "(optimizer.zero_grad()) is supported"
-            )
-        engine = getattr(self, "_zerojax_engine", None)
-        if engine is not None:  # as in torch, this parameter's gradient is gone
-            engine.drop_grad(self._zerojax_name)
-
-
-def release_parameters(module: torch.nn.Module, engine: Engine) -> None:
-    """Hand every parameter's memory to the engine: same names/shapes/dtypes, no storage."""
-    for name, param in module.named_parameters():
-        param.data = torch.empty((), dtype=param.dtype).expand(param.shape)
-        param.__class__ = ShardedParameter
-        param._zerojax_engine = engine
-        param._zerojax_name = engine.alias[name]
 
 
 class _JaxCall(torch.autograd.Function):
@@ -129,12 +81,40 @@ class ZeroModule(torch.nn.Module):
         self._engine = engine
         self._anchor = torch.zeros((), requires_grad=True)
         self.train(module.training)
+        # `inspect.signature(model.forward)` is the module's own: the HF Trainer keeps only the
+        # dataset columns the forward names, and checks for `num_items_in_batch`.
+        @functools.wraps(module.forward)
+        def forward(*args, **kwargs):
+            return self._wrapped_forward(*args, **kwargs)
+
+        self.forward = forward
+
+    def __getattr__(self, name: str):
+        """The module's own attributes (`config`, `generate`, `loss_type`, `estimate_mfu`, ...)
+        through the wrapper, as DDP users reach them through `.module`."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" not in modules:
+                raise
+            return getattr(modules["module"], name)
+
+    def __deepcopy__(self, memo):
+        """An ordinary torch copy of the module, holding the current values (an EMA model):
+        the engine and its program are not copied."""
+        return copy.deepcopy(self.module, memo)
 
     @property
     def engine(self) -> Engine:
         return self._engine
 
-    def forward(self, *args, **kwargs):
+    def _wrapped_forward(self, *args, **kwargs):
+        # torch.export, when a new signature is captured, must see ordinary parameters.
+        with plain_parameters():
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, *args, **kwargs):
         engine = self._engine
         converted = engine.converted(self.training, args, kwargs)
         flat_with_paths, spec = torch_pytree.tree_flatten_with_path((args, kwargs))

@@ -1,0 +1,123 @@
+"""One ATen call at a time on JAX arrays, through the lowering table: the bridge's eager mode.
+
+The live tensors of a wrapped model (`zerojax.train.live_tensor`) run each torch op they meet on
+the engine's sharded arrays. A call becomes a one-node FX graph -- placeholders carrying the
+tensor arguments' meta tensors, the op node carrying torch's meta output -- evaluated by the
+interpreter's own `_evaluate`, so a lowering sees exactly what it sees in a captured graph
+(`ctx.node.args[i].meta["val"]`, `ctx.out_dtype`) and its result is conformed the same way. The
+walk is jitted once per signature: the op, the non-tensor arguments (Python scalars are part of
+the key, as they are constants of a captured graph) and each tensor's shape and dtype. Inputs'
+shardings are JAX's business: a jitted call on ZeRO-sharded arrays runs on the shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+import torch.utils._pytree as torch_pytree
+
+from zerojax.bridge.interpreter import _evaluate
+from zerojax.bridge.registry import LoweringContext
+
+__all__ = ["EagerCall", "eager_call", "meta_of"]
+
+# Distinct signatures kept compiled; beyond it the least recently used is dropped (a script
+# whose Python scalars change every step -- a decay schedule -- would otherwise grow it forever).
+_MAX_CACHED_CALLS = 1024
+
+
+def meta_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with `tensor`'s shape and dtype (contiguous: JAX values have no strides)."""
+    return torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+
+
+class EagerCall:
+    """One ATen overload on one signature, lowered and jitted.
+
+    `meta_leaves` are the call's flattened (args, kwargs) with every tensor a meta tensor (or a
+    0-d CPU tensor: torch lets those mix with any device, and they keep their promotion rules).
+    """
+
+    def __init__(self, op: torch._ops.OpOverload, spec, meta_leaves: list):
+        self.op = op
+        args, kwargs = torch_pytree.tree_unflatten(meta_leaves, spec)
+        with torch.no_grad():
+            self.out_meta = op(*args, **kwargs)
+        graph = torch.fx.Graph()
+        graph_leaves, placeholders = [], []
+        for i, leaf in enumerate(meta_leaves):
+            if isinstance(leaf, torch.Tensor):
+                node = graph.placeholder(f"arg{i}")
+                node.meta["val"] = leaf
+                placeholders.append(node)
+                graph_leaves.append(node)
+            else:
+                graph_leaves.append(leaf)
+        graph_args, graph_kwargs = torch_pytree.tree_unflatten(graph_leaves, spec)
+        node = graph.call_function(op, tuple(graph_args), dict(graph_kwargs))
+        node.meta["val"] = self.out_meta
+        self._placeholders, self._node = placeholders, node
+        self._program = jax.jit(self._run)
+
+    def _run(self, arrays: list, rng: jax.Array):
+        env = dict(zip(self._placeholders, arrays, strict=True))
+        draws = itertools.count()
+
+        def context(node):
+            return LoweringContext(
+                node=node,
+                train=True,
+                rng_for_site=lambda: jax.random.fold_in(rng, next(draws)),
+            )
+
+        return _evaluate(self._node, env, context, lambda values, n, consumer=None: values[n])
+
+    def __call__(self, arrays: list, rng: jax.Array):
+        """The lowering's result: an array, or a tuple/list of them (as the op returns)."""
+        return self._program(arrays, rng)
+
+
+_calls: OrderedDict[Any, EagerCall] = OrderedDict()
+
+
+def eager_call(op, spec, leaves: list, key_of: Callable[[torch.Tensor], Any], meta) -> EagerCall:
+    """The cached `EagerCall` for `op` on flattened arguments `leaves` (tree `spec`).
+
+    `key_of(tensor)` is the signature part of a tensor leaf; `meta(tensor)` its meta stand-in.
+    """
+    key = (op, spec, tuple(key_of(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves))
+    call = _calls.get(key)
+    if call is not None:
+        _calls.move_to_end(key)
+        return call
+    call = EagerCall(op, spec, [meta(x) if isinstance(x, torch.Tensor) else x for x in leaves])
+    _calls[key] = call
+    if len(_calls) > _MAX_CACHED_CALLS:
+        _calls.popitem(last=False)
+    return call
+
+
+def _hashable(value):
+    # Python floats keep their type in the key: 1 and 1.0 promote differently.
+    return (type(value), value) if isinstance(value, (int, float, bool, complex)) else value
+
+
+@functools.cache
+def functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """`aten.mul.Tensor` for `aten.mul_.Tensor`: the out-of-place overload of an in-place op
+    (trailing underscore, same overload name), or None when torch has none."""
+    name = op._schema.name.split("::", 1)[1]
+    if not name.endswith("_"):
+        return None
+    namespace = getattr(torch.ops, op.namespace)
+    for candidate in (name[:-1], name[:-1] + "_functional"):
+        packet = getattr(namespace, candidate, None)
+        if packet is not None and op._overloadname in packet.overloads():
+            return getattr(packet, op._overloadname)
+    return None

@@ -1,0 +1,285 @@
+"""Live tensors: torch tensors whose values are the engine's sharded `jax.Array`s.
+
+`p.grad`, `p.data`, `p.detach()` and `state_dict()` values of a wrapped model are `LiveTensor`s
+(DTensor's role, torchax's mechanism): a `__torch_dispatch__` wrapper subclass with no storage
+of its own. Its `source` says where the value lives -- an array the tensor owns (the result of
+an op), or one entry of the engine's `TrainState` (a gradient, a parameter) read afresh at
+every use -- and every ATen op on it runs as JAX through the bridge's lowering table
+(`zerojax.bridge.eager`: jitted per op signature, on the shards). So torch's own
+`clip_grad_norm_`, `p.grad.mul_`, `torch._foreach_*`, EMAs with `lerp_`, and `nn.init` after
+initialize work on the engine's state, with nothing gathered to the host.
+
+In-place ops (`mul_`, `copy_`, `lerp_`, `uniform_`, `_foreach_mul_`) compute their
+out-of-place form and write the result into the source: into the engine's gradients (times the
+loss scale, in the grad dtype), or its weights (the master copy where the policy keeps one,
+then the param cast from it, as the optimizer update does).
+
+The host sees values only where torch semantics demand one: `.item()` / `float()` / `bool()`,
+`.tolist()`, `.numpy()`, printing, `torch.save` / pickling, `copy.deepcopy` (an ordinary torch
+tensor), and ops JAX cannot compute as torch does -- float64/complex128 values (JAX runs
+32-bit here), ops with no lowering nor decomposition, `out=` variants -- which run in torch on
+host copies, writing back what they modify. Results of a view op (`view`, `select`, slices)
+are copies: an in-place op on one would change the copy, not its base, so it raises instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.utils._pytree as torch_pytree
+from torch._decomp import decomposition_table
+
+from zerojax.bridge import eager
+from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch
+from zerojax.bridge.registry import get_lowering
+from zerojax.distributed.arrays import host_copy
+
+__all__ = ["LiveTensor", "Owned", "to_host"]
+
+aten = torch.ops.aten
+
+# Ops whose result is the same tensor under another name: the result shares the source.
+_ALIASES = frozenset({aten.detach.default, aten.alias.default})
+# Dtypes JAX holds in 32 bits here (no jax_enable_x64): ops on them run in torch on the host.
+_WIDE = frozenset({torch.float64, torch.complex128})
+
+
+class Owned:
+    """The source of an op's result: an array the tensor owns."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: jax.Array):
+        self.array = array
+
+    def read(self) -> jax.Array:
+        return self.array
+
+    def write(self, value: jax.Array) -> None:
+        self.array = value
+
+
+class LiveTensor(torch.Tensor):
+    """A torch tensor whose value is a JAX array (see the module docstring).
+
+    Its device is `cpu` whatever the accelerator: torch code compares and moves devices
+    (`.to(first_device)`), and a CPU tensor is what the host copies are.
+    """
+
+    _source: Any
+    _is_view_copy: bool
+
+    @staticmethod
+    def __new__(cls, source, shape, dtype: torch.dtype, *, view_copy: bool = False):
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device="cpu", requires_grad=False
+        )
+        tensor._source = source
+        tensor._is_view_copy = view_copy
+        return tensor
+
+    @classmethod
+    def owning(cls, array: jax.Array, dtype: torch.dtype, *, view_copy: bool = False):
+        return cls(Owned(array), array.shape, dtype, view_copy=view_copy)
+
+    @property
+    def array(self) -> jax.Array:
+        """The value, in the JAX dtype that holds this tensor's torch dtype."""
+        return self._source.read()
+
+    def write(self, value: jax.Array) -> None:
+        """Replace the value (broadcast and cast to this tensor's shape and dtype)."""
+        if self._is_view_copy:
+            raise RuntimeError(
+                "zerojax: an in-place op on the result of a view op (view, reshape, select, "
+                "slicing, transpose, ...) of a zerojax tensor would change a copy, not the "
+                "tensor it was taken from. Apply the op to the whole tensor (e.g. "
+                "`p.grad.mul_(s)` instead of `p.grad.view(-1).mul_(s)`)."
+            )
+        value = jnp.broadcast_to(jnp.asarray(value), tuple(self.shape))
+        self._source.write(value.astype(to_jax_dtype(self.dtype)))
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return run_op(func, args, kwargs or {})
+
+    # --- where torch semantics want host values ------------------------------------------
+
+    def numpy(self, *, force: bool = False) -> np.ndarray:
+        return to_host(self).numpy()
+
+    def tolist(self):
+        return to_host(self).tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        array = to_host(self).numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return repr(to_host(self))
+
+    def __format__(self, spec: str) -> str:
+        return to_host(self).__format__(spec)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickle: an ordinary tensor, loadable by plain torch.
+        return to_host(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        copied = to_host(self)
+        memo[id(self)] = copied
+        return copied
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An ordinary torch tensor with `tensor`'s values (a host copy for a live tensor)."""
+    if not isinstance(tensor, LiveTensor):
+        return tensor
+    host = to_torch(host_copy(tensor.array))
+    return host if host.dtype == tensor.dtype else host.to(tensor.dtype)
+
+
+def _array_of(tensor: torch.Tensor) -> jax.Array:
+    return tensor.array if isinstance(tensor, LiveTensor) else from_torch(tensor)
+
+
+def _key_of(tensor: torch.Tensor):
+    return (tuple(tensor.shape), tensor.dtype)
+
+
+_rng_counter = itertools.count()
+_rng_base: list[jax.Array] = []
+
+
+def _next_rng() -> jax.Array:
+    """A fresh key for a random op on live tensors (`nn.init.normal_(p)` after initialize):
+    its own stream, seeded from torch's initial seed without drawing from torch's generator."""
+    if not _rng_base:
+        _rng_base.append(jax.random.key(torch.initial_seed() % (2**31)))
+    return jax.random.fold_in(_rng_base[0], next(_rng_counter))
+
+
+def _mutated_positions(op: torch._ops.OpOverload) -> list[int]:
+    return [
+        i
+        for i, argument in enumerate(op._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
+
+
+def _returns_view(op: torch._ops.OpOverload) -> bool:
+    returns = op._schema.returns
+    return bool(returns) and returns[0].alias_info is not None
+
+
+def run_op(func, args: tuple, kwargs: dict):
+    """One ATen call with live tensors among its arguments."""
+    if func in _ALIASES:
+        (tensor,) = args
+        return LiveTensor(
+            tensor._source, tensor.shape, tensor.dtype, view_copy=tensor._is_view_copy
+        )
+    if func is aten.copy_.default:
+        return _copy_(*args, **kwargs)
+    if func.namespace == "aten" and func.__name__.startswith("_foreach_"):
+        return _foreach(func, args, kwargs)
+    mutated = _mutated_positions(func)
+    if mutated:
+        functional = eager.functional_variant(func)
+        if mutated != [0] or functional is None or not isinstance(args[0], LiveTensor):
+            return _on_host(func, args, kwargs, mutated)
+        args[0].write(_array_of(run_op(functional, args, kwargs)))
+        return args[0]
+    if get_lowering(func) is None:
+        decomposition = decomposition_table.get(func)
+        if decomposition is not None:
+            return decomposition(*args, **kwargs)
+        return _on_host(func, args, kwargs, mutated)
+    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    if any(isinstance(x, torch.Tensor) and x.dtype in _WIDE for x in leaves):
+        return _on_host(func, args, kwargs, mutated)
+    try:
+        call = eager.eager_call(func, spec, leaves, _key_of, eager.meta_of)
+    except (RuntimeError, NotImplementedError):
+        # No meta kernel, or a data-dependent output shape (nonzero, unique): torch decides.
+        return _on_host(func, args, kwargs, mutated)
+    if any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta)):
+        return _on_host(func, args, kwargs, mutated)
+    result = call([_array_of(x) for x in leaves if isinstance(x, torch.Tensor)], _next_rng())
+    view_copy = _returns_view(func)
+    return torch_pytree.tree_map(
+        lambda array, meta: LiveTensor.owning(array, meta.dtype, view_copy=view_copy),
+        result,
+        call.out_meta,
+    )
+
+
+def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
+    if not isinstance(dst, LiveTensor):
+        return dst.copy_(to_host(src))
+    dst.write(_array_of(src))
+    return dst
+
+
+def _foreach(func, args: tuple, kwargs: dict):
+    """`torch._foreach_<op>[_]` as torch's CPU fallback runs it: the per-tensor op on each
+    element (lists are indexed, anything else is shared)."""
+    name = func.__name__.split(".")[0].removeprefix("_foreach_")
+    schema = func._schema.arguments
+    lists = [
+        i
+        for i, argument in enumerate(schema[: len(args)])
+        if str(argument.type) in ("List[Tensor]", "List[number]", "List[Optional[Tensor]]")
+        or str(argument.type).startswith("List[Scalar]")
+        or str(argument.type) == "Scalar[]"
+    ]
+    if name == "norm":
+        per_tensor = lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype)  # noqa: E731
+    elif name == "max":
+        per_tensor = torch.Tensor.max
+    else:
+        per_tensor = getattr(torch.Tensor, name)
+    count = len(args[0])
+    results = [
+        per_tensor(*(a[i] if j in lists else a for j, a in enumerate(args)), **kwargs)
+        for i in range(count)
+    ]
+    return None if name.endswith("_") else results
+
+
+def _on_host(func, args: tuple, kwargs: dict, mutated: list[int]):
+    """Run `func` in torch on host copies of the live tensors; write back the ones it
+    modifies, and hand back the live tensor itself where torch returns a modified argument."""
+    originals: dict[int, LiveTensor] = {}
+
+    def host(tensor):
+        copied = to_host(tensor)
+        originals[id(copied)] = tensor
+        return copied
+
+    host_args, host_kwargs = torch_pytree.tree_map_only(LiveTensor, host, (args, kwargs))
+    result = func(*host_args, **host_kwargs)
+    written = [host_args[i] for i in mutated if i < len(host_args)]
+    written += [host_kwargs[a.name] for a in _written_kwargs(func) if a.name in host_kwargs]
+    for value in torch_pytree.tree_leaves(written):
+        original = originals.get(id(value))
+        if original is not None:
+            original.write(from_torch(value))
+    return torch_pytree.tree_map_only(
+        torch.Tensor, lambda t: originals.get(id(t), t), result
+    )
+
+
+def _written_kwargs(func):
+    return [
+        a
+        for a in func._schema.arguments
+        if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+    ]
