@@ -33,8 +33,8 @@ from zerojax.config import load_config
 from zerojax.sharding import make_mesh
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule
-from zerojax.train.parameters import release_parameters
 from zerojax.train.optimizer_shim import ZeroOptimizer
+from zerojax.train.parameters import release_parameters
 from zerojax.train.programs import find_scalar_loss
 
 pytestmark = pytest.mark.multidevice

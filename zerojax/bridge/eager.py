@@ -25,7 +25,7 @@ import torch.utils._pytree as torch_pytree
 from zerojax.bridge.interpreter import _evaluate
 from zerojax.bridge.registry import LoweringContext
 
-__all__ = ["EagerCall", "eager_call", "meta_of"]
+__all__ = ["EagerCall", "eager_call", "functional_variant", "meta_of"]
 
 # Distinct signatures kept compiled; beyond it the least recently used is dropped (a script
 # whose Python scalars change every step -- a decay schedule -- would otherwise grow it forever).
@@ -91,7 +91,11 @@ def eager_call(op, spec, leaves: list, key_of: Callable[[torch.Tensor], Any], me
 
     `key_of(tensor)` is the signature part of a tensor leaf; `meta(tensor)` its meta stand-in.
     """
-    key = (op, spec, tuple(key_of(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves))
+    key = (
+        op,
+        spec,
+        tuple(key_of(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves),
+    )
     call = _calls.get(key)
     if call is not None:
         _calls.move_to_end(key)

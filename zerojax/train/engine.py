@@ -535,6 +535,15 @@ class Engine:
         weight = weights.get(name, self._state.params[name])
         return weight if weight.dtype == dtype else weight.astype(dtype)
 
+    def buffer_value(self, name: str, dtype) -> jax.Array:
+        buffer = self._state.buffers[name]
+        return buffer if buffer.dtype == dtype else buffer.astype(dtype)
+
+    def write_buffer(self, name: str, value: jax.Array) -> None:
+        current = self._state.buffers[name]
+        buffer = _put(value.astype(current.dtype), self.replicated)
+        self._state = self._state.replace(buffers={**self._state.buffers, name: buffer})
+
     def write_weight(self, name: str, value: jax.Array) -> None:
         """Set one parameter (its master weight, and the param cast from it, where the policy
         keeps one: what the optimizer update does), on the plan's shardings."""

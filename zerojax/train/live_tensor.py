@@ -24,6 +24,7 @@ are copies: an in-place op on one would change the copy, not its base, so it rai
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -230,28 +231,65 @@ def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
 
 def _foreach(func, args: tuple, kwargs: dict):
     """`torch._foreach_<op>[_]` as torch's CPU fallback runs it: the per-tensor op on each
-    element (lists are indexed, anything else is shared)."""
+    element, list arguments indexed (a `scalars` tensor too: one scalar per element), the rest
+    shared."""
+    if "out" in kwargs:
+        return _on_host(func, args, kwargs, _mutated_positions(func))
     name = func.__name__.split(".")[0].removeprefix("_foreach_")
     schema = func._schema.arguments
-    lists = [
+    indexed = {
         i
         for i, argument in enumerate(schema[: len(args)])
-        if str(argument.type) in ("List[Tensor]", "List[number]", "List[Optional[Tensor]]")
-        or str(argument.type).startswith("List[Scalar]")
-        or str(argument.type) == "Scalar[]"
-    ]
-    if name == "norm":
-        per_tensor = lambda t, ord=2, dtype=None: torch.linalg.vector_norm(t, ord, dtype=dtype)  # noqa: E731
-    elif name == "max":
-        per_tensor = torch.Tensor.max
-    else:
-        per_tensor = getattr(torch.Tensor, name)
-    count = len(args[0])
-    results = [
-        per_tensor(*(a[i] if j in lists else a for j, a in enumerate(args)), **kwargs)
-        for i in range(count)
-    ]
+        if str(argument.type).startswith("List[")
+        or (argument.name == "scalars" and str(argument.type) == "Tensor")
+    }
+    per_tensor = _per_tensor_op(func)
+    # The per-tensor schema takes some of the foreach op's positional arguments by keyword
+    # (`addcmul_`'s value): bind them in order, by its names.
+    target = per_tensor._schema.arguments
+    count = len(next(args[i] for i in sorted(indexed)))
+
+    def element(j, argument, i):
+        if j not in indexed:
+            return argument
+        item = argument[i]
+        return item.item() if schema[j].name == "scalars" and torch.is_tensor(item) else item
+
+    def call(i):
+        positional, keywords = [], dict(kwargs)
+        for j, argument in enumerate(args):
+            value = element(j, argument, i)
+            if j < len(target) and target[j].kwarg_only:
+                keywords[target[j].name] = value
+            else:
+                positional.append(value)
+        return per_tensor(*positional, **keywords)
+
+    results = [call(i) for i in range(count)]
     return None if name.endswith("_") else results
+
+
+# Foreach overload -> the per-tensor overloads it applies, best first.
+_PER_TENSOR_OVERLOADS = {
+    "Scalar": ("Scalar", "default"),
+    "ScalarList": ("Scalar", "default"),
+    "List": ("Tensor", "default"),
+    "Tensor": ("Tensor", "default"),
+    "ScalarAndTensor": ("Scalar", "default"),
+    "default": ("default",),
+}
+
+
+@functools.cache
+def _per_tensor_op(func) -> torch._ops.OpOverload:
+    name = func.__name__.split(".")[0].removeprefix("_foreach_")
+    if name == "norm":  # _foreach_norm(tensors, ord, dtype) applies linalg_vector_norm
+        return aten.linalg_vector_norm.default
+    packet = getattr(aten, name)
+    for overload in _PER_TENSOR_OVERLOADS.get(func._overloadname, ("default",)):
+        if overload in packet.overloads():
+            return getattr(packet, overload)
+    raise NotImplementedError(f"zerojax: no per-tensor form of {func} for live tensors")
 
 
 def _on_host(func, args: tuple, kwargs: dict, mutated: list[int]):
@@ -272,9 +310,7 @@ def _on_host(func, args: tuple, kwargs: dict, mutated: list[int]):
         original = originals.get(id(value))
         if original is not None:
             original.write(from_torch(value))
-    return torch_pytree.tree_map_only(
-        torch.Tensor, lambda t: originals.get(id(t), t), result
-    )
+    return torch_pytree.tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), result)
 
 
 def _written_kwargs(func):

@@ -81,6 +81,7 @@ class ZeroModule(torch.nn.Module):
         self._engine = engine
         self._anchor = torch.zeros((), requires_grad=True)
         self.train(module.training)
+
         # `inspect.signature(model.forward)` is the module's own: the HF Trainer keeps only the
         # dataset columns the forward names, and checks for `num_items_in_batch`.
         @functools.wraps(module.forward)

@@ -1,14 +1,13 @@
 """The optimizer handed back by `zerojax.initialize`: torch's interface, a sharded JAX update.
 
-`ZeroOptimizer` is a `torch.optim.Optimizer` whose `param_groups` *are* the original
-optimizer's (the same list), so an LR scheduler attached to either object drives the update:
-every `step()` reads the current lr/betas/momentum/weight decay from them as traced values (no
-recompilation). `state_dict()` / `load_state_dict()` speak torch's format.
+`ZeroOptimizer` is a `torch.optim.Optimizer` (built through `Optimizer.__init__`: step hooks
+fire, `step(closure)` works) whose `param_groups` *are* the original optimizer's (the same
+list), so an LR scheduler attached to either object drives the update: every `step()` reads the
+current lr/betas/momentum/weight decay from them as traced values (no recompilation).
+`state_dict()` / `load_state_dict()` speak torch's format.
 """
 
 from __future__ import annotations
-
-from collections import OrderedDict, defaultdict
 
 import torch
 
@@ -21,19 +20,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
     """torch.optim interface over the engine's ZeRO-partitioned optimizer state."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine):
-        # Optimizer.__init__ would rebuild param_groups; share the original's instead.
         self._optimizer = optimizer
         self._engine = engine
-        self.defaults = optimizer.defaults
+        # Optimizer.__init__ sets up the hooks (register_step_pre_hook/post_hook fire around
+        # step()) and the state; the groups it builds are then replaced by the original's own
+        # list, so an LR scheduler attached to either object drives the update.
+        self._adopting_groups = True
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self._adopting_groups = False
         self.param_groups = optimizer.param_groups
-        self.state = defaultdict(dict)
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(optimizer).__name__}.zero_grad"
         engine.attach_optimizer(optimizer)
 
     @property
@@ -58,13 +53,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._engine.state.skipped_steps
 
     def step(self, closure=None):
+        """One update (see `Engine.step`). `closure`, as torch's optimizers take it (Lightning
+        passes one), is called first with gradients enabled; its loss is returned."""
+        loss = None
         if closure is not None:
-            raise ValueError("zerojax: optimizer.step(closure) is not supported (LBFGS-style)")
+            with torch.enable_grad():
+                loss = closure()
         # An LR scheduler built on the original optimizer watches its step() for this flag.
         self._optimizer._opt_called = True
         hyper = optimizers.hyper_from_torch(self._optimizer, self._engine.optimizer_spec)
         if self._engine.step(hyper):
             effective_time.LEDGER.step_done(self._engine.state.step)
+        return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` applies the update: always without gradient accumulation,
@@ -92,6 +92,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
 
     def add_param_group(self, param_group) -> None:
+        if getattr(self, "_adopting_groups", False):  # Optimizer.__init__, adopting the groups
+            super().add_param_group(param_group)
+            return
         raise ValueError(
             "zerojax: add_param_group after initialize() is not supported; build the optimizer "
             "with all its groups before zerojax.initialize"

@@ -1,4 +1,4 @@
-"""The original module's parameters after initialize: stand-ins whose values are the engine's.
+"""The original module's parameters and buffers after initialize: stand-ins for the engine's.
 
 Each parameter keeps its identity (the optimizer's param_groups and the user's own references
 hold the same object), its name, shape, dtype and `requires_grad`, and gives its memory up: its
@@ -10,8 +10,11 @@ engine's value (`zerojax.train.live_tensor`): `p.data`, `p.detach()`, `p.norm()`
 `requires_grad`, numel) is answered by the stand-in itself, without a detour: the wrapped
 model's forward reads `requires_grad` of every parameter on every call.
 
-`copy.deepcopy` and pickling (`torch.save(module)`) give ordinary `nn.Parameter`s holding the
-values, so a deep copy of the module (an EMA model, `AveragedModel(model.module)`) is an
+Buffers are stand-ins the same way (`ShardedBuffer`, keeping their memory for torch.export):
+BatchNorm's running statistics read as the training-mode forwards left them in the engine.
+
+`copy.deepcopy` and pickling (`torch.save(module)`) give ordinary `nn.Parameter`s and tensors
+holding the values, so a deep copy of the module (an EMA model, `AveragedModel(model.module)`) is an
 ordinary torch model.
 
 While the engine captures the module, `plain_parameters()` turns all of this off: torch.export
@@ -30,7 +33,7 @@ import torch.utils._pytree as torch_pytree
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.train.live_tensor import LiveTensor, to_host
 
-__all__ = ["ShardedParameter", "plain_parameters", "release_parameters"]
+__all__ = ["ShardedBuffer", "ShardedParameter", "plain_parameters", "release_parameters"]
 
 Tensor = torch.Tensor
 
@@ -88,41 +91,50 @@ def _is_plain() -> bool:
     return getattr(_plain, "active", False)
 
 
-class EngineWeight:
-    """A live tensor's source: one parameter's authoritative value (master weight if kept)."""
+class EngineEntry:
+    """A live tensor's source: one entry of the engine's state (a parameter, its gradient, a
+    buffer), read afresh at every use through `reader(name, dtype)` and replaced through
+    `writer(name, value)` (engine methods that know the entry's dtype, sharding and scaling)."""
 
-    __slots__ = ("engine", "name", "dtype")
+    __slots__ = ("dtype", "name", "reader", "writer")
 
-    def __init__(self, engine, name: str, dtype: torch.dtype):
-        self.engine, self.name, self.dtype = engine, name, to_jax_dtype(dtype)
-
-    def read(self) -> jax.Array:
-        return self.engine.weight_value(self.name, self.dtype)
-
-    def write(self, value: jax.Array) -> None:
-        self.engine.write_weight(self.name, value)
-
-
-class EngineGrad:
-    """A live tensor's source: one parameter's accumulated gradient, as torch shows it
-    (unscaled, in the parameter's dtype)."""
-
-    __slots__ = ("engine", "name", "dtype")
-
-    def __init__(self, engine, name: str, dtype: torch.dtype):
-        self.engine, self.name, self.dtype = engine, name, to_jax_dtype(dtype)
+    def __init__(self, reader, writer, name: str, dtype: torch.dtype):
+        self.reader, self.writer = reader, writer
+        self.name, self.dtype = name, to_jax_dtype(dtype)
 
     def read(self) -> jax.Array:
-        value = self.engine.grad_value(self.name, self.dtype)
+        value = self.reader(self.name, self.dtype)
         if value is None:
             raise RuntimeError(
-                f"zerojax: the gradient of '{self.name}' was cleared (zero_grad or a step with "
+                f"zerojax: the gradient of '{self.name}' was cleared (zero_grad, or a step with "
                 f"gradient accumulation) after this `p.grad` tensor was taken; read `p.grad` again"
             )
         return value
 
     def write(self, value: jax.Array) -> None:
-        self.engine.write_grad(self.name, value)
+        self.writer(self.name, value)
+
+
+def _torch_function(stand_in_type, func, args, kwargs):
+    """A stand-in's torch functions: metadata from the stand-in, the rest on its live view."""
+    kwargs = kwargs or {}
+    if func in _OWN_METADATA or _is_plain():
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if func is Tensor.data.__set__:
+        stand_in, value = args
+        if tuple(value.shape) != tuple(stand_in.shape):
+            raise RuntimeError(
+                f"zerojax: `.data = tensor` with shape {tuple(value.shape)} on "
+                f"'{stand_in._zerojax_name}' of shape {tuple(stand_in.shape)}; a zerojax "
+                f"tensor's shape is fixed at initialize"
+            )
+        stand_in.live().copy_(value)
+        return None
+    live_args, live_kwargs = torch_pytree.tree_map_only(
+        stand_in_type, lambda t: t.live(), (args, kwargs)
+    )
+    return func(*live_args, **live_kwargs)
 
 
 class ShardedParameter(torch.nn.Parameter):
@@ -134,11 +146,11 @@ class ShardedParameter(torch.nn.Parameter):
 
     def live(self) -> LiveTensor:
         """The parameter's value as a live tensor (what `p.data` and `p.detach()` give)."""
-        return LiveTensor(
-            EngineWeight(self._zerojax_engine, self._zerojax_name, self.dtype),
-            self.shape,
-            self.dtype,
+        engine = self._zerojax_engine
+        source = EngineEntry(
+            engine.weight_value, engine.write_weight, self._zerojax_name, self.dtype
         )
+        return LiveTensor(source, self.shape, self.dtype)
 
     @property
     def grad(self):
@@ -147,7 +159,8 @@ class ShardedParameter(torch.nn.Parameter):
         engine, name = self._zerojax_engine, self._zerojax_name
         if not engine.has_grad(name):
             return None
-        return LiveTensor(EngineGrad(engine, name, self.dtype), self.shape, self.dtype)
+        source = EngineEntry(engine.grad_value, engine.write_grad, name, self.dtype)
+        return LiveTensor(source, self.shape, self.dtype)
 
     @grad.setter
     def grad(self, value):
@@ -165,24 +178,7 @@ class ShardedParameter(torch.nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _OWN_METADATA or _is_plain():
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func is Tensor.data.__set__:
-            param, value = args
-            if tuple(value.shape) != tuple(param.shape):
-                raise RuntimeError(
-                    f"zerojax: `p.data = tensor` with shape {tuple(value.shape)} on parameter "
-                    f"'{param._zerojax_name}' of shape {tuple(param.shape)}; a zerojax "
-                    f"parameter's shape is fixed at initialize"
-                )
-            param.live().copy_(value)
-            return None
-        live_args, live_kwargs = torch_pytree.tree_map_only(
-            ShardedParameter, ShardedParameter.live, (args, kwargs)
-        )
-        return func(*live_args, **live_kwargs)
+        return _torch_function(ShardedParameter, func, args, kwargs)
 
     def __deepcopy__(self, memo):
         copied = torch.nn.Parameter(to_host(self.live()), self.requires_grad)
@@ -196,11 +192,49 @@ class ShardedParameter(torch.nn.Parameter):
         return f"Parameter containing:\n{to_host(self.live())!r}"
 
 
+class ShardedBuffer(torch.Tensor):
+    """A buffer (BatchNorm's running statistics, ...) whose value lives in a zerojax engine:
+    reads see what the training-mode forwards made of it."""
+
+    _zerojax_engine: object
+    _zerojax_name: str
+
+    def live(self) -> LiveTensor:
+        engine = self._zerojax_engine
+        source = EngineEntry(
+            engine.buffer_value, engine.write_buffer, self._zerojax_name, self.dtype
+        )
+        return LiveTensor(source, self.shape, self.dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _torch_function(ShardedBuffer, func, args, kwargs)
+
+    def __deepcopy__(self, memo):
+        copied = to_host(self.live())
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        return to_host(self.live()).__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return repr(to_host(self.live()))
+
+
 def release_parameters(module: torch.nn.Module, engine) -> None:
-    """Hand every parameter's memory to the engine: same object, names, shapes and dtypes;
-    its values are the engine's from now on."""
+    """Hand every parameter's memory to the engine and make parameters and buffers stand-ins:
+    same objects, names, shapes and dtypes; their values are the engine's from now on."""
     for name, param in module.named_parameters():
         param.data = torch.empty((), dtype=param.dtype).expand(param.shape)
-        param.__class__ = ShardedParameter
-        param._zerojax_engine = engine
-        param._zerojax_name = engine.alias[name]
+        _stand_in(param, ShardedParameter, engine, engine.alias[name])
+    for name, buffer in module.named_buffers():
+        # Buffers keep their (small) memory: torch.export writes BatchNorm's running statistics
+        # in place while it traces, which a zero-stride stand-in refuses.
+        _stand_in(buffer, ShardedBuffer, engine, engine.alias.get(name, name))
+
+
+def _stand_in(tensor: torch.Tensor, stand_in_type: type, engine, name: str) -> None:
+    tensor.__class__ = stand_in_type
+    tensor._zerojax_engine = engine
+    tensor._zerojax_name = name
