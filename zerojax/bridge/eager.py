@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import torch
 import torch.utils._pytree as torch_pytree
+from jax.sharding import NamedSharding
 
 from zerojax.bridge.interpreter import _evaluate
 from zerojax.bridge.registry import LoweringContext
@@ -63,9 +64,13 @@ class EagerCall:
         node = graph.call_function(op, tuple(graph_args), dict(graph_kwargs))
         node.meta["val"] = self.out_meta
         self._placeholders, self._node = placeholders, node
+        self.random = torch.Tag.nondeterministic_seeded in op.tags
+        """Whether the op draws random numbers: only then is a key passed (making one per call
+        costs more than most ops)."""
         self._program = jax.jit(self._run)
+        self._collectives: dict[tuple, bool] = {}
 
-    def _run(self, arrays: list, rng: jax.Array):
+    def _run(self, arrays: list, rng: jax.Array | None):
         env = dict(zip(self._placeholders, arrays, strict=True))
         draws = itertools.count()
 
@@ -78,24 +83,54 @@ class EagerCall:
 
         return _evaluate(self._node, env, context, lambda values, n, consumer=None: values[n])
 
-    def __call__(self, arrays: list, rng: jax.Array):
-        """The lowering's result: an array, or a tuple/list of them (as the op returns)."""
-        return self._program(arrays, rng)
+    def __call__(self, arrays: list, rng: Callable[[], jax.Array]):
+        """The lowering's result: an array, or a tuple/list of them (as the op returns).
+        `rng()` makes a fresh key, called only for a random op.
 
+        A program with collectives waits for its result. XLA:CPU runs
+        each device's part of a program as a task on one shared thread pool, so independent
+        programs with collectives in flight together (torch's clip_grad_norm_ issues one norm
+        per gradient, none waiting for another) can each hold some of the threads at their
+        rendezvous and wait for the others forever (seen with 8 simulated devices on 2 cores:
+        "Expected 8 threads to join the rendezvous, but only 6 of them arrived"). One at a
+        time, they cannot; programs without collectives never wait on each other."""
+        key = rng() if self.random else None
+        result = self._program(arrays, key)
+        if self._has_collectives(arrays, key):
+            jax.block_until_ready(result)
+        return result
+
+    def _has_collectives(self, arrays: list, key) -> bool:
+        """Whether the program compiled for these inputs' shardings communicates (read once
+        per set of shardings from its HLO; elementwise ops on shards do not)."""
+        if not any(
+            isinstance(a.sharding, NamedSharding) and a.sharding.mesh.size > 1 for a in arrays
+        ):
+            return False
+        shardings = tuple(a.sharding for a in arrays)
+        found = self._collectives.get(shardings)
+        if found is None:
+            text = self._program.lower(arrays, key).compile().as_text()
+            found = any(op in text for op in _COLLECTIVE_OPS)
+            self._collectives[shardings] = found
+        return found
+
+
+_COLLECTIVE_OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 
 _calls: OrderedDict[Any, EagerCall] = OrderedDict()
 
 
-def eager_call(op, spec, leaves: list, key_of: Callable[[torch.Tensor], Any], meta) -> EagerCall:
+def eager_call(
+    op, spec, leaves: list, key_of: Callable[[torch.Tensor], Any], meta, spec_key=None
+) -> EagerCall:
     """The cached `EagerCall` for `op` on flattened arguments `leaves` (tree `spec`).
 
-    `key_of(tensor)` is the signature part of a tensor leaf; `meta(tensor)` its meta stand-in.
+    `key_of(tensor)` is the signature part of a tensor leaf; `meta(tensor)` its meta stand-in;
+    `spec_key` stands for `spec` in the cache key when given (hashing a spec walks it).
     """
-    key = (
-        op,
-        spec,
-        tuple(key_of(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves),
-    )
+    signature = (key_of(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves)
+    key = (op, spec if spec_key is None else spec_key, tuple(signature))
     call = _calls.get(key)
     if call is not None:
         _calls.move_to_end(key)

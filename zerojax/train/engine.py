@@ -526,7 +526,8 @@ class Engine:
             raise ValueError(f"zerojax: '{name}' is not a float parameter; it has no gradient")
         if self._state.loss_scale is not None:
             value = value.astype(jnp.float32) * self.scale
-        grad = _put(value.astype(self.policy.grad_dtype), self.plan.grads[name])
+        dtype = self.policy.grad_dtype
+        grad = _put(value if value.dtype == dtype else value.astype(dtype), self.plan.grads[name])
         self._state = self._state.replace(grads={**(self._state.grads or {}), name: grad})
 
     def weight_value(self, name: str, dtype) -> jax.Array:

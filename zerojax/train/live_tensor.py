@@ -102,8 +102,10 @@ class LiveTensor(torch.Tensor):
                 "tensor it was taken from. Apply the op to the whole tensor (e.g. "
                 "`p.grad.mul_(s)` instead of `p.grad.view(-1).mul_(s)`)."
             )
-        value = jnp.broadcast_to(jnp.asarray(value), tuple(self.shape))
-        self._source.write(value.astype(to_jax_dtype(self.dtype)))
+        dtype = to_jax_dtype(self.dtype)
+        if value.shape != tuple(self.shape):
+            value = jnp.broadcast_to(value, tuple(self.shape))
+        self._source.write(value if value.dtype == dtype else value.astype(dtype))
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -167,6 +169,7 @@ def _next_rng() -> jax.Array:
     return jax.random.fold_in(_rng_base[0], next(_rng_counter))
 
 
+@functools.cache
 def _mutated_positions(op: torch._ops.OpOverload) -> list[int]:
     return [
         i
@@ -175,6 +178,7 @@ def _mutated_positions(op: torch._ops.OpOverload) -> list[int]:
     ]
 
 
+@functools.cache
 def _returns_view(op: torch._ops.OpOverload) -> bool:
     returns = op._schema.returns
     return bool(returns) and returns[0].alias_info is not None
@@ -203,23 +207,39 @@ def run_op(func, args: tuple, kwargs: dict):
         if decomposition is not None:
             return decomposition(*args, **kwargs)
         return _on_host(func, args, kwargs, mutated)
-    leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+    leaves, spec, spec_key = _flatten(args, kwargs)
     if any(isinstance(x, torch.Tensor) and x.dtype in _WIDE for x in leaves):
         return _on_host(func, args, kwargs, mutated)
     try:
-        call = eager.eager_call(func, spec, leaves, _key_of, eager.meta_of)
+        call = eager.eager_call(func, spec, leaves, _key_of, eager.meta_of, spec_key)
     except (RuntimeError, NotImplementedError):
         # No meta kernel, or a data-dependent output shape (nonzero, unique): torch decides.
         return _on_host(func, args, kwargs, mutated)
     if any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta)):
         return _on_host(func, args, kwargs, mutated)
-    result = call([_array_of(x) for x in leaves if isinstance(x, torch.Tensor)], _next_rng())
+    result = call([_array_of(x) for x in leaves if isinstance(x, torch.Tensor)], _next_rng)
     view_copy = _returns_view(func)
+    if isinstance(result, jax.Array):
+        return LiveTensor.owning(result, call.out_meta.dtype, view_copy=view_copy)
     return torch_pytree.tree_map(
         lambda array, meta: LiveTensor.owning(array, meta.dtype, view_copy=view_copy),
         result,
         call.out_meta,
     )
+
+
+def _flatten(args: tuple, kwargs: dict):
+    """(leaves, tree spec, its cache key) of an op's arguments: positional arguments without
+    containers (most calls) skip the pytree walk, and their spec is keyed by its count."""
+    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+        leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+        return leaves, spec, None
+    return list(args), _flat_spec(len(args)), len(args)
+
+
+@functools.cache
+def _flat_spec(count: int):
+    return torch_pytree.tree_flatten((tuple(range(count)), {}))[1]
 
 
 def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):

@@ -154,13 +154,19 @@ class ShardedParameter(torch.nn.Parameter):
 
     @property
     def grad(self):
-        if _is_plain():
+        if _is_plain() or not self._zerojax_engine.has_grad(self._zerojax_name):
             return None
-        engine, name = self._zerojax_engine, self._zerojax_name
-        if not engine.has_grad(name):
-            return None
-        source = EngineEntry(engine.grad_value, engine.write_grad, name, self.dtype)
-        return LiveTensor(source, self.shape, self.dtype)
+        # One live tensor per parameter, made on first read: it reads the engine afresh, so
+        # `p.grad is p.grad` as in torch, and clip_grad_norm_'s four reads per parameter
+        # cost a lookup each.
+        view = self.__dict__.get("_zerojax_grad_view")
+        if view is None:
+            engine = self._zerojax_engine
+            source = EngineEntry(
+                engine.grad_value, engine.write_grad, self._zerojax_name, self.dtype
+            )
+            view = self._zerojax_grad_view = LiveTensor(source, self.shape, self.dtype)
+        return view
 
     @grad.setter
     def grad(self, value):
