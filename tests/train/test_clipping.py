@@ -111,26 +111,23 @@ def test_clip_grad_value_and_get_total_norm_match_torch():
 
 
 def test_grad_in_place_ops_write_the_engine_gradients():
-    """`p.grad.data.mul_`, `torch._foreach_mul_` and `p.grad = t` change the gradient the
-    optimizer uses (a host copy would silently lose them)."""
+    """`p.grad.data.mul_`, `torch._foreach_mul_`, writes through views (`p.grad[0] = ...`,
+    `p.grad.view(-1)[:5].mul_`) and `p.grad = t` change the gradient the optimizer uses (a host
+    copy would silently lose them)."""
     model, reference = wrapped_and_reference()
     params, ref_params = list(model.parameters()), list(reference.parameters())
-    first = params[0]
-    for p in params:
-        p.grad.data.mul_(0.5)
-    torch._foreach_mul_([p.grad for p in params[1:]], 3.0)
     replacement = torch.randn_like(ref_params[-1])
-    params[-1].grad = replacement
-    with torch.no_grad():
-        for i, q in enumerate(ref_params):
-            q.grad.mul_(0.5)
-            if i:
-                q.grad.mul_(3.0)
-        ref_params[-1].grad = replacement.clone()
+    for ps, is_ref in ((params, False), (ref_params, True)):
+        with torch.no_grad():
+            for p in ps:
+                p.grad.data.mul_(0.5)
+            torch._foreach_mul_([p.grad for p in ps[1:]], 3.0)
+            ps[0].grad[0] = 0.25
+            ps[0].grad.view(-1)[-5:].mul_(2.0)
+            ps[1].grad.t()[1:3].zero_()
+            ps[-1].grad = replacement.clone() if is_ref else replacement
     for p, q in zip(params, ref_params, strict=True):
-        # Multiplying by 0.5 is exact and by 3.0 rounds once, alike on both sides: the
+        # Multiplying by 0.5 or 2 is exact and by 3.0 rounds once, alike on both sides: the
         # gradients differ only as they did before (the forward's reordering), in float32 ulps.
         torch.testing.assert_close(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-7)
-    assert first.grad.data_ptr() == 0  # a live tensor: no host storage behind it
-    with pytest.raises(RuntimeError, match="view op"):
-        first.grad.view(-1).mul_(2.0)
+    assert params[0].grad.data_ptr() == 0  # a live tensor: no host storage behind it

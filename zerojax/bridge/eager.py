@@ -150,13 +150,23 @@ def _hashable(value):
 @functools.cache
 def functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """`aten.mul.Tensor` for `aten.mul_.Tensor`: the out-of-place overload of an in-place op
-    (trailing underscore, same overload name), or None when torch has none."""
+    (trailing underscore) taking the same arguments, or None when torch has none. Matched by
+    the arguments, not the overload name: `pow_.Scalar` is `pow.Tensor_Scalar`."""
     name = op._schema.name.split("::", 1)[1]
     if not name.endswith("_"):
         return None
+    arguments = _argument_types(op)
     namespace = getattr(torch.ops, op.namespace)
     for candidate in (name[:-1], name[:-1] + "_functional"):
         packet = getattr(namespace, candidate, None)
-        if packet is not None and op._overloadname in packet.overloads():
-            return getattr(packet, op._overloadname)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            functional = getattr(packet, overload)
+            if _argument_types(functional) == arguments:
+                return functional
     return None
+
+
+def _argument_types(op: torch._ops.OpOverload) -> tuple:
+    return tuple((a.name, str(a.type), a.kwarg_only) for a in op._schema.arguments)

@@ -480,12 +480,18 @@ class Engine:
         """Whether the next `step()` applies the update (DeepSpeed's name and meaning)."""
         return (self._state.micro_step + 1) % self.gradient_accumulation_steps == 0
 
-    def zero_grad(self) -> None:
-        """Drop the accumulated gradients; ignored inside an accumulation window (as DeepSpeed
-        ignores it before the boundary), where the boundary step clears them instead."""
+    def zero_grad(self, names: frozenset[str] | None = None) -> None:
+        """Drop the accumulated gradients (of `names` only, when given: one of several
+        optimizers); ignored inside an accumulation window (as DeepSpeed ignores it before the
+        boundary), where the boundary step clears them instead."""
         if self.in_accumulation_window():
             return
-        self._state = self._state.replace(grads=None)
+        grads = self._state.grads
+        if names is not None and grads is not None:
+            grads = {n: g for n, g in grads.items() if n not in names} or None
+        else:
+            grads = None
+        self._state = self._state.replace(grads=grads)
 
     def drop_grad(self, name: str) -> None:
         """`p.grad = None` for one parameter."""
@@ -566,18 +572,23 @@ class Engine:
         self._state = self._state.replace(grads=grads)
         return norm
 
-    def step(self, hyper) -> bool:
-        """`optimizer.step()`: one micro-step; the update applies on every
+    def step(self, update: Callable[[], None]) -> bool:
+        """`optimizer.step()`: one micro-step; `update()` (this engine's `update(hyper)`, or a
+        torch optimizer's own step on live tensors) runs on every
         gradient_accumulation_steps-th call (every call without accumulation), after which
         the accumulated gradients are cleared when accumulating. Returns whether it applied."""
         boundary = self.is_gradient_accumulation_boundary()
         self._state = self._state.replace(micro_step=self._state.micro_step + 1)
         if not boundary:
             return False
-        self.update(hyper)
+        update()
         if self.gradient_accumulation_steps > 1:  # DeepSpeed zeroes them after the boundary
             self._state = self._state.replace(grads=None)
         return True
+
+    def count_update(self) -> None:
+        """Count an optimizer update made outside `update` (a torch optimizer's own step)."""
+        self._state = self._state.replace(step=self._state.step + 1)
 
     def update(self, hyper) -> None:
         """One optimizer update from the accumulated gradients now (skipped on fp16 overflow),

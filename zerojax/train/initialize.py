@@ -19,14 +19,14 @@ from zerojax.train.parameters import plain_parameters, release_parameters
 
 def initialize(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     config: str | dict | Config | None = None,
     *,
     example_inputs: tuple | None = None,
     loss_fn=None,
     fused: bool | None = None,
     seed: int | None = None,
-) -> tuple[ZeroModule, ZeroOptimizer | None]:
+) -> tuple[ZeroModule, ZeroOptimizer | list[ZeroOptimizer] | None]:
     """Move `model`'s state into sharded JAX arrays and return torch-compatible stand-ins.
 
     >>> model, optimizer = zerojax.initialize(model, optimizer, config="mesh.yaml")
@@ -37,7 +37,10 @@ def initialize(
     axis over all devices, ZeRO stage 0, fp32. Its `devices` section is applied to JAX here if
     JAX has not started yet (else it must match the running backend). With `optimizer=None`
     and an `optimizer:` section, the torch optimizer is built from it (and returned, wrapped);
-    a passed optimizer must agree with that section. `example_inputs` traces now instead of on the
+    a passed optimizer must agree with that section. `optimizer` may be a list (Muon for the
+    matrices beside AdamW for the rest, as torch's Muon docs advise): a list of wrapped
+    optimizers comes back, each running torch's own step on the live tensors
+    (`zerojax.train.optimizer_shim`). `example_inputs` traces now instead of on the
     first call. `loss_fn(outputs, target)` is traced into the program: call the model as
     `model(*inputs, target)` and it returns the loss, computed forward and backward in one
     fused program (as happens automatically when the model returns a scalar or `.loss`);
@@ -63,6 +66,18 @@ def initialize(
     # The one load: everything below takes this Config.
     config = load_config({"mesh": {"data": -1}} if config is None else config)
     apply_devices(config.devices)  # before anything below starts JAX's backends
+    several = isinstance(optimizer, (list, tuple))
+    if several and (not optimizer or config.optimizer is not None):
+        raise ValueError(
+            "zerojax.initialize: a list of optimizers must be non-empty, and cannot be combined "
+            "with the config's optimizer: section"
+        )
+    if several and config.train.gradient_accumulation_steps > 1:
+        raise ValueError(
+            "zerojax.initialize: several optimizers with train.gradient_accumulation_steps > 1 "
+            "is not supported (each step() would count a micro-step); accumulate in the loop "
+            "instead"
+        )
     if config.optimizer is not None:
         if optimizer is None:
             optimizer = build_optimizer(config.optimizer, model)
@@ -84,7 +99,14 @@ def initialize(
         engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)
         ledger.attach(engine)
         wrapped_optimizer = None
-        if optimizer is not None:
+        if several:
+            for each in optimizer:
+                _check_optimizer_covers_model(model, each)
+            wrapped_optimizer = [
+                ZeroOptimizer(each, engine, compiled=False, reports_steps=i == 0)
+                for i, each in enumerate(optimizer)
+            ]
+        elif optimizer is not None:
             _check_optimizer_covers_model(model, optimizer)
             wrapped_optimizer = ZeroOptimizer(optimizer, engine)
         wrapped = ZeroModule(model, engine)

@@ -18,8 +18,9 @@ The host sees values only where torch semantics demand one: `.item()` / `float()
 `.tolist()`, `.numpy()`, printing, `torch.save` / pickling, `copy.deepcopy` (an ordinary torch
 tensor), and ops JAX cannot compute as torch does -- float64/complex128 values (JAX runs
 32-bit here), ops with no lowering nor decomposition, `out=` variants -- which run in torch on
-host copies, writing back what they modify. Results of a view op (`view`, `select`, slices)
-are copies: an in-place op on one would change the copy, not its base, so it raises instead.
+host copies, writing back what they modify. A view op's result (`view`, `select`, slicing,
+`t`) is a live view of its base: it reads the base's current value, and writing it writes the
+base, as torch's aliasing does.
 """
 
 from __future__ import annotations
@@ -73,20 +74,18 @@ class LiveTensor(torch.Tensor):
     """
 
     _source: Any
-    _is_view_copy: bool
 
     @staticmethod
-    def __new__(cls, source, shape, dtype: torch.dtype, *, view_copy: bool = False):
+    def __new__(cls, source, shape, dtype: torch.dtype):
         tensor = torch.Tensor._make_wrapper_subclass(
             cls, tuple(shape), dtype=dtype, device="cpu", requires_grad=False
         )
         tensor._source = source
-        tensor._is_view_copy = view_copy
         return tensor
 
     @classmethod
-    def owning(cls, array: jax.Array, dtype: torch.dtype, *, view_copy: bool = False):
-        return cls(Owned(array), array.shape, dtype, view_copy=view_copy)
+    def owning(cls, array: jax.Array, dtype: torch.dtype):
+        return cls(Owned(array), array.shape, dtype)
 
     @property
     def array(self) -> jax.Array:
@@ -95,13 +94,6 @@ class LiveTensor(torch.Tensor):
 
     def write(self, value: jax.Array) -> None:
         """Replace the value (broadcast and cast to this tensor's shape and dtype)."""
-        if self._is_view_copy:
-            raise RuntimeError(
-                "zerojax: an in-place op on the result of a view op (view, reshape, select, "
-                "slicing, transpose, ...) of a zerojax tensor would change a copy, not the "
-                "tensor it was taken from. Apply the op to the whole tensor (e.g. "
-                "`p.grad.mul_(s)` instead of `p.grad.view(-1).mul_(s)`)."
-            )
         dtype = to_jax_dtype(self.dtype)
         if value.shape != tuple(self.shape):
             value = jnp.broadcast_to(value, tuple(self.shape))
@@ -188,9 +180,7 @@ def run_op(func, args: tuple, kwargs: dict):
     """One ATen call with live tensors among its arguments."""
     if func in _ALIASES:
         (tensor,) = args
-        return LiveTensor(
-            tensor._source, tensor.shape, tensor.dtype, view_copy=tensor._is_view_copy
-        )
+        return LiveTensor(tensor._source, tensor.shape, tensor.dtype)
     if func is aten.copy_.default:
         return _copy_(*args, **kwargs)
     if func.namespace == "aten" and func.__name__.startswith("_foreach_"):
@@ -200,6 +190,9 @@ def run_op(func, args: tuple, kwargs: dict):
         functional = eager.functional_variant(func)
         if mutated != [0] or functional is None or not isinstance(args[0], LiveTensor):
             return _on_host(func, args, kwargs, mutated)
+        if get_lowering(functional) is None and func in decomposition_table:
+            # e.g. square_: torch's reference runs the out-of-place ops and copy_s the result.
+            return decomposition_table[func](*args, **kwargs)
         args[0].write(_array_of(run_op(functional, args, kwargs)))
         return args[0]
     if get_lowering(func) is None:
@@ -218,14 +211,70 @@ def run_op(func, args: tuple, kwargs: dict):
     if any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta)):
         return _on_host(func, args, kwargs, mutated)
     result = call([_array_of(x) for x in leaves if isinstance(x, torch.Tensor)], _next_rng)
-    view_copy = _returns_view(func)
+    if _returns_view(func) and isinstance(args[0], LiveTensor):
+        return _views(func, spec, spec_key, leaves, call, args[0])
     if isinstance(result, jax.Array):
-        return LiveTensor.owning(result, call.out_meta.dtype, view_copy=view_copy)
+        return LiveTensor.owning(result, call.out_meta.dtype)
     return torch_pytree.tree_map(
-        lambda array, meta: LiveTensor.owning(array, meta.dtype, view_copy=view_copy),
-        result,
-        call.out_meta,
+        lambda array, meta: LiveTensor.owning(array, meta.dtype), result, call.out_meta
     )
+
+
+class ViewOf:
+    """The source of a view op's result (`view`, `select`, slicing, `t`, `split`...): read, it
+    is the op applied to its base's current value; written, the base's elements it selects are
+    set (torch's aliasing, as functionalization replays it: `y = x.t(); y.mul_(2)` changes x)."""
+
+    __slots__ = ("base", "index", "positions_call", "view_call")
+
+    def __init__(self, base: LiveTensor, view_call, positions_call, index: int | None):
+        self.base, self.view_call, self.positions_call = base, view_call, positions_call
+        self.index = index
+
+    def read(self) -> jax.Array:
+        out = self.view_call([self.base.array], _no_rng)
+        return out if self.index is None else out[self.index]
+
+    def write(self, value: jax.Array) -> None:
+        base = self.base.array
+        # The view of the base's element numbers: which element each view element is.
+        positions = self.positions_call([_element_numbers(base.shape)], _no_rng)
+        if self.index is not None:
+            positions = positions[self.index]
+        self.base.write(_set_elements(base, positions, value))
+
+
+def _views(func, spec, spec_key, leaves: list, call, base: LiveTensor):
+    """Live views of `base` for the result(s) of view op `func`."""
+    # The same op on int32 element numbers in `base`'s shape gives the positions it selects.
+    numbered = [
+        torch.empty(tuple(base.shape), dtype=torch.int32, device="meta") if x is base else x
+        for x in leaves
+    ]
+    positions_call = eager.eager_call(func, spec, numbered, _key_of, eager.meta_of, spec_key)
+    meta = call.out_meta
+    if isinstance(meta, torch.Tensor):
+        return LiveTensor(ViewOf(base, call, positions_call, None), meta.shape, meta.dtype)
+    return [
+        LiveTensor(ViewOf(base, call, positions_call, i), m.shape, m.dtype)
+        for i, m in enumerate(meta)
+    ]
+
+
+def _no_rng() -> None:
+    return None
+
+
+@functools.cache
+def _element_numbers(shape: tuple[int, ...]) -> jax.Array:
+    return jnp.arange(int(np.prod(shape)), dtype=jnp.int32).reshape(shape)
+
+
+@jax.jit
+def _set_elements(base: jax.Array, positions: jax.Array, value: jax.Array) -> jax.Array:
+    value = jnp.broadcast_to(value, positions.shape).astype(base.dtype)
+    flat = base.reshape(-1).at[positions.reshape(-1)].set(value.reshape(-1))
+    return flat.reshape(base.shape)
 
 
 def _flatten(args: tuple, kwargs: dict):

@@ -2,26 +2,74 @@
 
 `ZeroOptimizer` is a `torch.optim.Optimizer` (built through `Optimizer.__init__`: step hooks
 fire, `step(closure)` works) whose `param_groups` *are* the original optimizer's (the same
-list), so an LR scheduler attached to either object drives the update: every `step()` reads the
-current lr/betas/momentum/weight decay from them as traced values (no recompilation).
-`state_dict()` / `load_state_dict()` speak torch's format.
+list), so an LR scheduler attached to either object drives the update.
+
+Two ways to update, chosen by the optimizer's class:
+
+- **Compiled** (`torch.optim.AdamW`, `Adam`, `SGD` themselves): the engine's update program
+  (`zerojax.train.optimizers`), proven equal to torch's kernels, one jitted program over the
+  ZeRO-partitioned `TrainState`; every `step()` reads the current lr/betas/momentum/weight
+  decay from the param groups as traced values (no recompilation).
+- **torch's own step on live tensors** (every other `torch.optim` class -- Adafactor, Muon,
+  RMSprop, NAdam, RAdam, Adagrad, Adamax, Adadelta, ASGD, Rprop -- a user's own `Optimizer`
+  subclass, and any optimizer given in a list of several): the optimizer's own `step()` runs
+  unchanged; its parameters and gradients are live views of the engine's arrays
+  (`zerojax.train.parameters`), so each of its ATen ops runs as JAX on the shards. The state it
+  creates (`zeros_like(p)`: live tensors) is placed on the plan's optimizer-state sharding of
+  its parameter after each step, so state memory follows the ZeRO stage; scalar state (step
+  counts) stays as torch made it. Slower than compiled (an op at a time) but the math is
+  torch's own. LBFGS (many closure evaluations per step) and SparseAdam (sparse gradients)
+  are refused, as is fp16 loss scaling on this path.
+
+`state_dict()` / `load_state_dict()` speak torch's format either way.
 """
 
 from __future__ import annotations
 
+import jax
 import torch
 
+from zerojax.bridge.dtypes import from_torch
 from zerojax.runtime import effective_time
 from zerojax.train import optimizers
 from zerojax.train.engine import Engine
+from zerojax.train.live_tensor import LiveTensor
+
+# Refused on the live path, with why.
+_REFUSED = {
+    torch.optim.LBFGS: "it re-evaluates the closure many times per step with its own line "
+    "search; use another optimizer",
+    torch.optim.SparseAdam: "it needs sparse gradients, which zerojax does not produce; use "
+    "torch.optim.Adam",
+}
+
+
+def is_compiled(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` updates through the engine's compiled program (its exact class is
+    one zerojax reproduces) rather than its own step on live tensors."""
+    return type(optimizer) in optimizers.SUPPORTED_OPTIMIZERS.values()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """torch.optim interface over the engine's ZeRO-partitioned optimizer state."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: Engine):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        engine: Engine,
+        *,
+        compiled: bool | None = None,
+        reports_steps: bool = True,
+    ):
+        """`compiled`: None chooses by class (`is_compiled`); False runs torch's own step
+        (several optimizers on one model do). `reports_steps`: this optimizer's updates count
+        as the job's steps (the first of several optimizers)."""
         self._optimizer = optimizer
         self._engine = engine
+        self._compiled = is_compiled(optimizer) if compiled is None else compiled
+        self._reports_steps = reports_steps
+        if not self._compiled:
+            _check_runs_on_live_tensors(optimizer, engine)
         # Optimizer.__init__ sets up the hooks (register_step_pre_hook/post_hook fire around
         # step()) and the state; the groups it builds are then replaced by the original's own
         # list, so an LR scheduler attached to either object drives the update.
@@ -29,7 +77,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._adopting_groups = False
         self.param_groups = optimizer.param_groups
-        engine.attach_optimizer(optimizer)
+        # The engine's names of this optimizer's parameters (zero_grad drops only theirs).
+        names = {id(p): n for n, p in engine.module.named_parameters(remove_duplicate=False)}
+        self._param_names = {
+            id(p): engine.alias[names[id(p)]] for g in self.param_groups for p in g["params"]
+        }
+        if self._compiled:
+            engine.attach_optimizer(optimizer)
 
     @property
     def engine(self) -> Engine:
@@ -61,10 +115,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         # An LR scheduler built on the original optimizer watches its step() for this flag.
         self._optimizer._opt_called = True
-        hyper = optimizers.hyper_from_torch(self._optimizer, self._engine.optimizer_spec)
-        if self._engine.step(hyper):
-            effective_time.LEDGER.step_done(self._engine.state.step)
+        engine = self._engine
+        if self._compiled:
+            hyper = optimizers.hyper_from_torch(self._optimizer, engine.optimizer_spec)
+            applied = engine.step(lambda: engine.update(hyper))
+        else:
+            applied = engine.step(self._torch_step)
+        if applied and self._reports_steps:
+            effective_time.LEDGER.step_done(engine.state.step)
         return loss
+
+    def _torch_step(self) -> None:
+        """The torch optimizer's own step on the live parameters and gradients."""
+        engine = self._engine
+        clipping = engine.config.train.gradient_clipping
+        if clipping is not None:
+            engine.clip_grad_norm(clipping)
+        self._optimizer.step()
+        self._place_state()
+        if self._reports_steps:
+            engine.count_update()
+
+    def _place_state(self) -> None:
+        """Put each parameter-shaped state tensor (a moment, a momentum buffer) on the plan's
+        optimizer-state sharding of its parameter: ZeRO-1/2/3 partition it as they partition
+        the compiled path's state. Host tensors of that shape (from `load_state_dict`) become
+        live ones; scalars (step counts) stay as torch keeps them."""
+        plan = self._engine.plan
+        for param, state in self._optimizer.state.items():
+            name = self._param_names.get(id(param))
+            if name is None:
+                continue
+            sharding = plan.opt_state[name]
+            for key, value in state.items():
+                if not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
+                    continue
+                if isinstance(value, LiveTensor):
+                    if value.array.sharding != sharding:
+                        value.write(jax.device_put(value.array, sharding))
+                elif value.dim() > 0:
+                    array = jax.device_put(from_torch(value), sharding)
+                    state[key] = LiveTensor.owning(array, value.dtype)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` applies the update: always without gradient accumulation,
@@ -75,16 +166,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients (ignored between the micro-steps of a gradient
-        accumulation, as DeepSpeed does)."""
-        self._engine.zero_grad()
+        accumulation, as DeepSpeed does); on the live path, of this optimizer's parameters
+        only (another optimizer may own the rest)."""
+        if self._compiled:
+            self._engine.zero_grad()
+        else:
+            self._engine.zero_grad(frozenset(self._param_names.values()))
 
     def state_dict(self):
+        if not self._compiled:
+            return self._optimizer.state_dict()
         engine = self._engine
         return optimizers.state_dict_from_jax(
             engine.optimizer_spec, engine.state.opt_state, self.param_groups
         )
 
     def load_state_dict(self, state_dict) -> None:
+        if not self._compiled:
+            self._optimizer.load_state_dict(state_dict)
+            self._place_state()
+            return
         engine = self._engine
         opt_state = engine.optimizer_state_from_torch(state_dict)
         engine.load(engine.state.replace(opt_state=opt_state))
@@ -102,3 +203,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self._optimizer!r}, zero_stage={self._engine.plan.stage})"
+
+
+def _check_runs_on_live_tensors(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
+    for refused, why in _REFUSED.items():
+        if isinstance(optimizer, refused):
+            raise ValueError(  # noqa: TRY004 (a value the user chose, not a wrong type)
+                f"zerojax: torch.optim.{refused.__name__} is not supported: {why}"
+            )
+    if engine.state.loss_scale is not None:
+        raise ValueError(
+            f"zerojax: fp16 loss scaling runs inside the compiled update, which "
+            f"{type(optimizer).__name__} does not use (it runs its own step); use bf16 "
+            f"(no loss scaling) or torch.optim.AdamW/Adam/SGD"
+        )
