@@ -86,15 +86,15 @@ def main() -> None:
             data, num_replicas=world_size, rank=dist.get_rank(), shuffle=True, seed=7
         )
         model = torch.nn.parallel.DistributedDataParallel(model)
-        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
         rank = dist.get_rank()
     else:
         import zerojax
 
         model, optimizer = zerojax.initialize(model, optimizer, config=zerojax_config(args))
         sampler = zerojax.distributed.sampler(data, shuffle=True, seed=7)
-        clip = lambda: model.clip_grad_norm_(args.max_norm)
         rank = zerojax.distributed.rank()
+    # The same line for both: torch's own clip, on zerojax's live gradients (issue 24).
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
 
     loader = torch.utils.data.DataLoader(data, batch_size=args.local_batch, sampler=sampler)
     losses, norms, indices = [], [], list(sampler)
