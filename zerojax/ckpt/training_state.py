@@ -55,6 +55,15 @@ def torch_optimizer_of(optimizer: Any, engine) -> torch.optim.Optimizer | None:
             f"zerojax checkpointing needs the optimizer returned by zerojax.initialize together "
             f"with the model it came with, got {type(optimizer).__name__}"
         )
+    if not getattr(optimizer, "compiled", True):
+        # Its state lives in the torch optimizer, not in the engine's TrainState: a checkpoint
+        # would silently resume it from nothing.
+        raise CheckpointError(
+            f"zerojax checkpoints hold the optimizer state of torch.optim.AdamW/Adam/SGD (the "
+            f"compiled update); {type(inner).__name__} runs its own step, with its state in "
+            f"the torch optimizer: save `optimizer.state_dict()` with torch.save beside the "
+            f"checkpoint, and pass optimizer=None to the Checkpointer"
+        )
     return inner
 
 

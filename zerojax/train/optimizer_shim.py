@@ -86,6 +86,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.attach_optimizer(optimizer)
 
     @property
+    def compiled(self) -> bool:
+        """Whether updates run the engine's compiled program (state in the TrainState) rather
+        than the torch optimizer's own step (state in the torch optimizer)."""
+        return self._compiled
+
+    @property
     def engine(self) -> Engine:
         """The engine whose TrainState holds this optimizer's state."""
         return self._engine
