@@ -263,7 +263,7 @@ def test_initialize_applies_the_config_with_torch_gradients(monkeypatch):
     # (find_gather_regions); inside them the block's region already regathers.
     assert sorted(set(regions_traced) - set(configured)) == ["ZeRO-3 gather for addmm_6"]
     grads = {name: torch.as_tensor(p.grad) for name, p in model.named_parameters()}
-    (program,) = [p for n, p in wrapped._engine.programs.compiled().items() if n != "update"]
+    (program,) = [p for n, p in wrapped.engine.programs.compiled().items() if n != "update"]
     assert "opt-barrier" in program.as_text()  # kept through XLA:CPU's pipeline
     for name, want in expected.items():
         # As in assert_torch_gradients: fp32 sums of BATCH * 4 * WIDTH products, reordered.

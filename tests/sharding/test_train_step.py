@@ -32,7 +32,7 @@ from zerojax.bridge.dtypes import from_torch
 from zerojax.config import load_config
 from zerojax.sharding import make_mesh
 from zerojax.train.engine import Engine
-from zerojax.train.module import ZeroModule
+from zerojax.train.module import zero_module
 from zerojax.train.optimizer_shim import ZeroOptimizer
 from zerojax.train.parameters import release_parameters
 from zerojax.train.programs import find_scalar_loss
@@ -66,7 +66,7 @@ def wrap(module, raw_config, devices=None):
     optimizer = ZeroOptimizer(
         torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1), engine
     )
-    model = ZeroModule(module, engine)
+    model = zero_module(module, engine)
     release_parameters(module, engine)
     return model, optimizer
 

@@ -26,7 +26,7 @@ from tests.train.test_backward_patterns import tiny_hf_gpt2
 from zerojax.config import load_config
 from zerojax.sharding import make_mesh
 from zerojax.train.engine import Engine
-from zerojax.train.module import ZeroModule, hand_over
+from zerojax.train.module import ZeroModule, hand_over, zero_module
 from zerojax.train.optimizer_shim import ZeroOptimizer
 from zerojax.train.parameters import release_parameters
 from zerojax.train.programs import Program
@@ -49,7 +49,7 @@ def wrap_on_one_device(module: nn.Module, **engine_kwargs) -> tuple[ZeroModule, 
     mesh = make_mesh(config, devices=jax.devices()[:1])
     engine = Engine(module, config, seed=0, mesh=mesh, **engine_kwargs)
     ZeroOptimizer(torch.optim.SGD(module.parameters(), lr=0.1), engine)
-    model = ZeroModule(module, engine)
+    model = zero_module(module, engine)
     release_parameters(module, engine)
     return model, reference
 

@@ -181,9 +181,11 @@ def test_freezing_mid_run_stops_gradients_and_updates():
     np.testing.assert_array_equal(frozen.detach().numpy(), before)
 
 
-def test_wrapper_shows_the_module():
-    """The HF Trainer reads `model.loss_type`/`config` and keeps only the columns
-    `inspect.signature(model.forward)` names; nanoGPT calls `model.estimate_mfu`."""
+def test_the_model_stays_itself():
+    """`initialize` gives back the user's own module object, as FSDP2's fully_shard does: the
+    HF Trainer reads `model.loss_type`/`config` and keeps only the columns
+    `inspect.signature(model.forward)` names; nanoGPT calls `model.estimate_mfu`; DDP-style
+    scripts take `model.module`."""
 
     class WithExtras(MLP):
         loss_type = "ForCausalLM"
@@ -197,6 +199,7 @@ def test_wrapper_shows_the_module():
     torch.manual_seed(0)
     module = WithExtras()
     model, _ = zerojax.initialize(module, None, ZERO3)
+    assert model is module and isinstance(model, WithExtras) and model.module is model
     assert model.loss_type == "ForCausalLM" and model.estimate_mfu() == 0.5
     assert list(inspect.signature(model.forward).parameters) == [
         "x",

@@ -49,6 +49,7 @@ from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import optimizers
 from zerojax.train.data_parallel import ProcessLocalBatches, rank0_seed
+from zerojax.train.parameters import plain_parameters
 from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
 from zerojax.train.programs import (
     StepPrograms,
@@ -64,6 +65,18 @@ from zerojax.train.state import TrainState
 log = logging.getLogger("zerojax")
 
 __all__ = ["Engine", "find_scalar_loss"]
+
+
+def _capturing(method):
+    """`method` may capture the module (a new input signature): torch.export must see its
+    parameters as the ordinary ones they stand in for (`plain_parameters`)."""
+
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with plain_parameters():
+            return method(*args, **kwargs)
+
+    return run
 
 
 class Engine:
@@ -317,6 +330,7 @@ class Engine:
 
     # --- tracing ---------------------------------------------------------------------------
 
+    @_capturing
     def converted(self, train: bool, args: tuple, kwargs: dict) -> Converted:
         """The program for this mode, traced on first use from the torch inputs."""
         if train not in self._converted:
@@ -388,6 +402,7 @@ class Engine:
         loss_scale = self._state.loss_scale
         return loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
 
+    @_capturing
     def forward(self, converted, args, kwargs, *, differentiable=None):
         """Outputs (and, if `differentiable` is given, the pullback) of one model call."""
         rng = self.next_rng()
@@ -402,6 +417,7 @@ class Engine:
         self._state = self._state.replace(buffers=new_buffers)
         return outputs, pullback
 
+    @_capturing
     def fused_forward(self, converted, args, kwargs, loss_path):
         """Outputs and the gradients of the model's own loss, in one program."""
         rng = self.next_rng()
@@ -643,7 +659,7 @@ class Engine:
         """Every state_dict entry on the host, torch names and the module's dtypes."""
         weights, buffers = self._state.weights, self._state.buffers
         out = {}
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
+        for name, tensor in torch.nn.Module.state_dict(self.module, keep_vars=True).items():
             canonical = self.alias.get(name, name)
             source = weights if canonical in weights else buffers
             out[name] = (host_copy(source[canonical]), tensor.dtype)

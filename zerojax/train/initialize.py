@@ -11,10 +11,10 @@ from zerojax.config import Config, apply_devices, load_config
 from zerojax.runtime import effective_time
 from zerojax.runtime.compilation_cache import enable_compilation_cache
 from zerojax.train.engine import Engine
-from zerojax.train.module import ZeroModule
+from zerojax.train.module import ZeroModule, zero_module
 from zerojax.train.optimizer_config import build_optimizer, check_optimizer_matches_config
 from zerojax.train.optimizer_shim import ZeroOptimizer
-from zerojax.train.parameters import plain_parameters, release_parameters
+from zerojax.train.parameters import release_parameters
 
 
 def initialize(
@@ -109,12 +109,11 @@ def initialize(
         elif optimizer is not None:
             _check_optimizer_covers_model(model, optimizer)
             wrapped_optimizer = ZeroOptimizer(optimizer, engine)
-        wrapped = ZeroModule(model, engine)
         release_parameters(model, engine)
+        wrapped = zero_module(model, engine)
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        with plain_parameters():
-            engine.converted(model.training, args, {})
+        engine.converted(model.training, args, {})
     return wrapped, wrapped_optimizer
 
 

@@ -1,6 +1,8 @@
-"""The torch front end of a wrapped model: `model(x)` runs JAX, `loss.backward()` pulls back.
+"""The torch front end of a model after `zerojax.initialize`: `model(x)` runs JAX,
+`loss.backward()` pulls back. The model stays itself: `zero_module` mixes `ZeroModule` into
+its class (as FSDP2's `fully_shard` does), so only its forward and its tensors change.
 
-`ZeroModule.forward` converts the torch inputs to (batch-sharded) JAX arrays, runs the engine's
+The forward converts the torch inputs to (batch-sharded) JAX arrays, runs the engine's
 forward program and hands back torch tensors (`hand_over`: on one CPU device the output buffers
 themselves, through DLPack, so outputs a loop never reads -- the logits next to the loss -- cost
 no copy; elsewhere host copies). When autograd is recording, those tensors come
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +31,7 @@ from zerojax.bridge.convert import Static
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.bridge.value_inputs import input_key
 from zerojax.train.engine import Engine
-from zerojax.train.parameters import plain_parameters
+from zerojax.train.parameters import is_plain, plain_parameters
 from zerojax.train.programs import find_scalar_loss
 
 
@@ -73,50 +76,43 @@ def _release(ctx) -> None:
 
 
 class ZeroModule(torch.nn.Module):
-    """The wrapped model: the user's module, run as one sharded XLA program per step."""
+    """What `zerojax.initialize` mixes into the user's model: its forward runs as one sharded XLA
+    program per step.
 
-    def __init__(self, module: torch.nn.Module, engine: Engine):
-        super().__init__()
-        self.module = module
-        self._engine = engine
-        self._anchor = torch.zeros((), requires_grad=True)
-        self.train(module.training)
+    The model stays itself, as FSDP2's `fully_shard` leaves it: `zero_module` changes the
+    instance's class to a subclass of both (`ZeroModule`, then the model's own class), so
+    `isinstance`, methods (`generate`, `save_pretrained`, `estimate_mfu`), attributes (`config`,
+    `loss_type`) and `inspect.signature(model.forward)` are the model's own. What it adds:
+    `forward` (the engine's program; the class's own forward while torch.export captures it),
+    `engine`, `clip_grad_norm_`, a gathered `state_dict`/`load_state_dict`, `zero_grad` on the
+    engine, `module` (the model itself, for the DDP idiom `raw_model = model.module`) unless
+    the model has its own, and `copy.deepcopy`/pickling as an ordinary instance of its class.
+    """
 
-        # `inspect.signature(model.forward)` is the module's own: the HF Trainer keeps only the
-        # dataset columns the forward names, and checks for `num_items_in_batch`.
-        @functools.wraps(module.forward)
-        def forward(*args, **kwargs):
-            return self._wrapped_forward(*args, **kwargs)
-
-        self.forward = forward
-
-    def __getattr__(self, name: str):
-        """The module's own attributes (`config`, `generate`, `loss_type`, `estimate_mfu`, ...)
-        through the wrapper, as DDP users reach them through `.module`."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            if "module" not in modules:
-                raise
-            return getattr(modules["module"], name)
-
-    def __deepcopy__(self, memo):
-        """An ordinary torch copy of the module, holding the current values (an EMA model):
-        the engine and its program are not copied."""
-        return copy.deepcopy(self.module, memo)
+    _zerojax_base: type
+    _zerojax_engine: Engine
 
     @property
     def engine(self) -> Engine:
-        return self._engine
+        return self._zerojax_engine
 
-    def _wrapped_forward(self, *args, **kwargs):
-        # torch.export, when a new signature is captured, must see ordinary parameters.
-        with plain_parameters():
-            return self._forward(*args, **kwargs)
+    def __deepcopy__(self, memo):
+        """An ordinary instance of the model's class holding the current values (an EMA model):
+        the engine and its program are not copied."""
+        base = type(self)._zerojax_base
+        copied = base.__new__(base)
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():
+            if not key.startswith("_zerojax"):
+                copied.__dict__[key] = copy.deepcopy(value, memo)
+        return copied
 
-    def _forward(self, *args, **kwargs):
-        engine = self._engine
+    def __reduce_ex__(self, protocol):
+        # torch.save(model): the ordinary model (its dynamic class is not importable).
+        return copy.deepcopy(self).__reduce_ex__(protocol)
+
+    def _zerojax_forward(self, *args, **kwargs):
+        engine = self._zerojax_engine
         converted = engine.converted(self.training, args, kwargs)
         flat_with_paths, spec = torch_pytree.tree_flatten_with_path((args, kwargs))
         flat = [leaf for _, leaf in flat_with_paths]
@@ -144,38 +140,40 @@ class ZeroModule(torch.nn.Module):
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
         # Several processes: outputs with the batch's rows go back as this process's rows.
         local = engine.process_local
-        self._global_rows = local.global_rows(jax_flat) if local is not None else None
+        self._zerojax_global_rows = local.global_rows(jax_flat) if local is not None else None
         inputs_require_grad = any(flat[i].requires_grad for i in tensor_positions)
         recording = torch.is_grad_enabled() and (
-            inputs_require_grad or any(p.requires_grad for p in self.module.parameters())
+            inputs_require_grad or any(p.requires_grad for p in self.parameters())
         )
         if not recording:
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
             leaves, treedef = jax.tree.flatten(outputs)
             kept = (engine.state.params, engine.state.buffers, jax_args, jax_kwargs)
-            return jax.tree.unflatten(treedef, self._hand_over(leaves, kept))
+            return jax.tree.unflatten(treedef, self._zerojax_hand_over(leaves, kept))
 
         tensor_inputs = [flat[i] for i in tensor_positions]
         # The fused program returns no input gradients: inputs that need one (a wrapped model
         # fed by another) take the general path.
         loss_path = (
-            None if inputs_require_grad else self._fused_loss_path(converted, jax_args, jax_kwargs)
+            None
+            if inputs_require_grad
+            else self._zerojax_fused_loss_path(converted, jax_args, jax_kwargs)
         )
         if loss_path is not None:
-            return self._fused(converted, jax_args, jax_kwargs, loss_path, tensor_inputs)
-        return self._general(converted, args, jax_args, jax_kwargs)
+            return self._zerojax_fused(converted, jax_args, jax_kwargs, loss_path, tensor_inputs)
+        return self._zerojax_general(converted, args, jax_args, jax_kwargs)
 
-    def _fused_loss_path(self, converted, jax_args, jax_kwargs):
-        if self._engine.fused is False:
+    def _zerojax_fused_loss_path(self, converted, jax_args, jax_kwargs):
+        if self._zerojax_engine.fused is False:
             return None
         # Read off the captured program's outputs: no trace of the model (an eval_shape of it
         # cost ~0.05 s of the first step, on the general path too).
         return find_scalar_loss(converted.output_shapes(*jax_args, **jax_kwargs))
 
-    def _fused(self, converted, jax_args, jax_kwargs, loss_path, tensor_inputs):
+    def _zerojax_fused(self, converted, jax_args, jax_kwargs, loss_path, tensor_inputs):
         """The model computes its own loss: forward and backward ran as one program; the loss's
         backward only adds the (already computed) gradients, weighted by its cotangent."""
-        engine = self._engine
+        engine = self._zerojax_engine
         outputs, grads = engine.fused_forward(converted, tuple(jax_args), jax_kwargs, loss_path)
         leaves, treedef = jax.tree.flatten(outputs)
         loss_leaf = _loss_leaf_index(outputs, loss_path)
@@ -197,12 +195,15 @@ class ZeroModule(torch.nn.Module):
 
         kept = (engine.state.params, engine.state.buffers, grads, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: self._hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
+            lambda: self._zerojax_hand_over(leaves, kept),
+            backward,
+            self._zerojax_anchor,
+            *tensor_inputs,
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
-    def _general(self, converted, args, jax_args, jax_kwargs):
-        engine = self._engine
+    def _zerojax_general(self, converted, args, jax_args, jax_kwargs):
+        engine = self._zerojax_engine
         # Input gradients flow back for top-level positional tensors; nested or keyword inputs
         # are treated as constants.
         flat_positional = not jax_kwargs and not any(
@@ -224,7 +225,7 @@ class ZeroModule(torch.nn.Module):
         # their device buffers (and, for sharded ones, the host copy NumPy caches) alive.
         specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
 
-        global_rows = self._global_rows
+        global_rows = self._zerojax_global_rows
 
         def backward(grad_leaves):
             local = engine.process_local
@@ -252,41 +253,51 @@ class ZeroModule(torch.nn.Module):
 
         kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: self._hand_over(leaves, kept), backward, self._anchor, *tensor_inputs
+            lambda: self._zerojax_hand_over(leaves, kept),
+            backward,
+            self._zerojax_anchor,
+            *tensor_inputs,
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
-    def _hand_over(self, leaves: list, kept) -> list[torch.Tensor]:
+    def _zerojax_hand_over(self, leaves: list, kept) -> list[torch.Tensor]:
         """The outputs as torch tensors: `hand_over` in one process; with several, this
         process's rows of each (`zerojax.train.data_parallel`)."""
-        local = self._engine.process_local
+        local = self._zerojax_engine.process_local
         if local is None:
             return hand_over(leaves, kept)
-        return [to_torch(local.local_output(x, self._global_rows)) for x in leaves]
+        return [to_torch(local.local_output(x, self._zerojax_global_rows)) for x in leaves]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients. nn.Module's version would read (gather) every
         `p.grad` first; either way the next backward starts from nothing."""
-        self._engine.zero_grad()
+        self._zerojax_engine.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the accumulated gradients' global norm to `max_norm`, on the shards (as FSDP's
         `clip_grad_norm_`); returns the total norm before clipping, as torch's does."""
         from zerojax.train.clipping import clip_engine_grad_norm_
 
-        return clip_engine_grad_norm_(self._engine, max_norm, norm_type)
+        return clip_engine_grad_norm_(self._zerojax_engine, max_norm, norm_type)
 
     # --- torch-format state ----------------------------------------------------------------
 
-    def state_dict(self, *args, **kwargs):
-        """The wrapped module's state_dict (its own key names), gathered to the host."""
-        return {
-            name: to_torch(array).to(dtype)
-            for name, (array, dtype) in self._engine.state_dict_arrays().items()
-        }
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The model's state_dict gathered to the host as ordinary tensors (`keep_vars=True`:
+        the live stand-ins themselves). As a submodule of a bigger model it fills the parent's
+        `destination` under `prefix`, as nn.Module's does."""
+        if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        if keep_vars:
+            return _module_state_dict(self, destination=destination, prefix=prefix, keep_vars=True)
+        destination = OrderedDict() if destination is None else destination
+        for name, (array, dtype) in self._zerojax_engine.state_dict_arrays().items():
+            destination[prefix + name] = to_torch(array).to(dtype)
+        return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        expected = set(self.module.state_dict(keep_vars=True))
+        own = _module_state_dict(self, keep_vars=True)
+        expected = set(own)
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if strict and (missing or unexpected):
             raise RuntimeError(
@@ -294,17 +305,59 @@ class ZeroModule(torch.nn.Module):
                 f"{sorted(unexpected)}"
             )
         for name, value in state_dict.items():
-            if name in expected:
-                shape = tuple(self.module.state_dict(keep_vars=True)[name].shape)
-                if tuple(value.shape) != shape:
-                    raise RuntimeError(
-                        f"zerojax: load_state_dict: '{name}' has shape {tuple(value.shape)}, "
-                        f"the model expects {shape}"
-                    )
-        self._engine.load_state_dict_arrays(
+            if name in expected and tuple(value.shape) != tuple(own[name].shape):
+                raise RuntimeError(
+                    f"zerojax: load_state_dict: '{name}' has shape {tuple(value.shape)}, "
+                    f"the model expects {tuple(own[name].shape)}"
+                )
+        self._zerojax_engine.load_state_dict_arrays(
             {n: from_torch(v) for n, v in state_dict.items() if n in expected}
         )
         return torch.nn.modules.module._IncompatibleKeys(sorted(missing), sorted(unexpected))
+
+
+def _module_state_dict(module: torch.nn.Module, **kwargs):
+    """nn.Module's own state_dict (names and stand-ins), past `ZeroModule.state_dict`."""
+    return torch.nn.Module.state_dict(module, **kwargs)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def zero_module(module: torch.nn.Module, engine: Engine) -> torch.nn.Module:
+    """Make `module` (the same object) run through `engine`: its class becomes a subclass of
+    `ZeroModule` and its own class (see ZeroModule). Returns `module`."""
+    base = type(module)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        namespace = {"_zerojax_base": base, "forward": _forward_of(base)}
+        if "module" not in module._modules and not hasattr(base, "module"):  # theirs wins
+            namespace["module"] = property(lambda self: self, doc="The model itself.")
+        cls = _CLASSES[base] = type(f"ZeroJax{base.__name__}", (ZeroModule, base), namespace)
+        cls.__module__ = base.__module__
+        cls.__qualname__ = f"ZeroJax{base.__qualname__}"
+    module.__class__ = cls
+    object.__setattr__(module, "_zerojax_engine", engine)
+    object.__setattr__(module, "_zerojax_anchor", torch.zeros((), requires_grad=True))
+    object.__setattr__(module, "_zerojax_global_rows", None)
+    return module
+
+
+def _forward_of(base: type):
+    """The class's forward, with its signature (the HF Trainer keeps only the dataset columns
+    the forward names): the engine's program, or the class's own code while torch.export
+    traces the model (`plain_parameters`)."""
+    own_forward = base.forward
+
+    @functools.wraps(own_forward)
+    def forward(self, *args, **kwargs):
+        if is_plain():
+            return own_forward(self, *args, **kwargs)
+        # torch.export, when a new signature is captured, must see ordinary parameters.
+        with plain_parameters():
+            return self._zerojax_forward(*args, **kwargs)
+
+    return forward
 
 
 def _loss_leaf_index(outputs, loss_path) -> int:

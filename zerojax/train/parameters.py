@@ -33,7 +33,13 @@ import torch.utils._pytree as torch_pytree
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.train.live_tensor import LiveTensor, to_host
 
-__all__ = ["ShardedBuffer", "ShardedParameter", "plain_parameters", "release_parameters"]
+__all__ = [
+    "ShardedBuffer",
+    "ShardedParameter",
+    "is_plain",
+    "plain_parameters",
+    "release_parameters",
+]
 
 Tensor = torch.Tensor
 
@@ -87,7 +93,8 @@ def plain_parameters():
         _plain.active = previous
 
 
-def _is_plain() -> bool:
+def is_plain() -> bool:
+    """Whether `plain_parameters()` is in force (torch.export is capturing the model)."""
     return getattr(_plain, "active", False)
 
 
@@ -118,7 +125,7 @@ class EngineEntry:
 def _torch_function(stand_in_type, func, args, kwargs):
     """A stand-in's torch functions: metadata from the stand-in, the rest on its live view."""
     kwargs = kwargs or {}
-    if func in _OWN_METADATA or _is_plain():
+    if func in _OWN_METADATA or is_plain():
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
     if func is Tensor.data.__set__:
@@ -154,7 +161,7 @@ class ShardedParameter(torch.nn.Parameter):
 
     @property
     def grad(self):
-        if _is_plain() or not self._zerojax_engine.has_grad(self._zerojax_name):
+        if is_plain() or not self._zerojax_engine.has_grad(self._zerojax_name):
             return None
         # One live tensor per parameter, made on first read: it reads the engine afresh, so
         # `p.grad is p.grad` as in torch, and clip_grad_norm_'s four reads per parameter
