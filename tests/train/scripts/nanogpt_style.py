@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from bench.architectures import GPT2, GPT2Config  # noqa: E402
+from bench.architectures import GPT2, GPT2Config
 
 MAX_ITERS, CHECKPOINT_AT = 8, 4
 BATCH, BLOCK = 8, 32
