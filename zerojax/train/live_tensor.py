@@ -210,9 +210,9 @@ def run_op(func, args: tuple, kwargs: dict):
         return _on_host(func, args, kwargs, mutated)
     if any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta)):
         return _on_host(func, args, kwargs, mutated)
-    result = call([_array_of(x) for x in leaves if isinstance(x, torch.Tensor)], _next_rng)
     if _returns_view(func) and isinstance(args[0], LiveTensor):
-        return _views(func, spec, spec_key, leaves, call, args[0])
+        return _views(func, spec, spec_key, leaves, call, args[0])  # computed when read
+    result = call([_array_of(x) for x in leaves if isinstance(x, torch.Tensor)], _next_rng)
     if isinstance(result, jax.Array):
         return LiveTensor.owning(result, call.out_meta.dtype)
     return torch_pytree.tree_map(
