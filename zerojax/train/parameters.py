@@ -144,6 +144,13 @@ def _torch_function(stand_in_type, func, args, kwargs):
     return func(*live_args, **live_kwargs)
 
 
+def _live_view(stand_in: torch.Tensor, reader, writer) -> LiveTensor:
+    """A live tensor over the engine entry `stand_in` names, read and written through the
+    engine's `reader`/`writer` for its kind (weight, gradient, buffer)."""
+    source = EngineEntry(reader, writer, stand_in._zerojax_name, stand_in.dtype)
+    return LiveTensor(source, stand_in.shape, stand_in.dtype)
+
+
 class ShardedParameter(torch.nn.Parameter):
     """A parameter whose value and gradient live in a zerojax engine (see the module
     docstring)."""
@@ -154,10 +161,7 @@ class ShardedParameter(torch.nn.Parameter):
     def live(self) -> LiveTensor:
         """The parameter's value as a live tensor (what `p.data` and `p.detach()` give)."""
         engine = self._zerojax_engine
-        source = EngineEntry(
-            engine.weight_value, engine.write_weight, self._zerojax_name, self.dtype
-        )
-        return LiveTensor(source, self.shape, self.dtype)
+        return _live_view(self, engine.weight_value, engine.write_weight)
 
     @property
     def grad(self):
@@ -169,10 +173,8 @@ class ShardedParameter(torch.nn.Parameter):
         view = self.__dict__.get("_zerojax_grad_view")
         if view is None:
             engine = self._zerojax_engine
-            source = EngineEntry(
-                engine.grad_value, engine.write_grad, self._zerojax_name, self.dtype
-            )
-            view = self._zerojax_grad_view = LiveTensor(source, self.shape, self.dtype)
+            view = _live_view(self, engine.grad_value, engine.write_grad)
+            self._zerojax_grad_view = view
         return view
 
     @grad.setter
@@ -214,10 +216,7 @@ class ShardedBuffer(torch.Tensor):
 
     def live(self) -> LiveTensor:
         engine = self._zerojax_engine
-        source = EngineEntry(
-            engine.buffer_value, engine.write_buffer, self._zerojax_name, self.dtype
-        )
-        return LiveTensor(source, self.shape, self.dtype)
+        return _live_view(self, engine.buffer_value, engine.write_buffer)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
