@@ -26,7 +26,13 @@ from jax.sharding import NamedSharding
 from zerojax.bridge.interpreter import _evaluate
 from zerojax.bridge.registry import LoweringContext
 
-__all__ = ["EagerCall", "eager_call", "functional_variant", "meta_of"]
+__all__ = [
+    "EagerCall",
+    "ScalarsMustBeConstant",
+    "eager_call",
+    "functional_variant",
+    "meta_of",
+]
 
 # Distinct signatures kept compiled; beyond it the least recently used is dropped (a script
 # whose Python scalars change every step -- a decay schedule -- would otherwise grow it forever).
@@ -41,23 +47,28 @@ def meta_of(tensor: torch.Tensor) -> torch.Tensor:
 class EagerCall:
     """One ATen overload on one signature, lowered and jitted.
 
-    `meta_leaves` are the call's flattened (args, kwargs) with every tensor a meta tensor (or a
-    0-d CPU tensor: torch lets those mix with any device, and they keep their promotion rules).
+    `meta_leaves` are the call's flattened (args, kwargs) with every tensor a meta tensor.
+    The leaves at `traced_scalars` (Python floats) are inputs of the program, not constants.
+    `dynamic` lists the positions whose values a call passes: tensors and traced scalars.
     """
 
-    def __init__(self, op: torch._ops.OpOverload, spec, meta_leaves: list):
+    def __init__(
+        self, op: torch._ops.OpOverload, spec, meta_leaves: list, traced_scalars=frozenset()
+    ):
         self.op = op
+        self.traced_scalars = traced_scalars
         args, kwargs = torch_pytree.tree_unflatten(meta_leaves, spec)
         with torch.no_grad():
             self.out_meta = op(*args, **kwargs)
         graph = torch.fx.Graph()
-        graph_leaves, placeholders = [], []
+        graph_leaves, placeholders, self.dynamic = [], [], []
         for i, leaf in enumerate(meta_leaves):
-            if isinstance(leaf, torch.Tensor):
+            if isinstance(leaf, torch.Tensor) or i in traced_scalars:
                 node = graph.placeholder(f"arg{i}")
                 node.meta["val"] = leaf
                 placeholders.append(node)
                 graph_leaves.append(node)
+                self.dynamic.append(i)
             else:
                 graph_leaves.append(leaf)
         graph_args, graph_kwargs = torch_pytree.tree_unflatten(graph_leaves, spec)
@@ -95,7 +106,15 @@ class EagerCall:
         "Expected 8 threads to join the rendezvous, but only 6 of them arrived"). One at a
         time, they cannot; programs without collectives never wait on each other."""
         key = rng() if self.random else None
-        result = self._program(arrays, key)
+        try:
+            result = self._program(arrays, key)
+        except jax.errors.ConcretizationTypeError:
+            if not self.traced_scalars:
+                raise
+            # The lowering needs the scalar's value (it branches on it): from now on this op's
+            # scalars are constants, keyed by value (`eager_call` asks again).
+            _needs_constant_scalars.add(self.op)
+            raise ScalarsMustBeConstant from None
         if self._has_collectives(arrays, key):
             jax.block_until_ready(result)
         return result
@@ -103,11 +122,12 @@ class EagerCall:
     def _has_collectives(self, arrays: list, key) -> bool:
         """Whether the program compiled for these inputs' shardings communicates (read once
         per set of shardings from its HLO; elementwise ops on shards do not)."""
+        placed = [a for a in arrays if isinstance(a, jax.Array)]  # not the traced scalars
         if not any(
-            isinstance(a.sharding, NamedSharding) and a.sharding.mesh.size > 1 for a in arrays
+            isinstance(a.sharding, NamedSharding) and a.sharding.mesh.size > 1 for a in placed
         ):
             return False
-        shardings = tuple(a.sharding for a in arrays)
+        shardings = tuple(a.sharding for a in placed)
         found = self._collectives.get(shardings)
         if found is None:
             text = self._program.lower(arrays, key).compile().as_text()
@@ -115,6 +135,34 @@ class EagerCall:
             self._collectives[shardings] = found
         return found
 
+
+class ScalarsMustBeConstant(Exception):
+    """Raised by a call whose Python scalars were traced but must be constants; the caller
+    gets the call again from `eager_call` (keyed by the values now) and retries."""
+
+
+aten = torch.ops.aten
+# Arithmetic whose Python-float operands (an optimizer's step size, a bias correction, 1 - an
+# EMA decay: new values every step) are program inputs, so a new value does not compile a new
+# program. Other ops keep scalars as constants: their lowerings may need the value (pow's
+# exponent, a norm's order).
+_SCALAR_INPUT_OPS = frozenset(
+    {
+        aten.add.Tensor,
+        aten.add.Scalar,
+        aten.sub.Tensor,
+        aten.sub.Scalar,
+        aten.mul.Tensor,
+        aten.mul.Scalar,
+        aten.div.Tensor,
+        aten.div.Scalar,
+        aten.lerp.Scalar,
+        aten.addcmul.default,
+        aten.addcdiv.default,
+    }
+)
+_needs_constant_scalars: set = set()
+_TRACED = object()  # a traced scalar's place in a cache key
 
 _COLLECTIVE_OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 
@@ -129,13 +177,20 @@ def eager_call(
     `key_of(tensor)` is the signature part of a tensor leaf; `meta(tensor)` its meta stand-in;
     `spec_key` stands for `spec` in the cache key when given (hashing a spec walks it).
     """
-    signature = (key_of(x) if isinstance(x, torch.Tensor) else _hashable(x) for x in leaves)
+    traced = frozenset()
+    if op in _SCALAR_INPUT_OPS and op not in _needs_constant_scalars:
+        traced = frozenset(i for i, x in enumerate(leaves) if type(x) is float)
+    signature = (
+        key_of(x) if isinstance(x, torch.Tensor) else _TRACED if i in traced else _hashable(x)
+        for i, x in enumerate(leaves)
+    )
     key = (op, spec if spec_key is None else spec_key, tuple(signature))
     call = _calls.get(key)
     if call is not None:
         _calls.move_to_end(key)
         return call
-    call = EagerCall(op, spec, [meta(x) if isinstance(x, torch.Tensor) else x for x in leaves])
+    metas = [meta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    call = EagerCall(op, spec, metas, traced)
     _calls[key] = call
     if len(_calls) > _MAX_CACHED_CALLS:
         _calls.popitem(last=False)

@@ -212,7 +212,13 @@ def run_op(func, args: tuple, kwargs: dict):
         return _on_host(func, args, kwargs, mutated)
     if _returns_view(func) and isinstance(args[0], LiveTensor):
         return _views(func, spec, spec_key, leaves, call, args[0])  # computed when read
-    result = call([_array_of(x) for x in leaves if isinstance(x, torch.Tensor)], _next_rng)
+    values = [leaves[i] for i in call.dynamic]
+    try:
+        result = call(
+            [_array_of(x) if isinstance(x, torch.Tensor) else x for x in values], _next_rng
+        )
+    except eager.ScalarsMustBeConstant:
+        return run_op(func, args, kwargs)
     if isinstance(result, jax.Array):
         return LiveTensor.owning(result, call.out_meta.dtype)
     return torch_pytree.tree_map(

@@ -441,24 +441,53 @@ def lower_leaky_relu(ctx, self, negative_slope=0.01):
 # --- arithmetic ---------------------------------------------------------------------------------
 
 
+def _is_one(alpha) -> bool:
+    """Whether `alpha` is the constant 1 (a traced scalar, `zerojax.bridge.eager`, is not)."""
+    return isinstance(alpha, (bool, int, float)) and alpha == 1
+
+
 @lowering(aten.add.Tensor, aten.add.Scalar)
 def lower_add(ctx, self, other, alpha=1):
     """self + alpha * other (bool + bool is logical or)."""
     a, b = _promoted(self, other)
-    return a + (b if alpha == 1 else b * jnp.asarray(alpha, b.dtype))
+    return a + (b if _is_one(alpha) else b * jnp.asarray(alpha, b.dtype))
 
 
 @lowering(aten.sub.Tensor, aten.sub.Scalar)
 def lower_sub(ctx, self, other, alpha=1):
     """self - alpha * other."""
     a, b = _promoted(self, other)
-    return a - (b if alpha == 1 else b * jnp.asarray(alpha, b.dtype))
+    return a - (b if _is_one(alpha) else b * jnp.asarray(alpha, b.dtype))
 
 
 @lowering(aten.mul.Tensor, aten.mul.Scalar)
 def lower_mul(ctx, self, other):
     a, b = _promoted(self, other)
     return a * b
+
+
+@lowering(aten.lerp.Scalar, aten.lerp.Tensor)
+def lower_lerp(ctx, self, end, weight):
+    """torch's CPU kernel: coeff * (end - self) + base, with (coeff, base) = (weight, self) for
+    |weight| < 0.5 and (weight - 1, end) otherwise, so weight 1 gives `end` exactly.
+    (Captured graphs decompose lerp; this serves live tensors: EMAs, optimizer moments.)"""
+    start, end, weight = _promoted(self, end, weight)
+    small = jnp.abs(weight) < 0.5
+    return jnp.where(small, weight, weight - 1) * (end - start) + jnp.where(small, start, end)
+
+
+@lowering(aten.addcmul.default)
+def lower_addcmul(ctx, self, tensor1, tensor2, *, value=1):
+    """self + value * tensor1 * tensor2, multiplied left to right as torch's CPU kernel does."""
+    a, t1, t2 = _promoted(self, tensor1, tensor2)
+    return a + jnp.asarray(value, t1.dtype) * t1 * t2
+
+
+@lowering(aten.addcdiv.default)
+def lower_addcdiv(ctx, self, tensor1, tensor2, *, value=1):
+    """self + value * tensor1 / tensor2, left to right as torch's CPU kernel does."""
+    a, t1, t2 = _floating(self, tensor1, tensor2)
+    return a + jnp.asarray(value, t1.dtype) * t1 / t2
 
 
 @lowering(aten.div.Tensor, aten.div.Scalar)
