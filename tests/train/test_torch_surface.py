@@ -235,3 +235,13 @@ def test_optimizer_hooks_fire_and_step_takes_a_closure():
     assert calls == ["pre", "post"]
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-5, atol=0)
     assert_state_close(model.state_dict(), reference.state_dict(), "after step(closure)")
+
+
+def test_initializing_twice_is_a_clear_error():
+    model, _, _, _ = twins()
+    with pytest.raises(ValueError, match="MLP was already initialized"):
+        zerojax.initialize(model, None, ZERO3)
+    # An ordinary copy can be initialized (a second engine over the same values).
+    again, _ = zerojax.initialize(copy.deepcopy(model), None, ZERO3)
+    x, _ = mlp_batch()
+    torch.testing.assert_close(again(x), model(x), rtol=0, atol=0)

@@ -60,6 +60,12 @@ def initialize(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() takes a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, ZeroModule):
+        raise ValueError(
+            f"zerojax.initialize: this {type(model)._zerojax_base.__name__} was already "
+            f"initialized (its state lives in an engine); initialize a fresh model, or "
+            f"copy.deepcopy(model) for an ordinary copy with the current values"
+        )
     # Under torchrun/SLURM with several processes: join the job before anything starts JAX's
     # backends (load_config may, to count devices); a no-op for one process.
     distributed.initialize()
