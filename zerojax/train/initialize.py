@@ -61,7 +61,7 @@ def initialize(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() takes a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, ZeroModule):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 (the right type, in a state it cannot be used in)
             f"zerojax.initialize: this {type(model)._zerojax_base.__name__} was already "
             f"initialized (its state lives in an engine); initialize a fresh model, or "
             f"copy.deepcopy(model) for an ordinary copy with the current values"
