@@ -137,6 +137,7 @@ def test_torch_optimizer_trains_like_torch_under_zero3(name):
     errors = relative_errors(model, twin)
     assert max(errors.values()) <= 1e-4, errors
     assert_state_on_plan(model, optimizer)
+    assert optimizer.state is optimizer.torch_optimizer.state  # `optimizer.state[p]` reads it
     # torch's format: every state entry and hyperparameter, loadable by the plain optimizer.
     saved = optimizer.state_dict()
     assert set(saved["state"]) == set(range(len(list(twin.parameters()))))

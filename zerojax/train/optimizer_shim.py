@@ -84,6 +84,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
         if self._compiled:
             engine.attach_optimizer(optimizer)
+        else:  # the state torch's step keeps (live tensors): `optimizer.state[p]` reads it
+            self.state = optimizer.state
 
     @property
     def compiled(self) -> bool:
