@@ -129,13 +129,13 @@ def test_a_new_step_size_compiles_no_new_program():
     program per value made Adafactor's step 1 s instead of 85 ms on the bench model)."""
     ours = live(torch.randn(4, 5))
     expected = host(ours).clone()
-    ours.mul_(0.5)
-    expected.mul_(0.5)
-    compiled = len(eager._calls)
+    compiled = None
     for step in range(1, 6):
         value = 1 - 0.9**step
         ours.mul_(value).add_(ours, alpha=-value / 3).lerp_(ours * 0, value / 2)
         expected.mul_(value).add_(expected, alpha=-value / 3).lerp_(expected * 0, value / 2)
-    assert len(eager._calls) - compiled <= 2  # `ours * 0`'s own program, once
+        if compiled is None:  # the first step compiles what it needs
+            compiled = set(eager._calls)
+    assert set(eager._calls) <= compiled  # steps 2-5, new values each: no new program
     # 15 ops, each at most one float32 rounding apart from torch's (values below ~4).
     torch.testing.assert_close(host(ours), expected, rtol=15 * 1.2e-7, atol=15 * 4.8e-7)
