@@ -27,7 +27,8 @@ def initialize(
     fused: bool | None = None,
     seed: int | None = None,
 ) -> tuple[ZeroModule, ZeroOptimizer | list[ZeroOptimizer] | None]:
-    """Move `model`'s state into sharded JAX arrays and return torch-compatible stand-ins.
+    """Move `model`'s state into sharded JAX arrays; return the model itself (its forward now
+    the engine's program) and the wrapped optimizer.
 
     >>> model, optimizer = zerojax.initialize(model, optimizer, config="mesh.yaml")
     >>> loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -44,8 +45,8 @@ def initialize(
     first call. `loss_fn(outputs, target)` is traced into the program: call the model as
     `model(*inputs, target)` and it returns the loss, computed forward and backward in one
     fused program (as happens automatically when the model returns a scalar or `.loss`);
-    `fused=False` turns that off. `seed` seeds dropout (default: drawn
-    from torch's RNG state, which is left as it was: initialize never advances it).
+    `fused=False` turns that off. `seed` seeds dropout (default: drawn from torch's RNG state,
+    which is left as it was: initialize never advances it).
     After this call the engine's sharded arrays are the parameters' only copy, and the torch
     parameters are live views of them (`zerojax.train.parameters`): `p.grad`, `p.data`,
     `model.module.state_dict()`, `torch.nn.utils.clip_grad_norm_` and in-place ops read and
