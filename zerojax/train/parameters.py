@@ -122,46 +122,73 @@ class EngineEntry:
         self.writer(self.name, value)
 
 
-def _torch_function(stand_in_type, func, args, kwargs):
-    """A stand-in's torch functions: metadata from the stand-in, the rest on its live view."""
-    kwargs = kwargs or {}
-    if func in _OWN_METADATA or is_plain():
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-    if func is Tensor.data.__set__:
-        stand_in, value = args
-        if tuple(value.shape) != tuple(stand_in.shape):
-            raise RuntimeError(
-                f"zerojax: `.data = tensor` with shape {tuple(value.shape)} on "
-                f"'{stand_in._zerojax_name}' of shape {tuple(stand_in.shape)}; a zerojax "
-                f"tensor's shape is fixed at initialize"
-            )
-        stand_in.live().copy_(value)
-        return None
-    live_args, live_kwargs = torch_pytree.tree_map_only(
-        stand_in_type, lambda t: t.live(), (args, kwargs)
-    )
-    return func(*live_args, **live_kwargs)
+class _StandIn:
+    """What parameter and buffer stand-ins share: a live view of their engine entry, torch
+    functions run on it (metadata answered by the stand-in itself), and ordinary copies when
+    deep-copied, pickled or printed. Subclasses name the engine's reader and writer."""
+
+    __slots__ = ()
+    _reader: str
+    _writer: str
+
+    def live(self) -> LiveTensor:
+        """The value as a live tensor (what `.data` and `.detach()` give)."""
+        return _live_view(self, self._reader, self._writer)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _OWN_METADATA or is_plain():
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is Tensor.data.__set__:
+            stand_in, value = args
+            if tuple(value.shape) != tuple(stand_in.shape):
+                raise RuntimeError(
+                    f"zerojax: `.data = tensor` with shape {tuple(value.shape)} on "
+                    f"'{stand_in._zerojax_name}' of shape {tuple(stand_in.shape)}; a zerojax "
+                    f"tensor's shape is fixed at initialize"
+                )
+            stand_in.live().copy_(value)
+            return None
+        live_args, live_kwargs = torch_pytree.tree_map_only(
+            _StandIn, lambda t: t.live(), (args, kwargs)
+        )
+        return func(*live_args, **live_kwargs)
+
+    def _ordinary(self) -> torch.Tensor:
+        """An ordinary torch tensor (or parameter) holding the current value."""
+        return to_host(self.live())
+
+    def __deepcopy__(self, memo):
+        copied = self._ordinary()
+        memo[id(self)] = copied
+        return copied
+
+    def __reduce_ex__(self, protocol):
+        return self._ordinary().__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return repr(self._ordinary())
 
 
-def _live_view(stand_in: torch.Tensor, reader, writer) -> LiveTensor:
+def _live_view(stand_in, reader: str, writer: str) -> LiveTensor:
     """A live tensor over the engine entry `stand_in` names, read and written through the
-    engine's `reader`/`writer` for its kind (weight, gradient, buffer)."""
-    source = EngineEntry(reader, writer, stand_in._zerojax_name, stand_in.dtype)
+    engine methods named `reader`/`writer` for its kind (weight, gradient, buffer)."""
+    engine = stand_in._zerojax_engine
+    source = EngineEntry(
+        getattr(engine, reader), getattr(engine, writer), stand_in._zerojax_name, stand_in.dtype
+    )
     return LiveTensor(source, stand_in.shape, stand_in.dtype)
 
 
-class ShardedParameter(torch.nn.Parameter):
+class ShardedParameter(_StandIn, torch.nn.Parameter):
     """A parameter whose value and gradient live in a zerojax engine (see the module
     docstring)."""
 
     _zerojax_engine: object
     _zerojax_name: str
-
-    def live(self) -> LiveTensor:
-        """The parameter's value as a live tensor (what `p.data` and `p.detach()` give)."""
-        engine = self._zerojax_engine
-        return _live_view(self, engine.weight_value, engine.write_weight)
+    _reader, _writer = "weight_value", "write_weight"
 
     @property
     def grad(self):
@@ -172,9 +199,7 @@ class ShardedParameter(torch.nn.Parameter):
         # cost a lookup each.
         view = self.__dict__.get("_zerojax_grad_view")
         if view is None:
-            engine = self._zerojax_engine
-            view = _live_view(self, engine.grad_value, engine.write_grad)
-            self._zerojax_grad_view = view
+            view = self._zerojax_grad_view = _live_view(self, "grad_value", "write_grad")
         return view
 
     @grad.setter
@@ -191,47 +216,17 @@ class ShardedParameter(torch.nn.Parameter):
         array = value.array if isinstance(value, LiveTensor) else from_torch(value)
         engine.write_grad(name, array)
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _torch_function(ShardedParameter, func, args, kwargs)
-
-    def __deepcopy__(self, memo):
-        copied = torch.nn.Parameter(to_host(self.live()), self.requires_grad)
-        memo[id(self)] = copied
-        return copied
-
-    def __reduce_ex__(self, protocol):
-        return torch.nn.Parameter(to_host(self.live()), self.requires_grad).__reduce_ex__(protocol)
-
-    def __repr__(self) -> str:
-        return f"Parameter containing:\n{to_host(self.live())!r}"
+    def _ordinary(self) -> torch.nn.Parameter:
+        return torch.nn.Parameter(to_host(self.live()), self.requires_grad)
 
 
-class ShardedBuffer(torch.Tensor):
+class ShardedBuffer(_StandIn, torch.Tensor):
     """A buffer (BatchNorm's running statistics, ...) whose value lives in a zerojax engine:
     reads see what the training-mode forwards made of it."""
 
     _zerojax_engine: object
     _zerojax_name: str
-
-    def live(self) -> LiveTensor:
-        engine = self._zerojax_engine
-        return _live_view(self, engine.buffer_value, engine.write_buffer)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return _torch_function(ShardedBuffer, func, args, kwargs)
-
-    def __deepcopy__(self, memo):
-        copied = to_host(self.live())
-        memo[id(self)] = copied
-        return copied
-
-    def __reduce_ex__(self, protocol):
-        return to_host(self.live()).__reduce_ex__(protocol)
-
-    def __repr__(self) -> str:
-        return repr(to_host(self.live()))
+    _reader, _writer = "buffer_value", "write_buffer"
 
 
 def release_parameters(module: torch.nn.Module, engine) -> None:
