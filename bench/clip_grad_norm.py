@@ -32,6 +32,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def interleaved_medians_ms(contenders: dict, repeats: int, warmup: int = 2) -> dict:
+    """name -> median milliseconds of `contenders[name]()`, after `warmup` untimed calls each,
+    timed in turn `repeats` times so that load on the shared machine hits them alike."""
+    for run in contenders.values():
+        for _ in range(warmup):
+            run()
+    times = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, run in contenders.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -78,15 +93,8 @@ def main() -> None:
         "torch clip_grad_norm_ on zerojax": torch_clip_on_live,
         "torch clip_grad_norm_ on torch": torch_clip_on_torch,
     }
-    for run in contenders.values():  # compile, and the first clip's real scaling
-        run(), run()
-    times = {name: [] for name in contenders}
-    for _ in range(args.repeats):
-        for name, run in contenders.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    # The untimed calls compile, and make the first clip's real scaling.
+    medians = interleaved_medians_ms(contenders, args.repeats)
     print(
         f"GPT-2 bench model: {num_grads} gradients, {num_elements / 1e6:.2f}M elements; "
         f"{args.devices} device(s), ZeRO-{stage}; median of {args.repeats}"

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 
 import zerojax
 from bench.architectures import gpt2_bench_model
+from bench.clip_grad_norm import interleaved_medians_ms
 
 OPTIMIZERS = {
     "AdamW (compiled)": lambda p: torch.optim.AdamW(p, lr=1e-4),
@@ -68,20 +67,13 @@ def main() -> None:
 
         contenders[f"zerojax {name}"] = zerojax_step
         contenders[f"torch {name.split(' ')[0]}"] = twin_optimizer.step
-    for run in contenders.values():  # compile, first state
-        run(), run()
-    times = {name: [] for name in contenders}
-    for _ in range(args.repeats):
-        for name, run in contenders.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
+    medians = interleaved_medians_ms(contenders, args.repeats)  # warm-up: compile, state
     print(
         f"GPT-2 bench model (52 parameters, 3.49M elements), one CPU device; median of "
         f"{args.repeats}"
     )
-    for name, samples in times.items():
-        print(f"  {name:40s} {statistics.median(samples) * 1e3:8.1f} ms")
+    for name, ms in medians.items():
+        print(f"  {name:40s} {ms:8.1f} ms")
 
 
 if __name__ == "__main__":
