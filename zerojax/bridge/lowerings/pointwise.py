@@ -321,9 +321,26 @@ def lower_angle(ctx, self):
 # --- unary ops that keep the input dtype --------------------------------------------------------
 
 
+@jax.custom_jvp
+def torch_abs(x):
+    """|x| of a real float with torch's derivative sgn(x): 0 at x = 0 (jax.grad(jnp.abs)(0.0)
+    is 1, which gave an L1 loss or 1-norm a gradient at an exact match that torch does not)."""
+    return jnp.abs(x)
+
+
+@torch_abs.defjvp
+def _torch_abs_jvp(primals, tangents):
+    (x,), (tangent,) = primals, tangents
+    # torch's sign: 0 at 0 and at NaN.
+    sign = (x > 0).astype(tangent.dtype) - (x < 0).astype(tangent.dtype)
+    return jnp.abs(x), sign * tangent
+
+
 @lowering(aten.abs.default)
 def lower_abs(ctx, self):
-    return self if is_bool(self.dtype) else jnp.abs(self)
+    if is_bool(self.dtype):
+        return self
+    return torch_abs(self) if is_floating(self.dtype) else jnp.abs(self)
 
 
 @lowering(aten.neg.default)

@@ -20,6 +20,7 @@ import torch
 from jax import lax
 
 from zerojax.bridge.dtypes import is_bool, is_floating
+from zerojax.bridge.lowerings.pointwise import torch_abs
 from zerojax.bridge.registry import lowering
 
 aten = torch.ops.aten
@@ -469,10 +470,12 @@ def lower_mode_default(ctx, self, dim=-1, keepdim=False):
 def lower_linalg_vector_norm(ctx, self, ord=2, dim=None, keepdim=False, *, dtype=None):
     """(sum |x|^ord)^(1/ord) over `dim`; ord inf/-inf = max/min |x|, ord 0 = count of nonzeros.
 
-    The 2-norm of an all-zero slice has gradient 0 in torch (not NaN): the square root is
-    taken through a `where` so its derivative at 0 is never evaluated.
+    Gradients at zero are torch's: 0 for an element that is 0 (|x| has derivative sgn(x), and
+    |x|^ord is taken through a `where`, so ord < 1's infinite derivative at 0 is never
+    evaluated) and 0 for a slice whose norm is 0 (the root likewise), never NaN.
     """
-    x = jnp.abs(_as_accumulator(ctx, self))
+    x = _as_accumulator(ctx, self)
+    x = torch_abs(x) if is_floating(x.dtype) else jnp.abs(x)
     axes = _axes(self.ndim, dim)
 
     def reduce(fn, value):
@@ -488,11 +491,14 @@ def lower_linalg_vector_norm(ctx, self, ord=2, dim=None, keepdim=False, *, dtype
         return reduce(jnp.sum, x)
     if ord == 2:
         total = reduce(jnp.sum, x * x)
-        positive = total > 0
-        return jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1.0)), 0.0)
-    total = reduce(jnp.sum, x**ord)
-    positive = total > 0
-    return jnp.where(positive, jnp.where(positive, total, 1.0) ** (1.0 / ord), 0.0)
+        nonzero = total != 0  # NaN and inf pass through sqrt
+        return jnp.where(nonzero, jnp.sqrt(jnp.where(nonzero, total, 1.0)), 0.0)
+    nonzero = x != 0
+    # 0^ord is 0, or inf for a negative ord (whose norm is then 0, as torch's).
+    powered = jnp.where(nonzero, jnp.where(nonzero, x, 1.0) ** ord, jnp.inf if ord < 0 else 0.0)
+    total = reduce(jnp.sum, powered)
+    nonzero = total != 0
+    return jnp.where(nonzero, jnp.where(nonzero, total, 1.0) ** (1.0 / ord), 0.0)
 
 
 @lowering(aten.var.dim)
