@@ -106,8 +106,6 @@ KNOWN_WORSE = {
         "noise of the sum, 3-14x torch's error. Needs logsumexp kept whole (capture.KEPT_WHOLE) "
         "with a lowering whose backward is torch's g exp(x - result)."
     ),
-    "cumsum": "torch's CPU cumsum backward accumulates in double; zerojax's scan in float32",
-    "cumsum dim0": "as cumsum",
 }
 
 
