@@ -1,0 +1,409 @@
+"""The CNN training step without converter overhead: zerojax vs the same net hand-written in JAX.
+
+Two nets, each trained for full steps (forward + cross-entropy + backward + SGD with momentum
+0.9, lr 0.1; fp32, train mode: batch norm uses batch statistics and updates its running
+stats) on a batch of 8 random 64x64 RGB images, 10 classes, on ONE CPU device:
+
+- ResNet-18: torchvision `resnet18(num_classes=10)` (11.2M parameters);
+- ConvNeXt: torchvision's ConvNeXt at half of convnext_tiny's width and depths 2-2-6-2
+  (stem 4x4/4 patchify conv, blocks of depthwise 7x7 conv, LayerNorm over channels,
+  pointwise MLP with GELU, layer scale, residual; LayerNorm + 2x2/2 conv downsampling;
+  4.8M parameters).
+
+Contenders, timed interleaved (one of each per round, so load on the shared machine hits
+them alike), medians of --repeats rounds after untimed warm-up steps:
+
+- torch eager;
+- zerojax general: `model, opt = zerojax.initialize(net, SGD)`, then the user's loop
+  `loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()`;
+- zerojax fused: the same with a wrapper module whose forward returns the loss, so forward,
+  loss and backward are one XLA program (the update is a second one);
+- hand-written JAX, NHWC/HWIO and NCHW/OIHW: the same net written with `lax` ops, one jitted
+  step (value_and_grad + SGD momentum, state donated), the torch weights copied in.
+
+Every JAX timing ends when the new parameters are ready (`jax.block_until_ready`). The first
+two losses of every contender (same initial weights, same batch) are printed as the fairness
+check: the second loss depends on the gradients and the update.
+
+Prints per net the medians (ms), zerojax / hand-written (the faster layout) and
+zerojax / torch. With --hlo DIR it also writes the optimized HLO of zerojax's programs and of
+the hand-written steps there and prints an op census (convolutions, transposes, copies,
+reduces, fusions) of each.
+
+Run: .venv/bin/python bench/cnn_step.py [--repeats N] [--nets resnet18,convnext] [--hlo DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import functools
+import os
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 1)
+jax.config.update("jax_platforms", "cpu")
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+import torchvision
+from jax import lax
+from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+import zerojax
+from bench.clip_grad_norm import interleaved_medians_ms
+
+BATCH, IMAGE, CLASSES = 8, 64, 10
+LR, MOMENTUM = 0.1, 0.9
+BN_EPS, BN_MOMENTUM, LN_EPS = 1e-5, 0.1, 1e-6
+WARMUP = 5
+"""Untimed steps per contender: torch's first CPU steps run 10-30x slow (oneDNN primitive
+creation) and every JAX contender compiles on its first."""
+
+CONVNEXT_STAGES = ((48, 2), (96, 2), (192, 6), (384, 2))
+"""(width, depth) per stage: half of convnext_tiny's widths, fewer blocks."""
+
+
+def build_net(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "resnet18":
+        net = torchvision.models.resnet18(num_classes=CLASSES)
+    else:
+        widths = [w for w, _ in CONVNEXT_STAGES] + [None]
+        config = [CNBlockConfig(w, widths[i + 1], d) for i, (w, d) in enumerate(CONVNEXT_STAGES)]
+        net = ConvNeXt(config, num_classes=CLASSES)
+        # torchvision starts layer scale at 1e-6, which makes every block nearly the identity
+        # and the loss check blind to the blocks' arithmetic.
+        with torch.no_grad():
+            for name_, p in net.named_parameters():
+                if name_.endswith("layer_scale"):
+                    p.uniform_(0.5, 1.0)
+    return net.train()
+
+
+class WithLoss(torch.nn.Module):
+    """The net and its loss as one module: zerojax fuses forward, loss and backward."""
+
+    def __init__(self, net: torch.nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(x), y)
+
+
+# --- the nets hand-written in JAX ----------------------------------------------------------------
+# Parameters and buffers are keyed by the torch state_dict names; `layout` is "NHWC" (activations
+# NHWC, conv kernels HWIO) or "NCHW" (torch's NCHW / OIHW).
+
+
+class Layers:
+    def __init__(self, layout: str):
+        self.layout = layout
+        self.channel = -1 if layout == "NHWC" else 1
+        self.spatial = (1, 2) if layout == "NHWC" else (2, 3)
+        kernel = "HWIO" if layout == "NHWC" else "OIHW"
+        self.dimension_numbers = (layout, kernel, layout)
+
+    def per_channel(self, v):
+        return v if self.layout == "NHWC" else v[:, None, None]
+
+    def conv(self, x, w, b=None, stride=1, padding=0, groups=1):
+        out = lax.conv_general_dilated(
+            x,
+            w,
+            (stride, stride),
+            [(padding, padding)] * 2,
+            dimension_numbers=self.dimension_numbers,
+            feature_group_count=groups,
+            precision=lax.Precision.HIGHEST,
+        )
+        return out if b is None else out + self.per_channel(b)
+
+    def batch_norm(self, x, p, buffers, prefix, new_buffers):
+        axes = (0, *self.spatial)
+        mean = jnp.mean(x, axis=axes)
+        var = jnp.mean(jnp.square(x - self.per_channel(mean)), axis=axes)
+        n = x.size // x.shape[self.channel]
+        for name, batch_value in (("running_mean", mean), ("running_var", var * n / (n - 1))):
+            old = buffers[prefix + name]
+            new_buffers[prefix + name] = (1 - BN_MOMENTUM) * old + BN_MOMENTUM * batch_value
+        new_buffers[prefix + "num_batches_tracked"] = buffers[prefix + "num_batches_tracked"] + 1
+        scale = p[prefix + "weight"] * lax.rsqrt(var + BN_EPS)
+        shift = p[prefix + "bias"] - mean * scale
+        return x * self.per_channel(scale) + self.per_channel(shift)
+
+    def layer_norm(self, x, weight, bias, axis):
+        mean = jnp.mean(x, axis=axis, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=axis, keepdims=True)
+        normed = (x - mean) * lax.rsqrt(var + LN_EPS)
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        return normed * weight.reshape(shape) + bias.reshape(shape)
+
+    def pointwise(self, x, w, b):
+        """A Linear over the channel axis of an image."""
+        if self.layout == "NHWC":
+            return jnp.dot(x, w.T, precision=lax.Precision.HIGHEST) + b
+        out = jnp.einsum("nchw,oc->nohw", x, w, precision=lax.Precision.HIGHEST)
+        return out + b[:, None, None]
+
+    def max_pool_3x3_s2(self, x):
+        window = [1, 1, 1, 1]
+        strides = [1, 1, 1, 1]
+        pads = [(0, 0)] * 4
+        for a in self.spatial:
+            window[a], strides[a], pads[a] = 3, 2, (1, 1)
+        return lax.reduce_window(x, -jnp.inf, lax.max, window, strides, pads)
+
+
+def resnet18_jax(layers: Layers, p, buffers, x):
+    new_buffers = {}
+
+    def bn(h, prefix):
+        return layers.batch_norm(h, p, buffers, prefix, new_buffers)
+
+    h = jax.nn.relu(bn(layers.conv(x, p["conv1.weight"], stride=2, padding=3), "bn1."))
+    h = layers.max_pool_3x3_s2(h)
+    for stage in range(1, 5):
+        for block in range(2):
+            pre = f"layer{stage}.{block}."
+            stride = 2 if stage > 1 and block == 0 else 1
+            out = layers.conv(h, p[pre + "conv1.weight"], stride=stride, padding=1)
+            out = jax.nn.relu(bn(out, pre + "bn1."))
+            out = bn(layers.conv(out, p[pre + "conv2.weight"], padding=1), pre + "bn2.")
+            if pre + "downsample.0.weight" in p:
+                h = bn(
+                    layers.conv(h, p[pre + "downsample.0.weight"], stride=stride),
+                    pre + "downsample.1.",
+                )
+            h = jax.nn.relu(out + h)
+    pooled = jnp.mean(h, axis=layers.spatial)
+    logits = jnp.dot(pooled, p["fc.weight"].T, precision=lax.Precision.HIGHEST) + p["fc.bias"]
+    return logits, new_buffers
+
+
+def convnext_jax(layers: Layers, p, buffers, x):
+    c = layers.channel
+
+    def ln(h, prefix):
+        return layers.layer_norm(h, p[prefix + "weight"], p[prefix + "bias"], c % h.ndim)
+
+    h = layers.conv(x, p["features.0.0.weight"], p["features.0.0.bias"], stride=4)
+    h = ln(h, "features.0.1.")
+    for stage, (width, depth) in enumerate(CONVNEXT_STAGES):
+        for block in range(depth):
+            pre = f"features.{2 * stage + 1}.{block}."
+            out = layers.conv(
+                h, p[pre + "block.0.weight"], p[pre + "block.0.bias"], padding=3, groups=width
+            )
+            out = ln(out, pre + "block.2.")
+            out = layers.pointwise(out, p[pre + "block.3.weight"], p[pre + "block.3.bias"])
+            out = jax.nn.gelu(out, approximate=False)
+            out = layers.pointwise(out, p[pre + "block.5.weight"], p[pre + "block.5.bias"])
+            h = h + out * layers.per_channel(p[pre + "layer_scale"].reshape(-1))
+        if stage + 1 < len(CONVNEXT_STAGES):
+            pre = f"features.{2 * stage + 2}."
+            h = ln(h, pre + "0.")
+            h = layers.conv(h, p[pre + "1.weight"], p[pre + "1.bias"], stride=2)
+    pooled = jnp.mean(h, axis=layers.spatial)
+    pooled = layers.layer_norm(pooled, p["classifier.0.weight"], p["classifier.0.bias"], axis=1)
+    logits = jnp.dot(pooled, p["classifier.2.weight"].T, precision=lax.Precision.HIGHEST)
+    return logits + p["classifier.2.bias"], {}
+
+
+HANDWRITTEN = {"resnet18": resnet18_jax, "convnext": convnext_jax}
+
+
+def handwritten_step(net_name: str, net: torch.nn.Module, layout: str, x, y):
+    """(step() -> loss, the jitted step, its arguments): the torch weights copied in, conv
+    kernels transposed to the layout once, here, as a JAX user would store them."""
+    layers = Layers(layout)
+    params, buffers = {}, {}
+    for name, value in net.state_dict().items():
+        array = value.detach().numpy()
+        if array.ndim == 4 and layout == "NHWC":
+            array = array.transpose(2, 3, 1, 0)  # OIHW -> HWIO
+        is_param = name in dict(net.named_parameters())
+        (params if is_param else buffers)[name] = jnp.asarray(array)
+    forward = functools.partial(HANDWRITTEN[net_name], layers)
+
+    def loss_fn(params, buffers, x, y):
+        logits, new_buffers = forward(params, buffers, x)
+        picked = jnp.take_along_axis(logits, y[:, None], axis=1)[:, 0]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=1) - picked), new_buffers
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def step(params, momentum, buffers, x, y):
+        (loss, new_buffers), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, buffers, x, y
+        )
+        momentum = jax.tree.map(lambda m, g: MOMENTUM * m + g, momentum, grads)
+        params = jax.tree.map(lambda w, m: w - LR * m, params, momentum)
+        return params, momentum, {**buffers, **new_buffers}, loss
+
+    x = jnp.asarray(x.numpy().transpose(0, 2, 3, 1) if layout == "NHWC" else x.numpy())
+    y = jnp.asarray(y.numpy().astype(np.int32))
+    state = {
+        "params": params,
+        "momentum": jax.tree.map(jnp.zeros_like, params),
+        "buffers": buffers,
+    }
+
+    def run():
+        params, momentum, buffers, loss = step(
+            state["params"], state["momentum"], state["buffers"], x, y
+        )
+        state.update(params=params, momentum=momentum, buffers=buffers)
+        jax.block_until_ready(params)
+        return loss
+
+    def lowered():
+        return step.lower(state["params"], state["momentum"], state["buffers"], x, y)
+
+    return run, lowered
+
+
+# --- torch and zerojax ---------------------------------------------------------------------------
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def torch_step(net, x, y):
+    optimizer = sgd(net.parameters())
+
+    def run():
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return run
+
+
+ZEROJAX_CONFIG = {
+    "mesh": {"data": 1},
+    "zero_stage": 0,
+    "runtime": {"compilation_cache_dir": None, "report_effective_time": False},
+}
+
+
+def zerojax_step(net, x, y, fused: bool):
+    module = WithLoss(net) if fused else net
+    model, optimizer = zerojax.initialize(module, sgd(module.parameters()), ZEROJAX_CONFIG)
+    engine = model.engine
+
+    def run():
+        loss = model(x, y) if fused else F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        jax.block_until_ready(engine.params)
+        return loss
+
+    return run, engine
+
+
+# --- HLO census ----------------------------------------------------------------------------------
+
+_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \S+ ([\w\-]+)\(", re.MULTILINE)
+
+
+def census(hlo_text: str) -> dict[str, int]:
+    """Counts of the ops that tell layout work from compute, over every computation (inside
+    fusions too), plus the entry computation's fusion kinds."""
+    ops = collections.Counter(_OP.findall(hlo_text))
+    keep = ("convolution", "transpose", "copy", "reduce", "reduce-window", "select-and-scatter")
+    counts = {op: ops.get(op, 0) for op in keep}
+    counts["dot"] = ops.get("dot", 0)
+    counts["custom-call"] = ops.get("custom-call", 0)
+    entry = hlo_text[hlo_text.find("ENTRY") :]
+    counts["entry fusions"] = len(re.findall(r" fusion\(", entry))
+    counts["entry copies"] = len(re.findall(r" copy\(", entry))
+    counts["entry transposes"] = len(re.findall(r" transpose\(", entry))
+    return counts
+
+
+def write_hlo(directory: Path, name: str, text: str) -> dict[str, int]:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.hlo.txt").write_text(text)
+    return census(text)
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def bench_net(net_name: str, repeats: int, hlo_dir: Path | None) -> None:
+    base = build_net(net_name)
+    num_params = sum(p.numel() for p in base.parameters())
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, 3, IMAGE, IMAGE)
+    y = torch.randint(0, CLASSES, (BATCH,))
+    general, general_engine = zerojax_step(copy.deepcopy(base), x, y, fused=False)
+    fused, fused_engine = zerojax_step(copy.deepcopy(base), x, y, fused=True)
+    nhwc, nhwc_lowered = handwritten_step(net_name, base, "NHWC", x, y)
+    nchw, nchw_lowered = handwritten_step(net_name, base, "NCHW", x, y)
+    contenders = {
+        "torch eager": torch_step(copy.deepcopy(base), x, y),
+        "zerojax general": general,
+        "zerojax fused": fused,
+        "hand-written JAX NHWC": nhwc,
+        "hand-written JAX NCHW": nchw,
+    }
+    losses = {name: [float(run()) for _ in range(2)] for name, run in contenders.items()}
+    medians = interleaved_medians_ms(contenders, repeats, warmup=WARMUP - 2)
+    print(
+        f"\n{net_name}: {num_params / 1e6:.2f}M parameters, batch {BATCH}x3x{IMAGE}x{IMAGE}, "
+        f"median of {repeats} interleaved rounds, load average {os.getloadavg()[0]:.2f}"
+    )
+    print("| contender | step (ms) | first two losses |\n|---|---|---|")
+    for name, ms in medians.items():
+        print(f"| {name} | {ms:.1f} | {losses[name][0]:.6f}, {losses[name][1]:.6f} |")
+    best_layout = min(("hand-written JAX NHWC", "hand-written JAX NCHW"), key=medians.get)
+    for path in ("zerojax general", "zerojax fused"):
+        print(
+            f"  {path}: {medians[path] / medians[best_layout]:.2f}x {best_layout}, "
+            f"{medians[path] / medians['torch eager']:.2f}x torch eager"
+        )
+    if hlo_dir is None:
+        return
+    texts = {
+        f"{net_name}.handwritten_nhwc": nhwc_lowered().compile().as_text(),
+        f"{net_name}.handwritten_nchw": nchw_lowered().compile().as_text(),
+    }
+    for path, engine in (("general", general_engine), ("fused", fused_engine)):
+        for program, compiled in engine.compiled_programs().items():
+            texts[f"{net_name}.zerojax_{path}.{program}"] = compiled.as_text()
+    rows = {name: write_hlo(hlo_dir, name, text) for name, text in texts.items()}
+    columns = list(next(iter(rows.values())))
+    print(f"\nHLO op census (files in {hlo_dir})")
+    print(f"| program | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
+    for name, counts in rows.items():
+        print(f"| {name} | {' | '.join(str(counts[c]) for c in columns)} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--nets", default="resnet18,convnext")
+    parser.add_argument("--hlo", type=Path, default=None, help="write optimized HLO here")
+    args = parser.parse_args()
+    for net_name in args.nets.split(","):
+        bench_net(net_name, args.repeats, args.hlo)
+
+
+if __name__ == "__main__":
+    main()
