@@ -11,7 +11,8 @@ alike: the worst per-tensor gradient error jumps from ~7e-6 to 0.02-0.4 (seeds 0
 them measures luck, not accuracy.
 
 So the judge compares each float32 run with float64 *at that run's own branches*: the run
-records the input of every kinked module call (`KinkRecorder`), and `float64_gradients_at`
+records the input of every kinked call (`KinkRecorder`: ReLU, ReLU6, hardtanh, leaky ReLU,
+hardswish, hardsigmoid and max-pool, as modules or functions), and `float64_gradients_at`
 evaluates the float64 twin with each such call on the branch the recorded input took. Where the
 float64 input lies on the same piece (all but a handful of elements), nothing changes; where it
 does not, the recorded piece is extended linearly to the float64 input, which for these
@@ -20,8 +21,10 @@ at a few elements). A max-pool takes its float64 values at the window positions 
 input's maximum came from. What remains between a float32 gradient and its reference is
 rounding, which is what a lowering or a custom backward can make better or worse.
 
-Only modules are seen: a functional `F.relu` inside a forward keeps float64's branch (its
-flips, if any, show as errors).
+Calls are seen through a `TorchFunctionMode`, which `torch.export` traces like any torch code,
+so a zerojax program records its own values; calls are matched by order, which a forward
+repeats exactly. Other kinks (`clamp`, `abs`, `max`, a router's top-k) keep float64's branch:
+their flips, if any, show as errors.
 """
 
 from __future__ import annotations
@@ -33,34 +36,90 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-# Module type -> where its pieces meet, from the module's own attributes.
-_KINKS: dict[type, Callable[[nn.Module], tuple[float, ...]]] = {
-    nn.ReLU: lambda m: (0.0,),
-    nn.LeakyReLU: lambda m: (0.0,),
-    nn.ReLU6: lambda m: (0.0, 6.0),
-    nn.Hardtanh: lambda m: (float(m.min_val), float(m.max_val)),
-    nn.Hardswish: lambda m: (-3.0, 3.0),
-    nn.Hardsigmoid: lambda m: (-3.0, 3.0),
+
+def _args(args, kwargs, names_and_defaults):
+    """Positional-or-keyword arguments of a torch function call, by name."""
+    values = dict(zip([n for n, _ in names_and_defaults], args))
+    return [values.get(n, kwargs.get(n, d)) for n, d in names_and_defaults]
+
+
+def _zero(args, kwargs) -> tuple[float, ...]:
+    return (0.0,)
+
+
+def _threes(args, kwargs) -> tuple[float, ...]:
+    return (-3.0, 3.0)
+
+
+def _six(args, kwargs) -> tuple[float, ...]:
+    return (0.0, 6.0)
+
+
+def _hardtanh_limits(args, kwargs) -> tuple[float, ...]:
+    _, low, high = _args(args, kwargs, [("input", None), ("min_val", -1.0), ("max_val", 1.0)])
+    return (float(low), float(high))
+
+
+# Function -> where its pieces meet, from the call's arguments (nn.ReLU & co. call these).
+_KINKS: dict[Callable, Callable] = {
+    F.relu: _zero,
+    F.relu_: _zero,
+    torch.relu: _zero,
+    torch.relu_: _zero,
+    torch.Tensor.relu: _zero,
+    torch.Tensor.relu_: _zero,
+    F.leaky_relu: _zero,
+    F.leaky_relu_: _zero,
+    F.relu6: _six,
+    F.hardtanh: _hardtanh_limits,
+    F.hardtanh_: _hardtanh_limits,
+    F.hardswish: _threes,
+    F.hardsigmoid: _threes,
 }
-_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
+# Always in place; the others are when called with inplace=True (a keyword, or leaky_relu's
+# third positional argument as nn.LeakyReLU passes it).
+_IN_PLACE = {F.relu_, torch.relu_, torch.Tensor.relu_, F.leaky_relu_, F.hardtanh_}
+_POOL_ARGS = [
+    ("input", None),
+    ("kernel_size", None),
+    ("stride", None),
+    ("padding", 0),
+    ("dilation", 1),
+    ("ceil_mode", False),
+]
+# Function -> (the function returning indices, number of pooled dims).
+_POOLS: dict[Callable, tuple[Callable, int]] = {
+    F.max_pool1d: (F.max_pool1d_with_indices, 1),
+    F.max_pool2d: (F.max_pool2d_with_indices, 2),
+    F.max_pool3d: (F.max_pool3d_with_indices, 3),
+    F.max_pool1d_with_indices: (F.max_pool1d_with_indices, 1),
+    F.max_pool2d_with_indices: (F.max_pool2d_with_indices, 2),
+    F.max_pool3d_with_indices: (F.max_pool3d_with_indices, 3),
+}
 
 
-def _kinks(module: nn.Module) -> tuple[float, ...] | None:
-    for kind in type(module).__mro__:
-        if kind in _KINKS:
-            return _KINKS[kind](module)
-    return None
+def _is_kinked(func) -> bool:
+    return func in _KINKS or func in _POOLS
 
 
-def kinked_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules whose gradient jumps with their input: piecewise activations, max-pools."""
-    return [m for m in model.modules() if _kinks(m) is not None or isinstance(m, _POOLS)]
+class _Recording(TorchFunctionMode):
+    def __init__(self, seen: list[torch.Tensor]):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_kinked(func):
+            # A copy: an in-place ReLU overwrites its input.
+            self.seen.append(args[0].detach().clone())
+        return func(*args, **kwargs)
 
 
 class KinkRecorder(nn.Module):
     """`model` whose forward returns `(outputs, inputs)`: `inputs` holds the input of every
-    kinked module call, in call order. Run it where the float32 gradient is taken (torch, or
+    kinked call, in call order. Run it where the float32 gradient is taken (torch, or
     `zerojax.initialize` / `zerojax.convert` of it: the recorded inputs are then that program's
     own values)."""
 
@@ -70,54 +129,56 @@ class KinkRecorder(nn.Module):
 
     def forward(self, *args, **kwargs):
         seen: list[torch.Tensor] = []
-
-        def record(module, inputs):
-            # A copy: an in-place ReLU overwrites its input.
-            seen.append(inputs[0].clone())
-
-        hooks = [m.register_forward_pre_hook(record) for m in kinked_modules(self.model)]
-        try:
+        with _Recording(seen):
             outputs = self.model(*args, **kwargs)
-        finally:
-            for hook in hooks:
-                hook.remove()
         return outputs, tuple(seen)
 
 
-def _on_recorded_piece(module: nn.Module, x: torch.Tensor, recorded: torch.Tensor):
-    """`module(x)` (float64), on the piece `recorded` lies on wherever `x` lies on another."""
-    # `forward`, not `module(...)`: a call would run the hook that called this again.
-    out = module.forward(x)
-    kinks = torch.tensor(_kinks(module), dtype=x.dtype)
-    other = torch.bucketize(x, kinks) != torch.bucketize(recorded, kinks)
-    if not bool(other.any()):
-        return out
-    at = recorded.detach().requires_grad_()
-    value = module.forward(at)
-    (slope,) = torch.autograd.grad(value.sum(), at)
-    extended = value.detach() + slope * (x - recorded)
-    return torch.where(other, extended, out)
+def _on_recorded_piece(func, args, kwargs, recorded: torch.Tensor):
+    """`func(x, ...)` in float64, on the piece `recorded` lies on wherever `x` lies on another.
+    An in-place call stays in place (on `x`, with the result)."""
+    x, rest = args[0], args[1:]
+    # Each evaluation gets its own copy: an in-place call would overwrite what `extended` reads.
+    out = func(x.clone(), *rest, **kwargs)
+    kinks = torch.tensor(_KINKS[func](args, kwargs), dtype=x.dtype)
+    other = torch.bucketize(x.detach(), kinks) != torch.bucketize(recorded, kinks)
+    if bool(other.any()):
+        at = recorded.requires_grad_()
+        value = func(at.clone(), *rest, **kwargs)
+        (slope,) = torch.autograd.grad(value.sum(), at)
+        extended = value.detach() + slope * (x - recorded.detach())
+        out = torch.where(other, extended, out)
+    if func in _IN_PLACE or kwargs.get("inplace", False) or any(a is True for a in rest):
+        return x.copy_(out)
+    return out
 
 
-def _at_recorded_maxima(module: nn.Module, x: torch.Tensor, recorded: torch.Tensor):
+def _at_recorded_maxima(func, args, kwargs, recorded: torch.Tensor):
     """A max-pool's float64 values taken where the recorded input's window maxima are."""
-    pool, dims = {
-        nn.MaxPool1d: (F.max_pool1d, 1),
-        nn.MaxPool2d: (F.max_pool2d, 2),
-        nn.MaxPool3d: (F.max_pool3d, 3),
-    }[next(k for k in type(module).__mro__ if k in _POOLS)]
-    _, indices = pool(
-        recorded,
-        module.kernel_size,
-        module.stride,
-        module.padding,
-        module.dilation,
-        ceil_mode=module.ceil_mode,
-        return_indices=True,
-    )
+    with_indices, dims = _POOLS[func]
+    x, kernel, stride, padding, dilation, ceil_mode = _args(args, kwargs, _POOL_ARGS)
+    _, indices = with_indices(recorded, kernel, stride, padding, dilation, ceil_mode)
     # torch's indices count positions in each (batch, channel) plane, flattened.
-    picked = x.flatten(-dims).gather(-1, indices.flatten(-dims))
-    return picked.view_as(indices)
+    picked = x.flatten(-dims).gather(-1, indices.flatten(-dims)).view_as(indices)
+    returns_indices = (
+        func is with_indices or _args(args, kwargs, [*_POOL_ARGS, ("return_indices", False)])[-1]
+    )
+    return (picked, indices) if returns_indices else picked
+
+
+class _OnRecordedBranches(TorchFunctionMode):
+    def __init__(self, recorded: Sequence[torch.Tensor]):
+        super().__init__()
+        self.queue = iter(recorded)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _is_kinked(func):
+            return func(*args, **kwargs)
+        at = next(self.queue).detach().to(torch.float64)
+        if func in _POOLS:
+            return _at_recorded_maxima(func, args, kwargs, at)
+        return _on_recorded_piece(func, args, kwargs, at)
 
 
 def float64_gradients_at(
@@ -126,30 +187,17 @@ def float64_gradients_at(
     loss_of: Callable[[object], torch.Tensor],
     recorded: Sequence[torch.Tensor],
 ) -> dict[str, np.ndarray]:
-    """Parameter gradients of `loss_of(model(*args))` in float64, every kinked module call on
+    """Parameter gradients of `loss_of(model(*args))` in float64, every kinked call on
     the branch of the matching `recorded` input (`KinkRecorder`'s, from a float32 run of the
     same model on the same args)."""
     twin = copy.deepcopy(model).double()
-    for module in twin.modules():
-        if getattr(module, "inplace", False):
-            module.inplace = False  # the hook below needs the input it was called with
-    queue = iter(recorded)
-
-    def consistent(module, inputs, output):
-        x, at = inputs[0], next(queue).detach().to(torch.float64)
-        if isinstance(module, _POOLS):
-            return _at_recorded_maxima(module, x, at)
-        return _on_recorded_piece(module, x, at)
-
-    hooks = [m.register_forward_hook(consistent) for m in kinked_modules(twin)]
-    try:
-        wide = [a.double() if a.is_floating_point() else a for a in args]
-        loss_of(twin(*wide)).backward()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    leftover = sum(1 for _ in queue)
-    assert leftover == 0, f"{leftover} recorded kinked-module inputs were not consumed"
+    branches = _OnRecordedBranches(recorded)
+    wide = [a.double() if a.is_floating_point() else a for a in args]
+    with branches:
+        outputs = twin(*wide)
+    loss_of(outputs).backward()
+    leftover = sum(1 for _ in branches.queue)
+    assert leftover == 0, f"{leftover} recorded kinked-call inputs were not consumed"
     return {
         name: (p.grad if p.grad is not None else torch.zeros_like(p)).numpy()
         for name, p in twin.named_parameters()

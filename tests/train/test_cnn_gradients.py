@@ -157,3 +157,35 @@ def test_judge_fails_a_less_accurate_lowering(monkeypatch):
     monkeypatch.setattr(norm, "_moments", one_pass)
     with pytest.raises(AssertionError, match="exceeds"):
         assert_as_accurate_as_torch(block, x, loss_of)
+
+
+def test_judge_sees_functional_and_in_place_activations():
+    """Kinked calls are seen as functions (a forward's own `F.relu`, nn.LeakyReLU's positional
+    `inplace`, hardtanh's positional limits): recorded from float64 itself, the reference is
+    plain float64's gradient, and every recorded input is consumed."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+            self.leaky = nn.LeakyReLU(0.1, inplace=True)
+
+        def forward(self, x):
+            x = F.relu(self.fc1(x))
+            x = F.hardtanh(self.leaky(self.fc2(x)), -0.5, 1.0)
+            return F.max_pool1d(x.unsqueeze(1), 2).squeeze(1)
+
+    torch.manual_seed(1)
+    model, x = Mixed(), torch.randn(4, 8)
+
+    def loss_of(out):
+        return out.square().sum()
+
+    twin = copy.deepcopy(model).double()
+    outputs, seen = KinkRecorder(twin)(x.double())
+    assert len(seen) == 4
+    loss_of(outputs).backward()
+    plain = {n: p.grad.numpy() for n, p in twin.named_parameters()}
+    exact = float64_gradients_at(model, (x,), loss_of, seen)
+    for name, value in plain.items():
+        np.testing.assert_allclose(exact[name], value, rtol=1e-12, atol=1e-15)
