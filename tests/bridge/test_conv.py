@@ -115,6 +115,42 @@ def test_convolution_grad(make, shape):
     check_grad(make(), torch.randn(*shape), rtol=1e-4, atol=1e-4)
 
 
+WINDOW_LARGER_THAN_INPUT = [
+    # ResNet-18's last stage, ConvNeXt's depthwise 7x7 on 2x2; strided, dilated, grouped, 1-d, 3-d.
+    (lambda: nn.Conv2d(6, 4, 3, padding=1), (2, 6, 2, 2)),
+    (lambda: nn.Conv2d(4, 4, 7, padding=3, groups=4), (2, 4, 2, 3)),
+    (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=(2, 1), dilation=(2, 1), groups=2), (2, 4, 3, 5)),
+    (lambda: nn.Conv1d(3, 5, 5, padding=2, bias=False), (2, 3, 4)),
+    (lambda: nn.Conv3d(2, 4, 3, padding=1), (1, 2, 2, 3, 4)),
+]
+
+
+@pytest.mark.parametrize("make, shape", WINDOW_LARGER_THAN_INPUT)
+def test_window_larger_than_input(make, shape):
+    """A window larger than the input takes the patch product on CPU (conv.py's docstring)."""
+    torch.manual_seed(0)
+    module = make()
+    check(module, torch.randn(*shape), **FP32)
+    check_grad(module, torch.randn(*shape), rtol=1e-4, atol=1e-4)
+
+
+def test_window_larger_than_input_backward_and_bf16():
+    """convolution_backward through the patch product, and bf16 operands accumulated in fp32."""
+
+    def fn(grad, x, w):
+        return aten.convolution_backward(
+            grad, x, w, [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 2, [True, True, True]
+        )
+
+    check(fn, torch.randn(2, 4, 2, 2), torch.randn(2, 6, 2, 2), torch.randn(4, 3, 3, 3), **FP32)
+    module = nn.Conv2d(6, 4, 3, padding=1).bfloat16()
+    x = torch.randn(2, 6, 2, 2).bfloat16()
+    (expected,), (got,) = run_both(Each(module), x)
+    magnitude = tolerances.absolute(Each(module))(x.abs().double())[0]
+    bound = tolerances.rounded_intermediates(torch.bfloat16, 2, magnitude)
+    tolerances.assert_within(got, expected, bound, "window larger than input, bf16")
+
+
 class MobileNetV4InvertedResidual(nn.Module):
     """timm mobilenetv4_conv_small's universal inverted residual without its ReLUs: depthwise
     5x5 stride 2 (dw_start), pointwise expansion, depthwise 3x3 (dw_mid), pointwise projection,
