@@ -19,7 +19,10 @@ them alike), medians of --repeats rounds after untimed warm-up steps:
 - zerojax fused: the same with a wrapper module whose forward returns the loss, so forward,
   loss and backward are one XLA program (the update is a second one);
 - hand-written JAX, NHWC/HWIO and NCHW/OIHW: the same net written with `lax` ops, one jitted
-  step (value_and_grad + SGD momentum, state donated), the torch weights copied in.
+  step (value_and_grad + SGD momentum, state donated), the torch weights copied in. A conv
+  whose window is larger than its input is written as the product zerojax lowers it to
+  (zerojax/bridge/lowerings/conv.py: XLA:CPU's own conv runs such a conv at <1 GFLOP/s);
+  --plain-conv adds the same nets with every conv a `lax.conv_general_dilated`.
 
 Every JAX timing ends when the new parameters are ready (`jax.block_until_ready`). The first
 two losses of every contender (same initial weights, same batch) are printed as the fairness
@@ -30,7 +33,8 @@ zerojax / torch. With --hlo DIR it also writes the optimized HLO of zerojax's pr
 the hand-written steps there and prints an op census (convolutions, transposes, copies,
 reduces, fusions) of each.
 
-Run: .venv/bin/python bench/cnn_step.py [--repeats N] [--nets resnet18,convnext] [--hlo DIR]
+Run: .venv/bin/python bench/cnn_step.py [--repeats N] [--nets resnet18,convnext] [--plain-conv]
+     [--hlo DIR]
 """
 
 from __future__ import annotations
@@ -108,8 +112,9 @@ class WithLoss(torch.nn.Module):
 
 
 class Layers:
-    def __init__(self, layout: str):
+    def __init__(self, layout: str, patch_convs: bool):
         self.layout = layout
+        self.patch_convs = patch_convs
         self.channel = -1 if layout == "NHWC" else 1
         self.spatial = (1, 2) if layout == "NHWC" else (2, 3)
         kernel = "HWIO" if layout == "NHWC" else "OIHW"
@@ -119,6 +124,10 @@ class Layers:
         return v if self.layout == "NHWC" else v[:, None, None]
 
     def conv(self, x, w, b=None, stride=1, padding=0, groups=1):
+        kernel = w.shape[0] if self.layout == "NHWC" else w.shape[2]  # square kernels only
+        if self.patch_convs and kernel > min(x.shape[a] for a in self.spatial):
+            out = self.patch_conv(x, w, stride, padding, groups)
+            return out if b is None else out + self.per_channel(b)
         out = lax.conv_general_dilated(
             x,
             w,
@@ -129,6 +138,39 @@ class Layers:
             precision=lax.Precision.HIGHEST,
         )
         return out if b is None else out + self.per_channel(b)
+
+    def patch_conv(self, x, w, stride, padding, groups):
+        """The conv as one product of the kernel-offset views and the kernel: what zerojax
+        lowers a conv to when its window is larger than its input (XLA:CPU's slow case)."""
+        pads = [(0, 0)] * 4
+        for a in self.spatial:
+            pads[a] = (padding, padding)
+        padded = jnp.pad(x, pads)
+        kernel = w.shape[0] if self.layout == "NHWC" else w.shape[2]
+        out_size = [(x.shape[a] + 2 * padding - kernel) // stride + 1 for a in self.spatial]
+        views = []
+        for i in range(kernel):
+            for j in range(kernel):
+                window = [slice(None)] * 4
+                for a, start, size in zip(self.spatial, (i, j), out_size):
+                    window[a] = slice(start, start + (size - 1) * stride + 1, stride)
+                views.append(padded[tuple(window)])
+        n, num_offsets = x.shape[0], kernel * kernel
+        if self.layout == "NHWC":
+            c_in, c_out = x.shape[-1], w.shape[-1]
+            patches = jnp.stack(views, axis=3).reshape(
+                n, *out_size, num_offsets, groups, c_in // groups
+            )
+            w = w.reshape(num_offsets, c_in // groups, groups, c_out // groups)
+            out = jnp.einsum("nhwkgc,kcgo->nhwgo", patches, w, precision=lax.Precision.HIGHEST)
+            return out.reshape(n, *out_size, c_out)
+        c_in, c_out = x.shape[1], w.shape[0]
+        patches = jnp.stack(views, axis=2).reshape(
+            n, groups, c_in // groups, num_offsets, *out_size
+        )
+        w = w.reshape(groups, c_out // groups, c_in // groups, num_offsets)
+        out = jnp.einsum("ngckhw,gock->ngohw", patches, w, precision=lax.Precision.HIGHEST)
+        return out.reshape(n, c_out, *out_size)
 
     def batch_norm(self, x, p, buffers, prefix, new_buffers):
         axes = (0, *self.spatial)
@@ -225,10 +267,10 @@ def convnext_jax(layers: Layers, p, buffers, x):
 HANDWRITTEN = {"resnet18": resnet18_jax, "convnext": convnext_jax}
 
 
-def handwritten_step(net_name: str, net: torch.nn.Module, layout: str, x, y):
+def handwritten_step(net_name: str, net: torch.nn.Module, layout: str, patch_convs: bool, x, y):
     """(step() -> loss, the jitted step, its arguments): the torch weights copied in, conv
     kernels transposed to the layout once, here, as a JAX user would store them."""
-    layers = Layers(layout)
+    layers = Layers(layout, patch_convs)
     params, buffers = {}, {}
     for name, value in net.state_dict().items():
         array = value.detach().numpy()
@@ -346,7 +388,7 @@ def write_hlo(directory: Path, name: str, text: str) -> dict[str, int]:
 # --- main ----------------------------------------------------------------------------------------
 
 
-def bench_net(net_name: str, repeats: int, hlo_dir: Path | None) -> None:
+def bench_net(net_name: str, repeats: int, plain_conv: bool, hlo_dir: Path | None) -> None:
     base = build_net(net_name)
     num_params = sum(p.numel() for p in base.parameters())
     torch.manual_seed(1)
@@ -354,15 +396,18 @@ def bench_net(net_name: str, repeats: int, hlo_dir: Path | None) -> None:
     y = torch.randint(0, CLASSES, (BATCH,))
     general, general_engine = zerojax_step(copy.deepcopy(base), x, y, fused=False)
     fused, fused_engine = zerojax_step(copy.deepcopy(base), x, y, fused=True)
-    nhwc, nhwc_lowered = handwritten_step(net_name, base, "NHWC", x, y)
-    nchw, nchw_lowered = handwritten_step(net_name, base, "NCHW", x, y)
     contenders = {
         "torch eager": torch_step(copy.deepcopy(base), x, y),
         "zerojax general": general,
         "zerojax fused": fused,
-        "hand-written JAX NHWC": nhwc,
-        "hand-written JAX NCHW": nchw,
     }
+    lowered = {}
+    for patch_convs in (True, False) if plain_conv else (True,):
+        for layout in ("NHWC", "NCHW"):
+            name = f"hand-written JAX {layout}" + ("" if patch_convs else ", lax.conv only")
+            contenders[name], lowered[name] = handwritten_step(
+                net_name, base, layout, patch_convs, x, y
+            )
     losses = {name: [float(run()) for _ in range(2)] for name, run in contenders.items()}
     medians = interleaved_medians_ms(contenders, repeats, warmup=WARMUP - 2)
     print(
@@ -381,13 +426,15 @@ def bench_net(net_name: str, repeats: int, hlo_dir: Path | None) -> None:
     if hlo_dir is None:
         return
     texts = {
-        f"{net_name}.handwritten_nhwc": nhwc_lowered().compile().as_text(),
-        f"{net_name}.handwritten_nchw": nchw_lowered().compile().as_text(),
+        f"{net_name}.{name.replace('hand-written JAX ', 'handwritten_').replace(', ', '_')}": (
+            lower().compile().as_text()
+        )
+        for name, lower in lowered.items()
     }
     for path, engine in (("general", general_engine), ("fused", fused_engine)):
         for program, compiled in engine.compiled_programs().items():
             texts[f"{net_name}.zerojax_{path}.{program}"] = compiled.as_text()
-    rows = {name: write_hlo(hlo_dir, name, text) for name, text in texts.items()}
+    rows = {name: write_hlo(hlo_dir, name.replace(" ", "_"), text) for name, text in texts.items()}
     columns = list(next(iter(rows.values())))
     print(f"\nHLO op census (files in {hlo_dir})")
     print(f"| program | {' | '.join(columns)} |\n|---|{'---|' * len(columns)}")
@@ -400,9 +447,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--nets", default="resnet18,convnext")
     parser.add_argument("--hlo", type=Path, default=None, help="write optimized HLO here")
+    parser.add_argument(
+        "--plain-conv",
+        action="store_true",
+        help="also time the hand-written nets with every conv a lax.conv (slow on XLA:CPU)",
+    )
     args = parser.parse_args()
     for net_name in args.nets.split(","):
-        bench_net(net_name, args.repeats, args.hlo)
+        bench_net(net_name, args.repeats, args.plain_conv, args.hlo)
 
 
 if __name__ == "__main__":
