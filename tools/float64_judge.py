@@ -29,6 +29,7 @@ their flips, if any, show as errors.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 
@@ -117,6 +118,14 @@ class _Recording(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def recording_kinks():
+    """Inside: every kinked call's input is appended, in call order, to the list it yields."""
+    seen: list[torch.Tensor] = []
+    with _Recording(seen):
+        yield seen
+
+
 class KinkRecorder(nn.Module):
     """`model` whose forward returns `(outputs, inputs)`: `inputs` holds the input of every
     kinked call, in call order. Run it where the float32 gradient is taken (torch, or
@@ -126,10 +135,12 @@ class KinkRecorder(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        # The model's mode, not nn.Module's default (train): `zerojax.convert` reads it from the
+        # module it is given. Set on this wrapper alone, which `.train()` would not do.
+        self.training = model.training
 
     def forward(self, *args, **kwargs):
-        seen: list[torch.Tensor] = []
-        with _Recording(seen):
+        with recording_kinks() as seen:
             outputs = self.model(*args, **kwargs)
         return outputs, tuple(seen)
 
@@ -141,7 +152,10 @@ def _on_recorded_piece(func, args, kwargs, recorded: torch.Tensor):
     # Each evaluation gets its own copy: an in-place call would overwrite what `extended` reads.
     out = func(x.clone(), *rest, **kwargs)
     kinks = torch.tensor(_KINKS[func](args, kwargs), dtype=x.dtype)
-    other = torch.bucketize(x.detach(), kinks) != torch.bucketize(recorded, kinks)
+    # contiguous(): channels_last activations would make bucketize copy them with a warning.
+    other = torch.bucketize(x.detach().contiguous(), kinks) != torch.bucketize(
+        recorded.contiguous(), kinks
+    )
     if bool(other.any()):
         at = recorded.requires_grad_()
         value = func(at.clone(), *rest, **kwargs)
@@ -175,10 +189,21 @@ class _OnRecordedBranches(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _is_kinked(func):
             return func(*args, **kwargs)
-        at = next(self.queue).detach().to(torch.float64)
+        at = next(self.queue).detach().to(args[0].dtype)
         if func in _POOLS:
             return _at_recorded_maxima(func, args, kwargs, at)
         return _on_recorded_piece(func, args, kwargs, at)
+
+
+@contextlib.contextmanager
+def on_recorded_branches(recorded: Sequence[torch.Tensor]):
+    """Inside: the n-th kinked call takes the branch of `recorded[n]` (`recording_kinks`'s,
+    from a float32 run of the same forward on the same inputs); all must be used."""
+    branches = _OnRecordedBranches(recorded)
+    with branches:
+        yield
+    leftover = sum(1 for _ in branches.queue)
+    assert leftover == 0, f"{leftover} recorded kinked-call inputs were not consumed"
 
 
 def float64_gradients_at(
@@ -191,13 +216,10 @@ def float64_gradients_at(
     the branch of the matching `recorded` input (`KinkRecorder`'s, from a float32 run of the
     same model on the same args)."""
     twin = copy.deepcopy(model).double()
-    branches = _OnRecordedBranches(recorded)
     wide = [a.double() if a.is_floating_point() else a for a in args]
-    with branches:
+    with on_recorded_branches(recorded):
         outputs = twin(*wide)
     loss_of(outputs).backward()
-    leftover = sum(1 for _ in branches.queue)
-    assert leftover == 0, f"{leftover} recorded kinked-call inputs were not consumed"
     return {
         name: (p.grad if p.grad is not None else torch.zeros_like(p)).numpy()
         for name, p in twin.named_parameters()

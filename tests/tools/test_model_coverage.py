@@ -6,8 +6,8 @@ The full matrix (every torchvision model, a timm sample, ~50 Hugging Face archit
 hours and runs with `make coverage`; here one model per population keeps its checks honest in
 `make test`: forward and gradient parity against a float64 torch reference (judged against
 torch fp32's own error, tools/model_zoo.py says why) and one ZeRO-3 training step through
-`zerojax.initialize`. ResNet-18 in train mode is also the regression test for batch norm's
-closed-form backward (zerojax/bridge/lowerings/norm.py).
+`zerojax.initialize`. ResNet-18's gradients are also judged at each run's own ReLU branches,
+through `zerojax.initialize`, in tests/train/test_cnn_gradients.py.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_torch_runs_borrow_the_model_and_leave_it_as_it_came():
     copied = model_zoo.Built(copy.deepcopy(model), (torch.randn(2, 3, 8, 8),), {}, None)
     built = model_zoo.Built(model, copied.args, {}, None)
     _, grads64, probe = model_zoo._torch_run(built, torch.float64, None)
-    runs = dict(model_zoo._torch_fp32_runs(built, probe))
+    runs = {order: run for order, run, _ in model_zoo._torch_fp32_runs(built, probe)}
     for name, value in model.state_dict().items():
         assert value.dtype == before[name].dtype and value.is_contiguous(), name
         assert torch.equal(value, before[name]), name
@@ -137,7 +137,7 @@ def test_torch_fp32_orders_are_distinct_evaluations():
     )
     built = model_zoo.Built(model, (torch.randn(2, 3, 16, 16),), {}, None)
     probe = model_zoo.probes([(2, 10)])
-    runs = dict(model_zoo._torch_fp32_runs(built, probe))
+    runs = {order: run for order, run, _ in model_zoo._torch_fp32_runs(built, probe)}
     assert list(runs) == ["contiguous", "channels_last", "onednn_off"]
     assert torch.backends.mkldnn.enabled
     assert torch.backends.mkldnn.fp32_precision == precision
@@ -145,7 +145,7 @@ def test_torch_fp32_orders_are_distinct_evaluations():
     for order in ("channels_last", "onednn_off"):
         assert not np.array_equal(runs[order][1]["0.weight"], contiguous), order
     tokens = model_zoo.Built(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2]]),), {}, None)
-    assert [order for order, _ in model_zoo._torch_fp32_runs(tokens, None)] == ["contiguous"]
+    assert [order for order, *_ in model_zoo._torch_fp32_runs(tokens, None)] == ["contiguous"]
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,15 @@ instance_norm and the *_backward ops of these norms decompose before they reach 
 BatchNorm in train mode exports as `_native_batch_norm_legit_functional`, whose new running
 statistics become the module's updated buffers: running_var moves towards the *unbiased* batch
 variance, new = (1 - momentum) * old + momentum * batch, exactly as torch updates them in place.
+
+Gradients are JAX's autodiff of these decompositions, not torch's closed-form backward:
+judged against float64 at each run's own ReLU branches (tests/train/test_cnn_gradients.py),
+autodiff is as accurate as torch fp32 on centred inputs (Conv-BN-ReLU: 3e-7 vs 2e-7;
+ResNet-18: 6e-6 vs 4.4e-6, the same with either backward) and 2-4x more accurate where the
+normalized input has a large mean (conv output of mean ~17, spread ~0.6: conv weight gradient
+8e-6 vs torch's 2-3e-5), where torch's formula written in JAX erred 3-8e-5.
 """
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -94,49 +98,13 @@ def _channel_shape(input) -> tuple[int, ...]:
     return (input.shape[1],) + (1,) * (input.ndim - 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _standardize(x, axes: tuple[int, ...], eps: float):
-    """(x_hat, mean, biased var) over `axes`, with torch's closed-form backward.
-
-    Autodiff through mean -> centre -> var -> rsqrt gives each term of the input gradient
-    separately, and their sum over a channel (which is zero in exact arithmetic) keeps their
-    rounding errors. A batch-norm bias that feeds the next normalization sees only that
-    near-cancelled sum, so its gradient came out 1e-3 off float64 on ResNet-18 (torch fp32:
-    7e-6). torch's backward, rstd * (g - mean(g) - x_hat * mean(g * x_hat)), cancels inside
-    one expression and matches torch's accuracy (1e-5).
-    """
-    mean, var, centered = _moments(x, axes)
-    return centered * lax.rsqrt(var + eps), mean, var
-
-
-def _standardize_fwd(x, axes, eps):
-    mean, var, centered = _moments(x, axes)
-    invstd = lax.rsqrt(var + eps)
-    x_hat = centered * invstd
-    return (x_hat, mean, var), (x_hat, invstd, centered)
-
-
-def _standardize_bwd(axes, eps, residuals, cotangents):
-    x_hat, invstd, centered = residuals
-    g, g_mean, g_var = cotangents
-    count = x_hat.size // invstd.size
-    grad = _normalized_input_grad(g, x_hat, invstd, axes)
-    # The statistics are outputs too (running-stat updates, saved mean/invstd): d mean/dx = 1/n,
-    # d var/dx = 2 (x - mean)/n.
-    grad = grad + g_mean / count + g_var * (2.0 / count) * centered
-    return (grad,)
-
-
-_standardize.defvjp(_standardize_fwd, _standardize_bwd)
-
-
 def _batch_norm_train(input, weight, bias, eps):
     """Normalize with batch statistics: (out, mean, invstd, unbiased var), stats of shape (C,)."""
     x = input.astype(_compute_dtype(input))
     axes = (0, *range(2, input.ndim))
-    x_hat, mean, var = _standardize(x, axes, float(eps))
+    mean, var, centered = _moments(x, axes)
     invstd = lax.rsqrt(var + eps)
-    out = _affine(x_hat, weight, bias, _channel_shape(input))
+    out = _affine(centered * invstd, weight, bias, _channel_shape(input))
     count = x.size // x.shape[1]
     # n / (n - 1) as a traced division: a single value per channel gives inf/nan like torch.
     unbiased = var * (count / jnp.asarray(count - 1, var.dtype))
