@@ -98,29 +98,14 @@ CASES = [
 ]
 
 
-# Cases where zerojax is known to be less accurate than torch, with the reason.
-KNOWN_WORSE = {
-    "logsumexp": (
-        "capture decomposes aten.logsumexp (core-ATen table) into amax, sub, exp, sum, log, add; "
-        "autodiff then sends g (1 - sum softmax) through amax to the max element: rounding "
-        "noise of the sum, 3-14x torch's error. Needs logsumexp kept whole (capture.KEPT_WHOLE) "
-        "with a lowering whose backward is torch's g exp(x - result)."
-    ),
-}
-
-
 # Without the fixes in reduction.py these fail: the cumsum cases (autodiff's float32 reverse
-# scan: 4-7x torch's error); with jax's abs derivative (1 at 0) norm 1/inf/-inf/-1 and 0.5 at
-# zero below (checked by reverting each fix).
+# scan: 4-7x torch's error); logsumexp decomposed by capture (its amax shift differentiated:
+# 3-14x); with jax's abs derivative (1 at 0) norm 1/inf/-inf/-1 and 0.5 at zero below (checked
+# by reverting each fix).
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize(
     "name, fn, shape",
-    [
-        pytest.param(*case, marks=pytest.mark.xfail(reason=KNOWN_WORSE[case[0]], strict=True))
-        if case[0] in KNOWN_WORSE
-        else case
-        for case in CASES
-    ],
+    CASES,
     ids=[case[0] for case in CASES],
 )
 def test_gradient_within_torch_error(name, fn, shape, seed):
