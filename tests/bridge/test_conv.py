@@ -115,19 +115,22 @@ def test_convolution_grad(make, shape):
     check_grad(make(), torch.randn(*shape), rtol=1e-4, atol=1e-4)
 
 
-WINDOW_LARGER_THAN_INPUT = [
+WINDOW_LARGER_THAN_INPUT_OR_OUTPUT = [
     # ResNet-18's last stage, ConvNeXt's depthwise 7x7 on 2x2; strided, dilated, grouped, 1-d, 3-d.
     (lambda: nn.Conv2d(6, 4, 3, padding=1), (2, 6, 2, 2)),
     (lambda: nn.Conv2d(4, 4, 7, padding=3, groups=4), (2, 4, 2, 3)),
     (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=(2, 1), dilation=(2, 1), groups=2), (2, 4, 3, 5)),
     (lambda: nn.Conv1d(3, 5, 5, padding=2, bias=False), (2, 3, 4)),
     (lambda: nn.Conv3d(2, 4, 3, padding=1), (1, 2, 2, 3, 4)),
+    # Larger than the output: ResNet-18's stride-2 conv from 4x4 to 2x2; a valid 3x3 on 4x4.
+    (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1), (2, 4, 4, 4)),
+    (lambda: nn.Conv2d(4, 6, 3, bias=False), (2, 4, 4, 5)),
 ]
 
 
-@pytest.mark.parametrize("make, shape", WINDOW_LARGER_THAN_INPUT)
-def test_window_larger_than_input(make, shape):
-    """A window larger than the input takes the patch product on CPU (conv.py's docstring)."""
+@pytest.mark.parametrize("make, shape", WINDOW_LARGER_THAN_INPUT_OR_OUTPUT)
+def test_window_larger_than_input_or_output(make, shape):
+    """A window larger than the input or output takes the patch product on CPU (conv.py)."""
     torch.manual_seed(0)
     module = make()
     check(module, torch.randn(*shape), **FP32)

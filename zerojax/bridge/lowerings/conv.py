@@ -6,12 +6,15 @@ convolution is the input-gradient of a plain one: the input is dilated by the st
 side), and convolved with the spatially flipped kernel whose in/out channels are swapped within
 each group. Accumulation follows `matmul.product_options` (fp32 for bf16/fp16).
 
-On XLA:CPU a plain convolution whose window is larger than its input in some spatial dim (a
-3x3 pad-1 conv on ResNet-18's 2x2 last stage, ConvNeXt's 7x7 depthwise conv on 4x4 and 2x2)
-takes a generic loop that runs at 0.4-0.7 GFLOP/s: ~180 ms forward, ~380 ms forward+backward
-for one 512-channel 3x3 conv at batch 8 on 2x2, where the same product as a matrix multiply
-takes 1.3 and 4.3 ms. Such a conv is lowered as that product instead (`_patch_convolution`):
-every kernel offset's strided view of the padded input, stacked, contracted with the kernel.
+On XLA:CPU a convolution whose window is larger than its input in some spatial dim (a 3x3
+pad-1 conv on ResNet-18's 2x2 last stage, ConvNeXt's 7x7 depthwise conv on 4x4 and 2x2) takes
+a generic loop that runs at 0.4-0.7 GFLOP/s: ~180 ms forward, ~380 ms forward+backward for one
+512-channel 3x3 conv at batch 8 on 2x2, where the same product as a matrix multiply takes 1.3
+and 4.3 ms. A window larger than the output does the same to the backward: the input gradient
+convolves the output-sized gradient (ResNet-18's 3x3 stride-2 conv from 4x4 to 2x2: 44 ms
+forward+backward, 2.3 ms as a product). Such a conv is lowered as that product instead
+(`_patch_convolution`): every kernel offset's strided view of the padded input, stacked,
+contracted with the kernel.
 """
 
 import itertools
@@ -42,11 +45,16 @@ def _transposed_kernel(weight, groups: int):
     return jnp.flip(swapped, axis=tuple(range(2, weight.ndim)))
 
 
-def _window_exceeds_input(input_size, kernel_size, dilation) -> bool:
-    """Whether XLA:CPU's convolution would take its slow loop (module docstring)."""
-    return jax.default_backend() == "cpu" and any(
-        d * (k - 1) + 1 > n for n, k, d in zip(input_size, kernel_size, dilation, strict=True)
-    )
+def _window_exceeds_input_or_output(input_size, pads, kernel_size, strides, dilation) -> bool:
+    """Whether XLA:CPU's convolution, or its input gradient, would take the slow loop (module
+    docstring)."""
+    if jax.default_backend() != "cpu":
+        return False
+    for n, (lo, hi), k, s, d in zip(input_size, pads, kernel_size, strides, dilation, strict=True):
+        window = d * (k - 1) + 1
+        if window > min(n, (n + lo + hi - window) // s + 1):
+            return True
+    return False
 
 
 def _patch_convolution(input, kernel, window_strides, pads, dilation, groups):
@@ -102,7 +110,9 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
         kernel = weight
         pads = [(p, p) for p in padding]
         window_strides, lhs_dilation = stride, (1,) * num_spatial
-    if not transposed and _window_exceeds_input(input.shape[2:], kernel_size, dilation):
+    if not transposed and _window_exceeds_input_or_output(
+        input.shape[2:], pads, kernel_size, window_strides, dilation
+    ):
         out = _patch_convolution(input, kernel, window_strides, pads, dilation, groups)
     else:
         spatial = "DHW"[3 - num_spatial :]  # torch convolves over 1 to 3 spatial dims
