@@ -20,8 +20,9 @@ them alike), medians of --repeats rounds after untimed warm-up steps:
   loss and backward are one XLA program (the update is a second one);
 - hand-written JAX, NHWC/HWIO and NCHW/OIHW: the same net written with `lax` ops, one jitted
   step (value_and_grad + SGD momentum, state donated), the torch weights copied in. A conv
-  whose window is larger than its input is written as the product zerojax lowers it to
-  (zerojax/bridge/lowerings/conv.py: XLA:CPU's own conv runs such a conv at <1 GFLOP/s);
+  whose window is larger than its input or output is written as the product zerojax lowers
+  it to (zerojax/bridge/lowerings/conv.py: XLA:CPU runs such a conv, or its input gradient,
+  at <1 GFLOP/s);
   --plain-conv adds the same nets with every conv a `lax.conv_general_dilated`.
 
 Every JAX timing ends when the new parameters are ready (`jax.block_until_ready`). The first
@@ -125,7 +126,8 @@ class Layers:
 
     def conv(self, x, w, b=None, stride=1, padding=0, groups=1):
         kernel = w.shape[0] if self.layout == "NHWC" else w.shape[2]  # square kernels only
-        if self.patch_convs and kernel > min(x.shape[a] for a in self.spatial):
+        size = min(x.shape[a] for a in self.spatial)
+        if self.patch_convs and kernel > min(size, (size + 2 * padding - kernel) // stride + 1):
             out = self.patch_conv(x, w, stride, padding, groups)
             return out if b is None else out + self.per_channel(b)
         out = lax.conv_general_dilated(
@@ -141,7 +143,8 @@ class Layers:
 
     def patch_conv(self, x, w, stride, padding, groups):
         """The conv as one product of the kernel-offset views and the kernel: what zerojax
-        lowers a conv to when its window is larger than its input (XLA:CPU's slow case)."""
+        lowers a conv to when its window is larger than its input or output (XLA:CPU's slow
+        case)."""
         pads = [(0, 0)] * 4
         for a in self.spatial:
             pads[a] = (padding, padding)
