@@ -13,7 +13,8 @@ stats) on a batch of 8 random 64x64 RGB images, 10 classes, on ONE CPU device:
 Contenders, timed interleaved (one of each per round, so load on the shared machine hits
 them alike), medians of --repeats rounds after untimed warm-up steps:
 
-- torch eager;
+- torch eager, on torch's default thread count (one per core) and on one thread (see
+  `torch_step`: on a loaded machine the default can be 20x slower);
 - zerojax general: `model, opt = zerojax.initialize(net, SGD)`, then the user's loop
   `loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()`;
 - zerojax fused: the same with a wrapper module whose forward returns the loss, so forward,
@@ -27,15 +28,24 @@ them alike), medians of --repeats rounds after untimed warm-up steps:
 
 Every JAX timing ends when the new parameters are ready (`jax.block_until_ready`). The first
 two losses of every contender (same initial weights, same batch) are printed as the fairness
-check: the second loss depends on the gradients and the update.
+check: the second depends on the gradients and the update.
+On ResNet-18 the hand-written second loss differs from torch's by ~4e-3: one ReLU gate at
+layer3.0's output, float64 pre-activation -4.3e-6 (torch fp32 -1.3e-6), is +2.1e-6 in the
+hand-written fp32 program, so it passes the gradient torch's blocks (the gradients from
+layer3.1 on agree to <1e-4 relative; before it, by up to 13%).
 
-Prints per net the medians (ms), zerojax / hand-written (the faster layout) and
-zerojax / torch. With --hlo DIR it also writes the optimized HLO of zerojax's programs and of
-the hand-written steps there and prints an op census (convolutions, transposes, copies,
-reduces, fusions) of each.
+With --phases it also times, interleaved, zerojax's two fused-path programs called directly
+(`loss_and_grads`: forward + loss + backward; `update`: SGD) beside the hand-written step's
+parts as programs of their own (value_and_grad; the SGD update alone and with zerojax's
+all-finite guard): where zerojax's time over the hand-written step goes.
+
+Prints per net the medians (ms), zerojax / hand-written (the faster layout) and zerojax / torch
+(the faster thread count). With --hlo DIR it also writes the optimized HLO of zerojax's
+programs and of the hand-written steps there and prints an op census (convolutions,
+transposes, copies, reduces, fusions) of each.
 
 Run: .venv/bin/python bench/cnn_step.py [--repeats N] [--nets resnet18,convnext] [--plain-conv]
-     [--hlo DIR]
+     [--phases] [--hlo DIR]
 """
 
 from __future__ import annotations
@@ -67,6 +77,8 @@ from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
 import zerojax
 from bench.clip_grad_norm import interleaved_medians_ms
+from zerojax.bridge.dtypes import from_torch
+from zerojax.train import optimizers
 
 BATCH, IMAGE, CLASSES = 8, 64, 10
 LR, MOMENTUM = 0.1, 0.9
@@ -271,8 +283,8 @@ HANDWRITTEN = {"resnet18": resnet18_jax, "convnext": convnext_jax}
 
 
 def handwritten_step(net_name: str, net: torch.nn.Module, layout: str, patch_convs: bool, x, y):
-    """(step() -> loss, the jitted step, its arguments): the torch weights copied in, conv
-    kernels transposed to the layout once, here, as a JAX user would store them."""
+    """(step() -> loss, () -> the lowered step, {phase name: run}): the torch weights copied
+    in, conv kernels transposed to the layout once, here, as a JAX user would store them."""
     layers = Layers(layout, patch_convs)
     params, buffers = {}, {}
     for name, value in net.state_dict().items():
@@ -316,7 +328,46 @@ def handwritten_step(net_name: str, net: torch.nn.Module, layout: str, patch_con
     def lowered():
         return step.lower(state["params"], state["momentum"], state["buffers"], x, y)
 
-    return run, lowered
+    # Copies: the step donates its state.
+    parts = _handwritten_phases(loss_fn, *jax.tree.map(jnp.copy, (params, buffers)), x, y)
+    return run, lowered, parts
+
+
+def _sgd_update(params, momentum, grads):
+    momentum = jax.tree.map(lambda m, g: MOMENTUM * m + g, momentum, grads)
+    return jax.tree.map(lambda w, m: w - LR * m, params, momentum), momentum
+
+
+def _guarded_sgd_update(params, momentum, grads):
+    """The update kept only when every gradient is finite, as zerojax's update program guards
+    it (zerojax/train/programs.py, for fp16 loss scaling, in every precision)."""
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
+    new = _sgd_update(params, momentum, grads)
+    return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, (params, momentum))
+
+
+def _handwritten_phases(loss_fn, params, buffers, x, y) -> dict:
+    """The hand-written step's parts as programs of their own, on copies of the state."""
+    value_and_grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    grads = value_and_grad(params, buffers, x, y)[1]
+    phases = {
+        "hand-written value_and_grad": lambda: jax.block_until_ready(
+            value_and_grad(params, buffers, x, y)
+        )
+    }
+    for name, update in (
+        ("hand-written SGD update alone", _sgd_update),
+        ("hand-written SGD update, all-finite guard", _guarded_sgd_update),
+    ):
+        jitted = jax.jit(update, donate_argnums=(0, 1))
+        state = [jax.tree.map(jnp.copy, params), jax.tree.map(jnp.zeros_like, params)]
+
+        def run(jitted=jitted, state=state):
+            state[:] = jitted(state[0], state[1], grads)
+            jax.block_until_ready(state[0])
+
+        phases[name] = run
+    return phases
 
 
 # --- torch and zerojax ---------------------------------------------------------------------------
@@ -326,14 +377,23 @@ def sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
-def torch_step(net, x, y):
+TORCH_THREADS = torch.get_num_threads()
+
+
+def torch_step(net, x, y, num_threads: int):
+    """torch's step on `num_threads` intra-op threads. On the shared 2-core machine torch's
+    default (one per core) can collapse: with other processes running, its threads wait at
+    every op's barrier for a descheduled peer (ResNet-18: 0.16-0.3 s a step, or 2.5 s for
+    stretches of steps; one thread: a steady 0.12 s)."""
     optimizer = sgd(net.parameters())
 
     def run():
+        torch.set_num_threads(num_threads)
         loss = F.cross_entropy(net(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        torch.set_num_threads(TORCH_THREADS)
         return loss
 
     return run
@@ -360,6 +420,37 @@ def zerojax_step(net, x, y, fused: bool):
         return loss
 
     return run, engine
+
+
+def zerojax_phases(net, x, y) -> dict:
+    """The fused path's two programs called directly on an engine of their own (the timed
+    step donates its engine's state): forward+backward, and the update."""
+    run, engine = zerojax_step(net, x, y, fused=True)
+    run()
+    inputs = tuple(engine.shard_input(from_torch(t)) for t in (x, y))
+    loss_and_grads = engine.programs.loss_and_grads(engine._converted[True], ())
+    update = engine.programs.update(engine.optimizer_spec)
+    hyper = optimizers.hyper_from_torch(engine._torch_optimizer, engine.optimizer_spec)
+    state, one, rng = engine.state, jnp.float32(1.0), engine.next_rng()
+    current = {"params": state.params, "master": state.master, "opt_state": state.opt_state}
+    grads = loss_and_grads(state.params, state.buffers, inputs, {}, rng, one)[2]
+
+    def forward_backward():
+        jax.block_until_ready(
+            loss_and_grads(current["params"], state.buffers, inputs, {}, rng, one)
+        )
+
+    def update_alone():
+        params, master, opt_state, _, _ = update(
+            current["params"], current["master"], current["opt_state"], grads, hyper, None
+        )
+        current.update(params=params, master=master, opt_state=opt_state)
+        jax.block_until_ready(params)
+
+    return {
+        "zerojax loss_and_grads program": forward_backward,
+        "zerojax update program": update_alone,
+    }
 
 
 # --- HLO census ----------------------------------------------------------------------------------
@@ -391,7 +482,9 @@ def write_hlo(directory: Path, name: str, text: str) -> dict[str, int]:
 # --- main ----------------------------------------------------------------------------------------
 
 
-def bench_net(net_name: str, repeats: int, plain_conv: bool, hlo_dir: Path | None) -> None:
+def bench_net(
+    net_name: str, repeats: int, plain_conv: bool, phases: bool, hlo_dir: Path | None
+) -> None:
     base = build_net(net_name)
     num_params = sum(p.numel() for p in base.parameters())
     torch.manual_seed(1)
@@ -400,15 +493,16 @@ def bench_net(net_name: str, repeats: int, plain_conv: bool, hlo_dir: Path | Non
     general, general_engine = zerojax_step(copy.deepcopy(base), x, y, fused=False)
     fused, fused_engine = zerojax_step(copy.deepcopy(base), x, y, fused=True)
     contenders = {
-        "torch eager": torch_step(copy.deepcopy(base), x, y),
+        "torch eager": torch_step(copy.deepcopy(base), x, y, TORCH_THREADS),
+        "torch eager, 1 thread": torch_step(copy.deepcopy(base), x, y, 1),
         "zerojax general": general,
         "zerojax fused": fused,
     }
-    lowered = {}
+    lowered, parts = {}, {}
     for patch_convs in (True, False) if plain_conv else (True,):
         for layout in ("NHWC", "NCHW"):
             name = f"hand-written JAX {layout}" + ("" if patch_convs else ", lax.conv only")
-            contenders[name], lowered[name] = handwritten_step(
+            contenders[name], lowered[name], parts[name] = handwritten_step(
                 net_name, base, layout, patch_convs, x, y
             )
     losses = {name: [float(run()) for _ in range(2)] for name, run in contenders.items()}
@@ -421,11 +515,22 @@ def bench_net(net_name: str, repeats: int, plain_conv: bool, hlo_dir: Path | Non
     for name, ms in medians.items():
         print(f"| {name} | {ms:.1f} | {losses[name][0]:.6f}, {losses[name][1]:.6f} |")
     best_layout = min(("hand-written JAX NHWC", "hand-written JAX NCHW"), key=medians.get)
+    best_torch = min(("torch eager", "torch eager, 1 thread"), key=medians.get)
     for path in ("zerojax general", "zerojax fused"):
         print(
             f"  {path}: {medians[path] / medians[best_layout]:.2f}x {best_layout}, "
-            f"{medians[path] / medians['torch eager']:.2f}x torch eager"
+            f"{medians[path] / medians[best_torch]:.2f}x {best_torch}"
         )
+    if phases:
+        # The fastest layout's parts beside zerojax's programs, interleaved again.
+        phase_runs = zerojax_phases(copy.deepcopy(base), x, y) | {
+            f"{name} ({best_layout[-4:]})": run for name, run in parts[best_layout].items()
+        }
+        phase_medians = interleaved_medians_ms(phase_runs, repeats)
+        print(f"\nphases, median of {repeats} interleaved rounds")
+        print("| phase | ms |\n|---|---|")
+        for name, ms in phase_medians.items():
+            print(f"| {name} | {ms:.1f} |")
     if hlo_dir is None:
         return
     texts = {
@@ -455,9 +560,14 @@ def main() -> None:
         action="store_true",
         help="also time the hand-written nets with every conv a lax.conv (slow on XLA:CPU)",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time zerojax's two programs and the hand-written step's parts alone",
+    )
     args = parser.parse_args()
     for net_name in args.nets.split(","):
-        bench_net(net_name, args.repeats, args.plain_conv, args.hlo)
+        bench_net(net_name, args.repeats, args.plain_conv, args.phases, args.hlo)
 
 
 if __name__ == "__main__":
