@@ -4,14 +4,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-distributed test-other-cpu coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context lint clean
+.PHONY: demo test test-all test-distributed test-other-cpu test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context lint clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch 2.13.0 CPU is pinned here: it installs from local disk; an unpinned torch pulls a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# torchvision is pinned beside it, in the same resolve: the dev extra leaves it unpinned,
+	# since each torch release has its own torchvision (see test-torch-%).
+	$(PY) -m pip install --quiet torch==2.13.0 'torchvision==0.28.*' -e '.[dev]'
 	# The registry's torchvision (dev extra) is a CUDA build; see tools/cpu_torchvision.py.
 	cp tools/cpu_torchvision.py "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.py"
 	echo "import _zerojax_cpu_torchvision; _zerojax_cpu_torchvision.install_hook()" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.pth"
@@ -32,6 +33,23 @@ test-all: $(STAMP)
 # own timeout. CI runs it after `make test`.
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/distributed --durations=10
+
+# The default suite on a newer torch, each in its own venv (.venv-torch-2.14, ...) with the dev
+# extra and the torchvision of that release. torch 2.14.1 (a CUDA build; it runs on CPU) lies on
+# local disk and CI runs `make test-torch-2.14`; torch 2.15 is a multi-GB download from the
+# registry past this machine's pip constraint (torch<=2.14.1), so it is not in CI.
+TORCH_2.14 := torch==2.14.1 torchvision==0.29.1
+TORCH_2.15 := 'torch==2.15.*' 'torchvision==0.30.*'
+PIP_ENV_2.15 := PIP_CONSTRAINT=
+TORCH_RELEASES := 2.14 2.15
+$(TORCH_RELEASES:%=.venv-torch-%/.installed): .venv-torch-%/.installed: pyproject.toml
+	test -x .venv-torch-$*/bin/python || $(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/python -m pip install --quiet --upgrade pip
+	$(PIP_ENV_$*) .venv-torch-$*/bin/python -m pip install --quiet $(TORCH_$*) -e '.[dev]'
+	touch $@
+
+$(TORCH_RELEASES:%=test-torch-%): test-torch-%: .venv-torch-%/.installed
+	.venv-torch-$*/bin/python -m pytest -q -n 2 --durations=15
 
 # The default suite as another x86-64 CPU computes it, to catch tolerances fitted to this one:
 # XLA codegen capped at OTHER_CPU_ISA (AVX2 is an AMD EPYC / pre-AVX-512 Intel; SSE4_2 is
@@ -86,4 +104,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) build *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) .venv-torch-* build *.egg-info
