@@ -115,17 +115,18 @@ def test_sdpa_bf16_tracks_torch():
 
 def test_sdpa_gradients_match_torch():
     """fp32 gradients under a random cotangent, within tolerances.attention_gradients (float32
-    rounding along scores, softmax, P @ V and the dq/dk/dv contractions, on these inputs)."""
+    rounding along scores, softmax, P @ V and the dq/dk/dv contractions, on these inputs). The
+    causal mask is folded into the additive one: torch >= 2.14 refuses `attn_mask` with
+    `is_causal=True` (2.13 applied both, which is this)."""
     q, k, v = (t.requires_grad_() for t in qkv())
     mask = torch.randn(1, 1, 8, 8)
+    causal_mask = mask.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
     cotangent = torch.randn(2, 4, 8, 16)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask)
     (out * cotangent).sum().backward()
 
-    fn = Lambda(
-        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=True)
-    )
-    args = (q.detach(), k.detach(), v.detach(), mask)
+    fn = Lambda(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m))
+    args = (q.detach(), k.detach(), v.detach(), causal_mask)
     converted = zerojax.convert(fn, args)
 
     def loss(q, k, v):
