@@ -208,6 +208,18 @@ TABLE_HEADER = (
 )
 
 
+def _ratio_summary(parities: list[dict]) -> str:
+    """Median and worst of zerojax's gradient error over torch fp32's, across a population."""
+    ratios = sorted(
+        p["gradient_error"] / p["gradient_error_torch_fp32"]
+        for p in parities
+        if p.get("gradient_error") is not None and p.get("gradient_error_torch_fp32")
+    )
+    if not ratios:
+        return "-"
+    return f"{ratios[len(ratios) // 2]:.2f}x, {ratios[-1]:.2f}x"
+
+
 def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
     """Markdown: a summary per population, then one table per population."""
     lines = [
@@ -235,8 +247,11 @@ def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
         "imported through `tools.model_zoo.import_torchvision()`, which defines the two",
         "`torchvision::` op schemas its import needs when the wheel's C extension cannot load.",
         "",
-        "| population | models | pass (all checks) | converts | parity | ZeRO-3 step | not run yet |",
-        "|---|---|---|---|---|---|---|",
+        (
+            "| population | models | pass (all checks) | converts | parity | ZeRO-3 step "
+            "| not run yet | gradient err zerojax / torch fp32: median, worst |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for family, names in expected.items():
         ran = [results[n] for n in names if n in results]
@@ -244,7 +259,8 @@ def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
             f"| {POPULATIONS[family]} | {len(names)} | **{sum(map(passed, ran))}** | "
             f"{sum(_true(r['parity'].get('converts')) for r in ran)} | "
             f"{sum(_true(r['parity'].get('passed')) for r in ran)} | "
-            f"{sum(_true(r['step'].get('passed')) for r in ran)} | {len(names) - len(ran)} |"
+            f"{sum(_true(r['step'].get('passed')) for r in ran)} | {len(names) - len(ran)} | "
+            f"{_ratio_summary([r['parity'] for r in ran])} |"
         )
     commits = sorted({r.get("commit", "?") for r in results.values()})
     lines += [

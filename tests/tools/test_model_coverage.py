@@ -228,7 +228,8 @@ def test_render_reports_counts_and_causes(tmp_path):
     }
     text = model_coverage.render(results, {"timm": ["timm/a", "timm/b", "timm/c"]})
     assert (
-        "| timm (sample of CNNs, ViTs, hierarchical, hybrid) | 3 | **1** | 1 | 1 | 1 | 1 |" in text
+        "| timm (sample of CNNs, ViTs, hierarchical, hybrid) | 3 | **1** | 1 | 1 | 1 | 1 | "
+        "1.00x, 1.00x |" in text
     )
     assert "parity (convert): CaptureError: x" in text and "Not run yet: c." in text
     readme = tmp_path / "README.md"
