@@ -574,14 +574,26 @@ def test_gradient_unary():
 
 
 def test_gradient_at_kinks():
-    """relu / hardtanh / clamp at exactly their kinks: torch's masks, not a 0.5 tie split."""
+    """relu / hardtanh / clamp at exactly their kinks: torch's masks, not JAX's 0.5 tie split
+    (except where torch splits too: clamp to tensor bounds, from torch 2.14)."""
     fns = {
         "relu": torch.relu,
         "hardtanh": F.hardtanh,
         "relu6": F.relu6,
         "clamp": lambda x: torch.clamp(x, 0.0, 1.0),
+        "clamp_min": lambda x: torch.clamp(x, min=0.0),
+        "clamp_max": lambda x: torch.clamp(x, max=1.0),
     }
     grad_parity(fns, torch.tensor([-1.0, 0.0, 0.5, 1.0, 2.0, -0.5, 6.0, 7.0]))
+
+
+def test_clamp_to_tensor_bounds_gradient_at_ties():
+    """x equal to a tensor bound: torch 2.13 gives x the whole gradient, 2.14 splits it with
+    the bound; the gradients of x and of both bounds are compared."""
+    x = torch.tensor([-1.0, 0.0, 0.5, 1.0, 2.0, 0.25])
+    lower = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.25])
+    upper = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.75])
+    grad_parity({"clamp": torch.clamp}, x, lower, upper)
 
 
 def test_gradient_binary():

@@ -9,10 +9,13 @@ floating (exp, true division, ...) compute integer and bool inputs in float32, t
 Torch semantics that differ from jnp and are reproduced here: sign(NaN) == 0, clamp with a NaN
 bound gives NaN, integer pow with a negative exponent truncates to 0 (or +-1), floor division of
 floats uses torch's fmod-based formula, digamma(+-0) == -+inf, and gradients at kinks (relu,
-clamp, hardtanh boundaries) follow torch's backward formulas rather than JAX's 0.5 tie split.
+clamp, hardtanh boundaries) follow torch's backward formulas rather than JAX's 0.5 tie split
+(clamp's changed in torch 2.14: `_torch_clamp_gradient_at_bound` measures the installed one).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -785,33 +788,64 @@ def lower_where_self(ctx, condition, self, other):
     return jnp.where(condition.astype(bool), a, b)
 
 
-def _clamp(x, lower, upper):
+@functools.cache
+def _torch_clamp_gradient_at_bound() -> tuple[float, float]:
+    """The gradient torch's clamp backward gives x where x equals a bound: (Python-scalar
+    bounds, tensor bounds). Measured, not looked up by version, since the contract changed:
+    torch 2.13 gives (1, 1), all of it to x (masks with >= / <=); torch 2.14 gives (0, 0.5),
+    none for a scalar bound (as hardtanh) and a tie split with a tensor bound (as maximum)."""
+    with torch.enable_grad():
+        x = torch.zeros(1, requires_grad=True)
+        torch.clamp(x, 0.0, 1.0).sum().backward()
+        scalar = float(x.grad[0])
+        x = torch.zeros(1, requires_grad=True)
+        torch.clamp(x, torch.zeros(1), torch.ones(1)).sum().backward()
+        tensor = float(x.grad[0])
+    return scalar, tensor
+
+
+def _clamp(x, lower, upper, *, tie_gradient):
     """min(max(x, lower), upper) with torch's NaN and gradient rules.
 
-    A NaN bound gives NaN; at a bound the gradient goes to x (torch's clamp_backward masks
-    with >= / <=), while jnp.clip would split it between x and the bound.
+    A NaN bound gives NaN. Where x equals a bound its gradient is `tie_gradient`, what torch's
+    clamp backward gives (`_torch_clamp_gradient_at_bound`): 1 (all to x, where jnp.clip would
+    split it with the bound), 0 (none: the bound wins the tie) or 0.5 (the even split of
+    lax.max / lax.min's derivative).
     """
+    if tie_gradient not in (0.0, 0.5, 1.0):
+        raise NotImplementedError(
+            f"torch's clamp backward gives {tie_gradient} at a bound; zerojax reproduces 1, 0 "
+            "or 0.5 (zerojax/bridge/lowerings/pointwise.py, _clamp)"
+        )
     operands = [b for b in (lower, upper) if b is not None]
     x, *bounds = _promoted(x, *operands)
     if lower is not None:
         lower = bounds.pop(0)
-        x = jnp.where((x < lower) | jnp.isnan(lower), lower, x)
+        if tie_gradient == 0.5:
+            x = jnp.where(jnp.isnan(lower), lower, jnp.maximum(x, lower))
+        else:
+            below = x <= lower if tie_gradient == 0.0 else x < lower
+            x = jnp.where(below | jnp.isnan(lower), lower, x)
     if upper is not None:
         upper = bounds.pop(0)
-        x = jnp.where((x > upper) | jnp.isnan(upper), upper, x)
+        if tie_gradient == 0.5:
+            x = jnp.where(jnp.isnan(upper), upper, jnp.minimum(x, upper))
+        else:
+            above = x >= upper if tie_gradient == 0.0 else x > upper
+            x = jnp.where(above | jnp.isnan(upper), upper, x)
     return x
 
 
 @lowering(aten.clamp.default)
 def lower_clamp(ctx, self, min=None, max=None):
     """clamp to optional Python-scalar bounds; with min > max every value becomes max."""
-    return _clamp(self, min, max)
+    return _clamp(self, min, max, tie_gradient=_torch_clamp_gradient_at_bound()[0])
 
 
 @lowering(aten.clamp.Tensor)
 def lower_clamp_tensor(ctx, self, min=None, max=None):
     """clamp to optional tensor bounds, broadcast against self."""
-    return _clamp(self, min, max)
+    return _clamp(self, min, max, tie_gradient=_torch_clamp_gradient_at_bound()[1])
 
 
 # --- copies, casts and fills --------------------------------------------------------------------
