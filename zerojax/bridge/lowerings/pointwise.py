@@ -15,8 +15,6 @@ clamp, hardtanh boundaries) follow torch's backward formulas rather than JAX's 0
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jss
@@ -788,13 +786,15 @@ def lower_where_self(ctx, condition, self, other):
     return jnp.where(condition.astype(bool), a, b)
 
 
-@functools.cache
 def _torch_clamp_gradient_at_bound() -> tuple[float, float]:
     """The gradient torch's clamp backward gives x where x equals a bound: (Python-scalar
     bounds, tensor bounds). Measured, not looked up by version, since the contract changed:
     torch 2.13 gives (1, 1), all of it to x (masks with >= / <=); torch 2.14 gives (0, 0.5),
-    none for a scalar bound (as hardtanh) and a tie split with a tensor bound (as maximum)."""
-    with torch.enable_grad():
+    none for a scalar bound (as hardtanh) and a tie split with a tensor bound (as maximum).
+
+    Measured once, at import: a lowering can run inside a torch dispatch mode (live tensors,
+    train/live_tensor.py), below autograd, where a backward cannot run."""
+    with torch.inference_mode(False), torch.enable_grad():
         x = torch.zeros(1, requires_grad=True)
         torch.clamp(x, 0.0, 1.0).sum().backward()
         scalar = float(x.grad[0])
@@ -802,6 +802,9 @@ def _torch_clamp_gradient_at_bound() -> tuple[float, float]:
         torch.clamp(x, torch.zeros(1), torch.ones(1)).sum().backward()
         tensor = float(x.grad[0])
     return scalar, tensor
+
+
+_CLAMP_TIE_GRADIENT = _torch_clamp_gradient_at_bound()
 
 
 def _clamp(x, lower, upper, *, tie_gradient):
@@ -839,13 +842,13 @@ def _clamp(x, lower, upper, *, tie_gradient):
 @lowering(aten.clamp.default)
 def lower_clamp(ctx, self, min=None, max=None):
     """clamp to optional Python-scalar bounds; with min > max every value becomes max."""
-    return _clamp(self, min, max, tie_gradient=_torch_clamp_gradient_at_bound()[0])
+    return _clamp(self, min, max, tie_gradient=_CLAMP_TIE_GRADIENT[0])
 
 
 @lowering(aten.clamp.Tensor)
 def lower_clamp_tensor(ctx, self, min=None, max=None):
     """clamp to optional tensor bounds, broadcast against self."""
-    return _clamp(self, min, max, tie_gradient=_torch_clamp_gradient_at_bound()[1])
+    return _clamp(self, min, max, tie_gradient=_CLAMP_TIE_GRADIENT[1])
 
 
 # --- copies, casts and fills --------------------------------------------------------------------
