@@ -14,9 +14,14 @@ $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	# since each torch release has its own torchvision (see test-torch-%).
 	$(PY) -m pip install --quiet torch==2.13.0 'torchvision==0.28.*' -e '.[dev]'
 	# The registry's torchvision (dev extra) is a CUDA build; see tools/cpu_torchvision.py.
-	cp tools/cpu_torchvision.py "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.py"
-	echo "import _zerojax_cpu_torchvision; _zerojax_cpu_torchvision.install_hook()" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.pth"
+	$(call install_torchvision_hook,$(PY))
 	touch $(STAMP)
+
+# $(call install_torchvision_hook,python): tools/cpu_torchvision.py's import hook in that venv.
+define install_torchvision_hook
+cp tools/cpu_torchvision.py "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.py"
+echo "import _zerojax_cpu_torchvision; _zerojax_cpu_torchvision.install_hook()" > "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_zerojax_cpu_torchvision.pth"
+endef
 
 demo: $(STAMP)
 	$(PY) examples/train_gpt2.py
@@ -45,10 +50,13 @@ TORCH_2.14 := torch==2.14.1 torchvision==0.29.1
 TORCH_2.15 := 'torch==2.15.*' torchvision
 PIP_ENV_2.15 := PIP_CONSTRAINT=/dev/null
 TORCH_RELEASES := 2.14 2.15
-$(TORCH_RELEASES:%=.venv-torch-%/.installed): .venv-torch-%/.installed: pyproject.toml
+$(TORCH_RELEASES:%=.venv-torch-%/.installed): .venv-torch-%/.installed: pyproject.toml tools/cpu_torchvision.py
 	test -x .venv-torch-$*/bin/python || $(PYTHON) -m venv .venv-torch-$*
 	.venv-torch-$*/bin/python -m pip install --quiet --upgrade pip
 	$(PIP_ENV_$*) .venv-torch-$*/bin/python -m pip install --quiet $(TORCH_$*) -e '.[dev]'
+	# A no-op where torchvision's extension loads (2.14.1 beside 0.29.1); scripts the tests
+	# launch import transformers, hence torchvision, without tests/conftest.py.
+	$(call install_torchvision_hook,.venv-torch-$*/bin/python)
 	touch $@
 
 $(TORCH_RELEASES:%=test-torch-%): test-torch-%: .venv-torch-%/.installed
