@@ -52,28 +52,32 @@ class LogRecorder(transformers.TrainerCallback):
             self.logs.append((logs["loss"], logs["grad_norm"]))
 
 
-def train(out, config=None):
-    """STEPS Trainer steps (gradient accumulation 2, clipping at 1.0): (logs, saved dir)."""
+def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
+    """STEPS Trainer steps (gradient accumulation 2, clipping at 1.0): (logs, saved dir).
+
+    `zerojax_model`: `zerojax.initialize(model, optimizer, config)` before the Trainer (with
+    `user_optimizer=False`: `zerojax.initialize(model, config=config)` and the Trainer builds
+    its own optimizer and scheduler, its default)."""
     torch.manual_seed(0)
     model_config = transformers.GPT2Config(
         vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     model = transformers.GPT2LMHeadModel(model_config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if config is not None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if user_optimizer else None
+    if zerojax_model:
         model, optimizer = zerojax.initialize(model, optimizer, config)
     recorder = LogRecorder()
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=8, logging_steps=1,
-        gradient_accumulation_steps=2, max_grad_norm=1.0, report_to=[], use_cpu=True,
-        save_strategy="no", seed=0, disable_tqdm=True,
+        gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3, report_to=[],
+        use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=model,
         args=args,
         train_dataset=Tokens(),
-        optimizers=(optimizer, None),
+        optimizers=(optimizer, None) if user_optimizer else (None, None),
         callbacks=[recorder],
     )
     trainer.train()
@@ -81,9 +85,21 @@ def train(out, config=None):
     return recorder.logs, out / "final"
 
 
-def test_trainer_trains_a_zerojax_model_like_plain_trainer(tmp_path):
-    theirs, their_dir = train(tmp_path / "torch")
-    ours, our_dir = train(tmp_path / "zerojax", {"mesh": {"data": -1}, "zero_stage": 3})
+@pytest.mark.parametrize(
+    ("config", "user_optimizer"),
+    [
+        ({"mesh": {"data": -1}, "zero_stage": 3}, True),
+        # The unchanged Trainer script: only `model = zerojax.initialize(model)[0]` added; the
+        # Trainer builds its AdamW (over the live parameters) and its linear schedule.
+        (None, False),
+    ],
+    ids=["zero3-user-optimizer", "default-trainer-optimizer"],
+)
+def test_trainer_trains_a_zerojax_model_like_plain_trainer(tmp_path, config, user_optimizer):
+    theirs, their_dir = train(tmp_path / "torch", user_optimizer=user_optimizer)
+    ours, our_dir = train(
+        tmp_path / "zerojax", config, zerojax_model=True, user_optimizer=user_optimizer
+    )
     assert len(ours) == len(theirs) == STEPS
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
     mine = transformers.GPT2LMHeadModel.from_pretrained(our_dir).state_dict()
