@@ -53,7 +53,8 @@ class LogRecorder(transformers.TrainerCallback):
 
 
 def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
-    """STEPS Trainer steps (gradient accumulation 2, clipping at 1.0): (logs, saved dir).
+    """STEPS Trainer steps (gradient accumulation 2, clipping at 1.0), then `evaluate()` and
+    `predict()` on 16 rows: (logs + [eval loss], predicted logits, saved dir).
 
     `zerojax_model`: `zerojax.initialize(model, optimizer, config)` before the Trainer (with
     `user_optimizer=False`: `zerojax.initialize(model, config=config)` and the Trainer builds
@@ -81,8 +82,11 @@ def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
         callbacks=[recorder],
     )
     trainer.train()
+    held_out = torch.utils.data.Subset(Tokens(), range(16))
+    evaluated = trainer.evaluate(held_out)["eval_loss"]
+    predicted = torch.as_tensor(trainer.predict(held_out).predictions)
     trainer.save_model(str(out / "final"))
-    return recorder.logs, out / "final"
+    return recorder.logs + [(evaluated, 0.0)], predicted, out / "final"
 
 
 @pytest.mark.parametrize(
@@ -96,12 +100,15 @@ def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
     ids=["zero3-user-optimizer", "default-trainer-optimizer"],
 )
 def test_trainer_trains_a_zerojax_model_like_plain_trainer(tmp_path, config, user_optimizer):
-    theirs, their_dir = train(tmp_path / "torch", user_optimizer=user_optimizer)
-    ours, our_dir = train(
+    theirs, their_logits, their_dir = train(tmp_path / "torch", user_optimizer=user_optimizer)
+    ours, our_logits, our_dir = train(
         tmp_path / "zerojax", config, zerojax_model=True, user_optimizer=user_optimizer
     )
-    assert len(ours) == len(theirs) == STEPS
+    assert len(ours) == len(theirs) == STEPS + 1
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+    # Logits of O(1) after 6 steps whose weights agree to ~1e-6: float32 forward reorderings
+    # (~1e-6 relative over a 32-wide contraction) on top; 1e-4 absolute has room for both.
+    torch.testing.assert_close(our_logits, their_logits, rtol=0, atol=1e-4)
     mine = transformers.GPT2LMHeadModel.from_pretrained(our_dir).state_dict()
     reference = transformers.GPT2LMHeadModel.from_pretrained(their_dir).state_dict()
     names = sorted(reference)
