@@ -8,6 +8,7 @@ import torch
 
 from zerojax import distributed
 from zerojax.config import Config, apply_devices, load_config
+from zerojax.integrations import accelerate as accelerate_integration
 from zerojax.runtime import effective_time
 from zerojax.runtime.compilation_cache import enable_compilation_cache
 from zerojax.train.engine import Engine
@@ -58,9 +59,18 @@ def initialize(
     (`zerojax.distributed.initialize`), `devices.num_cpu_devices` counts each process's devices,
     and the semantics are DDP's: each process feeds its own rows, `model(x)` returns them, and the
     update uses the gradient averaged over processes (see `zerojax.train.data_parallel`).
+
+    Hugging Face accelerate works before or after this call (`zerojax.integrations.accelerate`):
+    a model `accelerator.prepare` wrapped comes back unwrapped, and an `AcceleratedOptimizer`
+    comes back as itself, now driving the ZeroOptimizer; a zerojax model is never DDP-wrapped.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() takes a torch.nn.Module, got {type(model).__name__}")
+    # Hugging Face accelerate in either order (zerojax.integrations.accelerate): never a DDP
+    # wrap around the model from here on; objects `accelerator.prepare` made are unwrapped.
+    accelerate_integration.install_prepare_hook()
+    prepared = accelerate_integration.unwrap_prepared(model, optimizer)
+    model, optimizer = prepared.model, prepared.optimizer
     if isinstance(model, ZeroModule):
         raise ValueError(  # noqa: TRY004 (the right type, in a state it cannot be used in)
             f"zerojax.initialize: this {type(model)._zerojax_base.__name__} was already "
@@ -121,7 +131,7 @@ def initialize(
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
         engine.converted(model.training, args, {})
-    return wrapped, wrapped_optimizer
+    return wrapped, prepared.rewrap(wrapped, wrapped_optimizer)
 
 
 def _check_optimizer_covers_model(model: torch.nn.Module, optimizer: Any) -> None:
