@@ -1,0 +1,161 @@
+"""`ZeroJaxFabricStrategy`: Lightning Fabric over a zerojax engine (see `zerojax.lightning`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ParallelStrategy
+
+from zerojax import distributed
+from zerojax.config import Config
+from zerojax.lightning import collectives
+from zerojax.lightning.target import check_submodule_calls
+from zerojax.lightning.trainer import engine_of, precision_for_zerojax, prepare_config
+from zerojax.train.initialize import initialize
+from zerojax.train.module import ZeroModule
+
+__all__ = ["ZeroJaxFabricStrategy"]
+
+
+class ZeroJaxFabricStrategy(ParallelStrategy):
+    """Fabric strategy: `fabric.setup(model, optimizer)` is `zerojax.initialize(model,
+    optimizer, config)`. `Fabric(strategy=ZeroJaxFabricStrategy(config))` or
+    `Fabric(strategy="zerojax")`.
+
+    `fabric.backward(loss)` is `loss.backward()` (the engine's pullback), the optimizer's step is
+    the engine's update, `fabric.clip_gradients(model, opt, max_norm=...)` clips on the shards
+    in one program, and `fabric.save/load` write and read torch-format state dicts (the
+    module's gathered to the host, the optimizer's in torch.optim's layout). Call the set-up
+    model itself: its submodules cannot train on their own (`zerojax.lightning.target`).
+    """
+
+    strategy_name = "zerojax"
+
+    def __init__(
+        self,
+        config: str | dict | Config | None = None,
+        *,
+        accelerator=None,
+        checkpoint_io=None,
+        precision: Precision | None = None,
+    ):
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=[torch.device("cpu")],
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._zerojax_config = config
+
+    @property
+    def precision(self) -> Precision:
+        if self._precision is None:
+            self._precision = Precision()
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        # Fabric's "32-true" plugin is used as it is (clipping is this strategy's own); None
+        # stays None until read, so Fabric hands its plugin for `precision=` here.
+        self._precision = (
+            None if precision is None else precision_for_zerojax(precision, Precision, Precision)
+        )
+
+    # --- processes: zerojax is the data parallelism -----------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")  # batches stay on the host; the engine shards them
+
+    @property
+    def global_rank(self) -> int:
+        return distributed.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return distributed.local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return distributed.world_size()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        # None with one process: Fabric keeps the loader's own sampler (and its order).
+        if distributed.world_size() == 1:
+            return None
+        return {"num_replicas": distributed.world_size(), "rank": distributed.rank()}
+
+    def setup_environment(self) -> None:
+        self._zerojax_config = prepare_config(self._zerojax_config)
+        super().setup_environment()
+
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        collectives.barrier(name)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return collectives.broadcast(obj, src)
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        return collectives.all_gather(tensor)
+
+    def all_reduce(self, tensor, group=None, reduce_op="mean"):
+        return collectives.reduce(tensor, reduce_op)
+
+    # --- model and optimizers ---------------------------------------------------------------
+
+    def module_to_device(self, module: torch.nn.Module) -> None:
+        """The engine places the state."""
+
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        config = self._zerojax_config
+        if not isinstance(config, Config):
+            config = self._zerojax_config = prepare_config(config)
+        several = len(optimizers) > 1
+        module, wrapped = initialize(module, optimizers if several else optimizers[0], config)
+        check_submodule_calls(module, type(module)._zerojax_base.__name__)
+        return module, list(wrapped) if several else [wrapped], scheduler
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(module, ZeroModule):
+            return module
+        config = self._zerojax_config
+        if not isinstance(config, Config):
+            config = self._zerojax_config = prepare_config(config)
+        module, _ = initialize(module, None, config)
+        check_submodule_calls(module, type(module)._zerojax_base.__name__)
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        raise ValueError(
+            "zerojax.lightning: set the model and its optimizers up together, "
+            "fabric.setup(model, optimizer): zerojax.initialize takes both"
+        )
+
+    def clip_gradients_norm(
+        self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite: bool = True
+    ) -> torch.Tensor:
+        """One program over all the engine's gradients (`ZeroModule.clip_grad_norm_`)."""
+        norm = torch.tensor(
+            float(engine_of(optimizer, module).clip_grad_norm(float(max_norm), float(norm_type)))
+        )
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite")
+        return norm
+
+    def teardown(self) -> None:
+        self.precision.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="zerojax: the model as one sharded JAX/XLA program (ZeRO 0-3)",
+            override=True,
+        )
