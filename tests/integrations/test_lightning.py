@@ -1,0 +1,280 @@
+"""Lightning's Trainer and Fabric, unchanged, training on zerojax through its strategies.
+
+Run: .venv/bin/python -m pytest -q tests/integrations/test_lightning.py -p no:cacheprovider
+Why: issue 26 part 3. `zerojax.lightning.ZeroJaxStrategy` (also `Trainer(strategy="zerojax")`)
+must give Lightning's own loop -- `optimizer.step(closure)` from its precision plugin,
+`self.log`, an LR scheduler from `configure_optimizers`, `accumulate_grad_batches`,
+`gradient_clip_val`, `ModelCheckpoint` and `fit(ckpt_path=...)` -- the numbers plain Lightning
+gets on the same seed and data; the Fabric strategy the same for `fabric.setup/backward/
+clip_gradients/save/load`. References are plain Lightning / Fabric runs: per-step losses within
+1e-5 relative (two float32 runs of one loop differ by reordered sums, ~1e-7 per step, grown
+over a dozen AdamW steps to well under 1e-5); final weights normwise over all parameters within
+1e-4 (AdamW turns ~1e-7 gradient differences into up to lr-sized steps on near-zero moments,
+so per-tensor bounds on small tensors are not meaningful). A resumed run runs the same
+programs on the same state as the uninterrupted one, so it matches that one to 1e-6 (the state
+passes through the torch-format checkpoint exactly). The examples run as subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning")
+zerojax_lightning = pytest.importorskip("zerojax.lightning")
+
+from zerojax.train.module import ZeroModule
+from zerojax.train.optimizer_shim import ZeroOptimizer
+
+pytestmark = pytest.mark.multidevice
+
+REPO = Path(__file__).resolve().parents[2]
+ZERO3 = {"mesh": {"data": -1}, "zero_stage": 3}
+ROWS, BATCH = 64, 8  # 8 batches an epoch; with accumulate_grad_batches=2, 4 optimizer steps
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    """Fresh random rows (classification into 4 classes), the same on every call."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, 16, generator=generator)
+    return torch.utils.data.TensorDataset(x, torch.randint(0, 4, (ROWS,), generator=generator))
+
+
+def loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+
+
+def mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+        torch.nn.Linear(32, 4),
+    )  # fmt: skip
+
+
+class Classifier(L.LightningModule):
+    """The model as one child, called from training_step; AdamW with a per-step schedule."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = mlp()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+class AutoEncoder(L.LightningModule):
+    """Lightning's docs' LitAutoEncoder, with a forward running both halves (`self(x)`)."""
+
+    def __init__(self, call_submodules: bool = False):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU())
+        self.decoder = torch.nn.Linear(8, 16)
+        self.call_submodules = call_submodules
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        x_hat = self.decoder(self.encoder(x)) if self.call_submodules else self(x)
+        loss = torch.nn.functional.mse_loss(x_hat, x)
+        self.log("train_loss", loss)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def trainer(strategy, **kwargs) -> L.Trainer:
+    defaults = {
+        "strategy": strategy, "max_steps": -1, "enable_progress_bar": False, "logger": False,
+        "enable_model_summary": False, "enable_checkpointing": False, "deterministic": True,
+    }  # fmt: skip
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def flat(state: dict) -> torch.Tensor:
+    return torch.cat([state[name].double().flatten() for name in sorted(state)])
+
+
+def weight_error(mine: dict, reference: dict) -> float:
+    assert sorted(mine) == sorted(reference)
+    return float((flat(mine) - flat(reference)).norm() / flat(reference).norm())
+
+
+def fit_classifier(strategy, ckpt_path=None, **kwargs) -> Classifier:
+    torch.manual_seed(0)
+    module = Classifier()
+    options = {"max_epochs": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    trainer(strategy, **{**options, **kwargs}).fit(module, loader(), ckpt_path=ckpt_path)
+    return module
+
+
+def test_trainer_matches_plain_lightning():
+    """ZeRO-3 on 8 devices: accumulation, clipping, a step-wise LR schedule, self.log."""
+    theirs = fit_classifier("auto")
+    ours = fit_classifier(zerojax_lightning.ZeroJaxStrategy(ZERO3))
+    assert isinstance(ours.model, ZeroModule)  # the engine ran it, not torch
+    assert isinstance(ours.trainer.optimizers[0], ZeroOptimizer)
+    assert len(ours.losses) == len(theirs.losses) == 2 * ROWS // BATCH
+    torch.testing.assert_close(
+        torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-5, atol=0
+    )
+    error = weight_error(ours.state_dict(), theirs.state_dict())
+    assert error <= 1e-4, error
+    # The schedule drove the engine's update: 8 optimizer steps of gamma 0.8.
+    assert ours.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.8**8)
+    assert float(ours.trainer.callback_metrics["train_loss"]) == pytest.approx(ours.losses[-1])
+
+
+def test_trainer_by_name_runs_the_lightning_module_forward():
+    """Trainer(strategy="zerojax"): no child holds all parameters, so the LightningModule
+    (which defines forward) is initialized itself; training_step calls self(x)."""
+    runs = {}
+    for strategy in ("auto", "zerojax"):
+        torch.manual_seed(0)
+        module = AutoEncoder()
+        trainer(strategy, max_steps=6).fit(module, loader())
+        runs[strategy] = module
+    assert isinstance(runs["zerojax"], ZeroModule)
+    torch.testing.assert_close(
+        torch.tensor(runs["zerojax"].losses), torch.tensor(runs["auto"].losses), rtol=1e-5, atol=0
+    )
+    error = weight_error(runs["zerojax"].state_dict(), runs["auto"].state_dict())
+    assert error <= 1e-4, error
+
+
+def test_direct_submodule_call_names_the_module():
+    """The docs' pattern, training_step calling self.encoder(x) while zerojax runs the
+    LightningModule's forward: an error naming the module and the way out, not torch's
+    "element 0 of tensors does not require grad"."""
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match=r"AutoEncoder\.encoder \(Sequential\).*self\(x\)"):
+        trainer("zerojax", max_steps=2).fit(AutoEncoder(call_submodules=True), loader())
+
+
+def test_no_module_to_run_is_a_clear_error():
+    class TwoHalves(AutoEncoder):
+        forward = L.LightningModule.forward
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=r"\['encoder', 'decoder'\].*defines no forward"):
+        trainer("zerojax", max_steps=2).fit(TwoHalves(), loader())
+    with pytest.raises(ValueError, match="Lightning's precision at '32-true'"):
+        trainer(zerojax_lightning.ZeroJaxStrategy(), precision="bf16-mixed", max_steps=1).fit(
+            Classifier(), loader()
+        )
+
+
+def test_resume_from_lightning_checkpoint_continues_like_the_uninterrupted_run(tmp_path):
+    """Epoch 1 with ModelCheckpoint, then a fresh model and Trainer resume with
+    fit(ckpt_path=...) for epoch 2: the losses and weights of the run that never stopped. The
+    checkpoint is torch-format, so plain Lightning resumes from it too."""
+
+    def strategy():
+        return zerojax_lightning.ZeroJaxStrategy(ZERO3)
+
+    def checkpoints(directory):
+        callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, save_last=True)
+        return {"enable_checkpointing": True, "callbacks": [callback]}
+
+    whole = fit_classifier(strategy())
+    first = fit_classifier(strategy(), max_epochs=1, **checkpoints(tmp_path))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert all(type(v) is torch.Tensor for v in saved["state_dict"].values())
+    assert saved["optimizer_states"][0]["state"][0]["exp_avg"].shape == (32, 16)
+    resumed = fit_classifier(
+        strategy(), ckpt_path=tmp_path / "last.ckpt", **checkpoints(tmp_path / "2")
+    )
+    assert first.losses + resumed.losses == pytest.approx(whole.losses, rel=1e-6, abs=0)
+    error = weight_error(resumed.state_dict(), whole.state_dict())
+    assert error <= 1e-6, error
+    # Plain Lightning from zerojax's checkpoint goes on as zerojax does.
+    plain = fit_classifier("auto", ckpt_path=tmp_path / "last.ckpt")
+    torch.testing.assert_close(
+        torch.tensor(plain.losses), torch.tensor(resumed.losses), rtol=1e-5, atol=0
+    )
+
+
+# --- Fabric ---------------------------------------------------------------------------------
+
+
+def fabric_steps(fabric, model, optimizer, batches, losses):
+    for x, y in batches:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+
+
+def fabric_run(strategy, path=None, resume=False):
+    """Six steps; with `path`, save after three and (`resume`) load there into a fresh setup."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()  # Fabric's idiom for any parallel strategy: joins the job (one process here)
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    batches = list(fabric.setup_dataloaders(loader()))[:6]
+    losses: list[float] = []
+    if resume:
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(path, state)
+        assert state["step"] == 3
+        fabric_steps(fabric, model, optimizer, batches[3:], losses)
+        return losses, model.state_dict()
+    fabric_steps(fabric, model, optimizer, batches[:3], losses)
+    if path is not None:
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    fabric_steps(fabric, model, optimizer, batches[3:], losses)
+    return losses, model.state_dict()
+
+
+def test_fabric_matches_plain_fabric_and_resumes(tmp_path):
+    theirs, their_weights = fabric_run("auto")
+    strategy = zerojax_lightning.ZeroJaxFabricStrategy(ZERO3)
+    ours, our_weights = fabric_run(strategy, tmp_path / "state.ckpt")
+    assert isinstance(strategy, zerojax_lightning.ZeroJaxFabricStrategy)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+    error = weight_error(our_weights, their_weights)
+    assert error <= 1e-4, error
+    resumed, resumed_weights = fabric_run("zerojax", tmp_path / "state.ckpt", resume=True)
+    assert resumed == pytest.approx(ours[3:], rel=1e-6, abs=0)
+    assert weight_error(resumed_weights, our_weights) <= 1e-6
+
+
+# --- the examples ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", ["lightning_train.py", "lightning_fabric_train.py"])
+def test_example_trains(script):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / script), "--steps", "8"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    first, last = (float(v) for v in done.stdout.split("loss ")[-1].split()[:3:2])
+    assert last < first, done.stdout[-2000:]
