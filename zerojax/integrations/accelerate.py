@@ -17,8 +17,12 @@ accelerate only ever sees torch objects, and the model's tensors are live views 
   (torchrun), `Accelerator.prepare_model` wraps every trainable model in
   `DistributedDataParallel`, and so does the HF Trainer, which prepares through it. zerojax
   already *is* the data parallelism (DDP's semantics: each process feeds its rows, the engine
-  averages gradients over processes, `zerojax.train.data_parallel`), so a DDP wrap would
-  reduce twice or, as here, wait forever for gradients that never reach torch autograd.
+  averages gradients over processes, `zerojax.train.data_parallel`), so a DDP wrap is at best
+  dead weight and at worst wrong: the engine's gradients never reach torch autograd's
+  accumulators, so DDP's reducer sits idle while its buckets hold a host copy the size of
+  every gradient (undoing ZeRO's memory split), it broadcasts rank 0's buffers before every
+  forward, and any gradient that did reach it would be averaged a second time (measured on
+  CPU: a DDP-wrapped zerojax MLP still trained to the same numbers, only paying for all that).
   accelerate has no hook for an engine that owns gradient reduction, so the narrowest one is
   made: `Accelerator.prepare_model` is wrapped once, process-wide, and for a `ZeroModule` calls
   accelerate's own code with `evaluation_mode=True`. That flag skips exactly the parallel
