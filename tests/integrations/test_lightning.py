@@ -278,3 +278,57 @@ def test_example_trains(script):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     first, last = (float(v) for v in done.stdout.split("loss ")[-1].split()[:3:2])
     assert last < first, done.stdout[-2000:]
+
+
+class TinyGPT2(L.LightningModule):
+    """Hugging Face GPT-2 as the one child; its own loss (`labels=`) takes zerojax's fused
+    forward-backward program, whose loss cotangent is Lightning's 1/accumulate_grad_batches."""
+
+    def __init__(self):
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.GPT2Config(
+            vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        self.gpt2 = transformers.GPT2LMHeadModel(config)
+        self.losses: list[float] = []
+        self.validation_losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.gpt2(input_ids=ids, labels=ids).loss
+        self.log("train_loss", loss)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.gpt2(input_ids=ids, labels=ids).loss
+        self.log("val_loss", loss)
+        self.validation_losses.append(loss.item())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_tiny_gpt2_with_validation_matches_plain_lightning():
+    ids = torch.randint(0, 128, (32, 32), generator=torch.Generator().manual_seed(2))
+    tokens = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=8)
+    runs = {}
+    for name, strategy in (("auto", "auto"), ("zerojax", zerojax_lightning.ZeroJaxStrategy(ZERO3))):
+        torch.manual_seed(0)
+        module = TinyGPT2()
+        options = {"max_epochs": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 1.0}
+        trainer(strategy, num_sanity_val_steps=0, **options).fit(module, tokens, tokens)
+        runs[name] = module
+    ours, theirs = runs["zerojax"], runs["auto"]
+    assert isinstance(ours.gpt2, ZeroModule)
+    assert len(ours.losses) == 8 and len(ours.validation_losses) == 8
+    for mine, reference in (
+        (ours.losses, theirs.losses),
+        (ours.validation_losses, theirs.validation_losses),
+    ):
+        torch.testing.assert_close(torch.tensor(mine), torch.tensor(reference), rtol=1e-5, atol=0)
+    error = weight_error(ours.state_dict(), theirs.state_dict())
+    assert error <= 1e-4, error
