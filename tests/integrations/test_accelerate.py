@@ -213,6 +213,28 @@ def test_order_b_keeps_accelerates_bf16_autocast():
     torch.testing.assert_close(results["A"], results[None], rtol=2**-8, atol=0)
 
 
+@pytest.mark.parametrize(
+    ("distributed_type", "refused"), [("MULTI_CPU", False), ("MULTI_GPU", False), ("FSDP", True)]
+)
+def test_prepare_model_never_wraps_a_zerojax_model(monkeypatch, distributed_type, refused):
+    """The hook on Accelerator.prepare_model in one process: under accelerate's DDP types a
+    zerojax model comes back itself (registered for save_state, never DDP-wrapped: the
+    torchrun test shows the real wrap); accelerate's own sharding engines are refused."""
+    from accelerate.utils import DistributedType
+
+    torch.manual_seed(0)
+    model, _ = zerojax.initialize(MLP(), None, CONFIG)
+    accelerator = accelerate.Accelerator(cpu=True)
+    kind = DistributedType(distributed_type)
+    monkeypatch.setattr(type(accelerator), "distributed_type", property(lambda self: kind))
+    if refused:
+        with pytest.raises(ValueError, match="distributed_type=FSDP"):
+            accelerator.prepare_model(model)
+        return
+    assert accelerator.prepare_model(model) is model
+    assert accelerator._models == [model]
+
+
 def test_example_script_trains():
     """examples/accelerate_train.py (a tiny GPT-2, order A) runs to the end and its loss falls."""
     # The script sets its own device count (4); conftest's XLA_FLAGS (8) is for this process.
