@@ -117,7 +117,7 @@ class Prepared:
     optimizer: Any
     # Per optimizer (or the one): the innermost AcceleratedOptimizer around it, or None.
     accelerated: list = field(default_factory=list)
-    # The parallel wrapper (DDP) prepare put around the model; it is dropped.
+    # The wrapper (DDP, torch.compile) prepare put around the model; it is dropped.
     parallel_wrapper: torch.nn.Module | None = None
     # Whether prepare had wrapped the model's forward in autocast (mixed precision).
     autocast: bool = False
@@ -176,10 +176,9 @@ def unwrap_prepared(model: torch.nn.Module, optimizer: Any) -> Prepared:
 
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     if isinstance(model, parallel) or is_compiled_module(model):
-        inner = extract_model_from_parallel(model, keep_torch_compile=False)
-        if isinstance(model, parallel):
-            prepared.parallel_wrapper = model
-        model = inner
+        # DDP/DataParallel, or accelerate's torch.compile: zerojax compiles the step itself.
+        prepared.parallel_wrapper = model
+        model = extract_model_from_parallel(model, keep_torch_compile=False)
     # accelerate's autocast: an instance `forward` that calls the class's forward (bound when
     # prepare ran), which after initialize would run torch on the live tensors instead of the
     # engine's program. Dropped here (as `extract_model_from_parallel(keep_fp32_wrapper=False)`
