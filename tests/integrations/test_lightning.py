@@ -45,8 +45,8 @@ def dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, torch.randint(0, 4, (ROWS,), generator=generator))
 
 
-def loader() -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(dataset(), batch_size=BATCH)
+def loader(batch_size: int = BATCH, sampler=None) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset(), batch_size=batch_size, sampler=sampler)
 
 
 def mlp() -> torch.nn.Module:
@@ -122,11 +122,15 @@ def weight_error(mine: dict, reference: dict) -> float:
     return float((flat(mine) - flat(reference)).norm() / flat(reference).norm())
 
 
-def fit_classifier(strategy, ckpt_path=None, **kwargs) -> Classifier:
+def fit_classifier(
+    strategy, ckpt_path=None, batch_size=BATCH, sampler=None, **kwargs
+) -> Classifier:
     torch.manual_seed(0)
     module = Classifier()
     options = {"max_epochs": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
-    trainer(strategy, **{**options, **kwargs}).fit(module, loader(), ckpt_path=ckpt_path)
+    trainer(strategy, **{**options, **kwargs}).fit(
+        module, loader(batch_size, sampler), ckpt_path=ckpt_path
+    )
     return module
 
 
@@ -332,3 +336,59 @@ def test_tiny_gpt2_with_validation_matches_plain_lightning():
         torch.testing.assert_close(torch.tensor(mine), torch.tensor(reference), rtol=1e-5, atol=0)
     error = weight_error(ours.state_dict(), theirs.state_dict())
     assert error <= 1e-4, error
+
+
+# --- several processes (torchrun) -----------------------------------------------------------
+
+
+def torchrun_main(out: Path) -> None:
+    """This module as a torchrun script: rank r's Trainer run, saved to out/rank<r>.pt."""
+    from zerojax import distributed
+
+    config = {
+        "devices": {"platform": "cpu", "num_cpu_devices": 4},  # 2 processes x 4 = 8 devices
+        "mesh": {"data": -1},
+        "zero_stage": 3,
+        "runtime": {"compilation_cache_dir": None},
+    }
+    module = fit_classifier(zerojax_lightning.ZeroJaxStrategy(config), max_epochs=1)
+    torch.save(
+        {
+            "losses": module.losses,
+            "state_dict": module.state_dict(),
+            "sampler": type(module.trainer.train_dataloader.sampler).__name__,
+            "indices": list(module.trainer.train_dataloader.sampler),
+        },
+        out / f"rank{distributed.rank()}.pt",
+    )
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one_plain_process(tmp_path):
+    """2 processes x 4 devices: Lightning's DistributedSampler gives each process its share of
+    the (shuffled) rows, 8 a batch (no DDP wrapping: the engine averages the gradients), so the
+    mean of the ranks' losses is plain Lightning's loss on the batch of both ranks' 16 rows,
+    and the weights are its weights."""
+    from tests.distributed.torchrun import check_ok, torchrun
+
+    check_ok(torchrun(Path(__file__), "--out", str(tmp_path), nproc=2, timeout=300))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert all(rank["sampler"] == "DistributedSampler" for rank in ranks)
+    shares = [rank["indices"] for rank in ranks]
+    assert sorted(shares[0] + shares[1]) == list(range(ROWS))  # each row on one process
+    both = [i for k in range(0, ROWS // 2, BATCH) for share in shares for i in share[k : k + BATCH]]
+    reference = fit_classifier("auto", max_epochs=1, batch_size=2 * BATCH, sampler=both)
+    assert len(ranks[0]["losses"]) == len(reference.losses) == ROWS // (2 * BATCH)
+    mean = (torch.tensor(ranks[0]["losses"]) + torch.tensor(ranks[1]["losses"])) / 2
+    torch.testing.assert_close(mean, torch.tensor(reference.losses), rtol=1e-5, atol=0)
+    assert weight_error(ranks[1]["state_dict"], ranks[0]["state_dict"]) == 0
+    error = weight_error(ranks[0]["state_dict"], reference.state_dict())
+    assert error <= 1e-4, error
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    torchrun_main(parser.parse_args().out)
