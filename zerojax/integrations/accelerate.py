@@ -32,8 +32,9 @@ accelerate only ever sees torch objects, and the model's tensors are live views 
   installed by `zerojax.initialize` (when accelerate is installed), which in order A runs
   before any `prepare`; patching at import time instead would need an import hook
   (`sys.meta_path`) for a package the user may never use. Accelerate's own sharding engines
-  (FSDP, DeepSpeed, Megatron, XLA) and its fp16 `GradScaler` are refused for a zerojax model:
-  zerojax's config has the ZeRO stage and its own fp16 loss scaling.
+  (FSDP, Megatron, XLA; DeepSpeed only in order B, as its `prepare` never calls prepare_model)
+  and its fp16 `GradScaler` are refused for a zerojax model: zerojax's config has the ZeRO
+  stage and its own fp16 loss scaling.
 - **Unwrapping what `prepare` made** (`unwrap_prepared`, order B). The model may be inside
   DDP (torchrun; the wrapper is dropped, since order A would never have made it, and the
   accelerator's list of models gets the model itself, so save_state writes the same keys as
@@ -63,9 +64,8 @@ from zerojax.train.module import ZeroModule
 
 __all__ = ["Prepared", "install_prepare_hook", "unwrap_prepared"]
 
-# accelerate's distributed types whose prepare_model zerojax can stand in for: one process, or
-# a DDP-style data-parallel job (the engine does the reduction). The others shard or wrap the
-# model themselves.
+# accelerate's distributed types refused for a zerojax model: they shard or wrap the model
+# themselves. Allowed: one process (NO) and the DDP-style MULTI_* types (the engine reduces).
 _ENGINE_TYPES = ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA")
 
 
@@ -115,7 +115,7 @@ class Prepared:
 
     model: torch.nn.Module
     optimizer: Any
-    # Per optimizer (or the one): the innermost AcceleratedOptimizer around it, or None.
+    # Per optimizer (or the one): the AcceleratedOptimizer it came in, or None.
     accelerated: list = field(default_factory=list)
     # The wrapper (DDP, torch.compile) prepare put around the model; it is dropped.
     parallel_wrapper: torch.nn.Module | None = None
