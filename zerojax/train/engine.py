@@ -347,6 +347,13 @@ class Engine:
                 )
         return self._converted[train]
 
+    def forget_programs(self) -> None:
+        """Trace again on the next call: the module's forward was replaced (see
+        `ZeroModule.__setattr__`)."""
+        for converted in self._converted.values():
+            self.programs.forget(converted)
+        self._converted.clear()
+
     @property
     def traced_module(self) -> torch.nn.Module:
         if self.loss_fn is None:
@@ -403,23 +410,28 @@ class Engine:
         return loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
 
     @_capturing
-    def forward(self, converted, args, kwargs, *, differentiable=None):
-        """Outputs (and, if `differentiable` is given, the pullback) of one model call."""
-        rng = self.next_rng()
-        state = self._state
+    def forward(self, converted, args, kwargs, *, differentiable=None, replay=None):
+        """Outputs (and, if `differentiable` is given, the pullback) of one model call.
+
+        `replay` (from `fused_forward`) runs that call again, with its random draws and the
+        buffers it read, and leaves the buffers as they are (its call already updated them)."""
+        rng, buffers = replay if replay is not None else (self.next_rng(), self._state.buffers)
+        params = self._state.params
         if differentiable is None:
             program = self.programs.forward(converted)
-            outputs, new_buffers = program(state.params, state.buffers, args, kwargs, rng)
+            outputs, new_buffers = program(params, buffers, args, kwargs, rng)
             pullback = None
         else:
             program = self.programs.forward_vjp(converted, differentiable)
-            outputs, new_buffers, pullback = program(state.params, state.buffers, args, kwargs, rng)
-        self._state = self._state.replace(buffers=new_buffers)
+            outputs, new_buffers, pullback = program(params, buffers, args, kwargs, rng)
+        if replay is None:
+            self._state = self._state.replace(buffers=new_buffers)
         return outputs, pullback
 
     @_capturing
     def fused_forward(self, converted, args, kwargs, loss_path):
-        """Outputs and the gradients of the model's own loss, in one program."""
+        """Outputs and the gradients of the model's own loss, in one program; and what
+        `forward(..., replay=)` needs to run the same call again (random draws, buffers)."""
         rng = self.next_rng()
         state = self._state
         program = self.programs.loss_and_grads(converted, loss_path)
@@ -428,7 +440,7 @@ class Engine:
         )
         self._state = self._state.replace(buffers=new_buffers)
         self._prepare_update(grads)
-        return outputs, grads
+        return outputs, grads, (rng, state.buffers)
 
     def _prepare_update(self, grads) -> None:
         """Once: compile the update program for the call `optimizer.step()` will make after

@@ -134,7 +134,7 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
         shapes = jax.eval_shape(outputs_of, engine.state.params, engine.state.buffers, jax_args)
         loss_path = find_scalar_loss(shapes)
     if loss_path is not None:
-        _, grads = engine.fused_forward(converted, jax_args, {}, loss_path)
+        _, grads, _ = engine.fused_forward(converted, jax_args, {}, loss_path)
         engine.accumulate(grads)
     else:
         differentiable = (False,) * len(jax_args)

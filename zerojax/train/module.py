@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
+import types
 from collections import OrderedDict
 
 import jax
@@ -153,10 +155,11 @@ class ZeroModule(torch.nn.Module):
 
         tensor_inputs = [flat[i] for i in tensor_positions]
         # The fused program returns no input gradients: inputs that need one (a wrapped model
-        # fed by another) take the general path.
+        # fed by another) take the general path, as do the calls of a model whose other
+        # outputs were differentiated (see _zerojax_fused).
         loss_path = (
             None
-            if inputs_require_grad
+            if inputs_require_grad or self._zerojax_outputs_differentiated
             else self._zerojax_fused_loss_path(converted, jax_args, jax_kwargs)
         )
         if loss_path is not None:
@@ -174,19 +177,32 @@ class ZeroModule(torch.nn.Module):
         """The model computes its own loss: forward and backward ran as one program; the loss's
         backward only adds the (already computed) gradients, weighted by its cotangent."""
         engine = self._zerojax_engine
-        outputs, grads = engine.fused_forward(converted, tuple(jax_args), jax_kwargs, loss_path)
+        outputs, grads, replay = engine.fused_forward(
+            converted, tuple(jax_args), jax_kwargs, loss_path
+        )
         leaves, treedef = jax.tree.flatten(outputs)
         loss_leaf = _loss_leaf_index(outputs, loss_path)
+        global_rows = self._zerojax_global_rows
 
         def backward(grad_leaves):
-            for i, grad in enumerate(grad_leaves):
-                if grad is not None and i != loss_leaf:
-                    raise RuntimeError(
-                        "zerojax: this model computes its own loss, so its forward and backward "
-                        "ran as one fused program and only the loss is differentiable. To "
-                        "backpropagate through its other outputs, pass fused=False to "
-                        "zerojax.initialize."
-                    )
+            if any(grad is not None for i, grad in enumerate(grad_leaves) if i != loss_leaf):
+                # The loss is not (only) the model's own: TRL's SFTTrainer, say, computes its
+                # loss from the log-probs the forward returns. The fused gradients do not
+                # apply; the call runs again as it was (its random draws, its buffers) with a
+                # pullback, and the model's later calls take the general path from the start.
+                object.__setattr__(self, "_zerojax_outputs_differentiated", True)
+                _, pullback = engine.forward(
+                    converted,
+                    tuple(jax_args),
+                    jax_kwargs,
+                    differentiable=(False,) * len(jax_args),
+                    replay=replay,
+                )
+                specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
+                _backward_through(engine, converted, pullback, specs, treedef, global_rows)(
+                    grad_leaves
+                )
+                return [None] * len(tensor_inputs)
             weight = grad_leaves[loss_leaf]
             # `loss.backward()` passes 1: no weight, so no separate pass over the gradients.
             weight = None if weight is None else weight.item()
@@ -225,32 +241,9 @@ class ZeroModule(torch.nn.Module):
         # their device buffers (and, for sharded ones, the host copy NumPy caches) alive.
         specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
 
-        global_rows = self._zerojax_global_rows
-
-        def backward(grad_leaves):
-            local = engine.process_local
-            if local is not None:
-                cotangents = [
-                    local.global_cotangent(
-                        spec, None if grad is None else np.asarray(from_torch(grad)), global_rows
-                    )
-                    for spec, grad in zip(specs, grad_leaves, strict=True)
-                ]
-                input_grads = engine.backward(
-                    converted, pullback, jax.tree.unflatten(treedef, cotangents)
-                )
-                return [to_torch(local.local_input_grad(g, global_rows)) for g in input_grads]
-            cotangents = [
-                jnp.zeros(spec.shape, spec.dtype)
-                if grad is None or not jnp.issubdtype(spec.dtype, jnp.floating)
-                else from_torch(grad).astype(spec.dtype)
-                for spec, grad in zip(specs, grad_leaves, strict=True)
-            ]
-            cotangents = jax.tree.unflatten(treedef, cotangents)
-            input_grads = engine.backward(converted, pullback, cotangents)
-            # Fresh outputs of the backward program: handed over like the forward's.
-            return hand_over(list(input_grads), kept=())
-
+        backward = _backward_through(
+            engine, converted, pullback, specs, treedef, self._zerojax_global_rows
+        )
         kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
             lambda: self._zerojax_hand_over(leaves, kept),
@@ -259,6 +252,15 @@ class ZeroModule(torch.nn.Module):
             *tensor_inputs,
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
+
+    def __call__(self, *args, **kwargs):
+        # The forward `Module.__call__` reads first is the engine's, also where a forward was
+        # set on the instance (see _EngineForward).
+        _engine_call.pending = True
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _engine_call.pending = False
 
     def _zerojax_hand_over(self, leaves: list, kept) -> list[torch.Tensor]:
         """The outputs as torch tensors: `hand_over` in one process; with several, this
@@ -316,6 +318,38 @@ class ZeroModule(torch.nn.Module):
         return torch.nn.modules.module._IncompatibleKeys(sorted(missing), sorted(unexpected))
 
 
+def _backward_through(engine: Engine, converted, pullback, specs, treedef, global_rows):
+    """The general path's backward: output cotangents (torch tensors, None where an output got
+    no gradient) through `pullback` into the gradient accumulator; returns the inputs'
+    gradients."""
+
+    def backward(grad_leaves):
+        local = engine.process_local
+        if local is not None:
+            cotangents = [
+                local.global_cotangent(
+                    spec, None if grad is None else np.asarray(from_torch(grad)), global_rows
+                )
+                for spec, grad in zip(specs, grad_leaves, strict=True)
+            ]
+            input_grads = engine.backward(
+                converted, pullback, jax.tree.unflatten(treedef, cotangents)
+            )
+            return [to_torch(local.local_input_grad(g, global_rows)) for g in input_grads]
+        cotangents = [
+            jnp.zeros(spec.shape, spec.dtype)
+            if grad is None or not jnp.issubdtype(spec.dtype, jnp.floating)
+            else from_torch(grad).astype(spec.dtype)
+            for spec, grad in zip(specs, grad_leaves, strict=True)
+        ]
+        cotangents = jax.tree.unflatten(treedef, cotangents)
+        input_grads = engine.backward(converted, pullback, cotangents)
+        # Fresh outputs of the backward program: handed over like the forward's.
+        return hand_over(list(input_grads), kept=())
+
+    return backward
+
+
 def _module_state_dict(module: torch.nn.Module, **kwargs):
     """nn.Module's own state_dict (names and stand-ins), past `ZeroModule.state_dict`."""
     return torch.nn.Module.state_dict(module, **kwargs)
@@ -330,7 +364,7 @@ def zero_module(module: torch.nn.Module, engine: Engine) -> torch.nn.Module:
     base = type(module)
     cls = _CLASSES.get(base)
     if cls is None:
-        namespace = {"_zerojax_base": base, "forward": _forward_of(base)}
+        namespace = {"_zerojax_base": base, "forward": _EngineForward(_forward_of(base))}
         if "module" not in module._modules and not hasattr(base, "module"):  # theirs wins
             namespace["module"] = property(lambda self: self, doc="The model itself.")
         cls = _CLASSES[base] = type(f"ZeroJax{base.__name__}", (ZeroModule, base), namespace)
@@ -340,7 +374,54 @@ def zero_module(module: torch.nn.Module, engine: Engine) -> torch.nn.Module:
     object.__setattr__(module, "_zerojax_engine", engine)
     object.__setattr__(module, "_zerojax_anchor", torch.zeros((), requires_grad=True))
     object.__setattr__(module, "_zerojax_global_rows", None)
+    object.__setattr__(module, "_zerojax_outputs_differentiated", False)
+    object.__setattr__(module, "_zerojax_instance_forward", module.__dict__.pop("forward", None))
     return module
+
+
+class _EngineCall(threading.local):
+    pending = False  # ZeroModule.__call__ is about to read `forward`
+    running_instance_forward = False  # the engine's trace is inside the instance's forward
+
+
+_engine_call = _EngineCall()
+
+
+class _EngineForward:
+    """`forward` on a zerojax model's class: the engine's program, composing with a forward
+    set on the instance.
+
+    Libraries patch `model.forward` on the instance, wrapping what they read there: TRL's
+    SFTTrainer (a fused LM head returning per-token log-probs), accelerate (autocast, fp32
+    outputs). Plain torch would then run the patch eagerly, around the engine, on live tensors.
+    Instead the patch is kept aside (`_zerojax_instance_forward`) and the engine traces it:
+    `model(...)` runs the engine's program, whose capture calls the patch, whose own call of
+    the forward it wrapped runs the class's code. Reading `model.forward` gives the patch, as
+    in torch, so patches stack; setting it drops the traced programs (traced again on the next
+    call), and setting the engine's forward back removes the patch.
+    """
+
+    def __init__(self, engine_forward):
+        self.engine_forward = engine_forward
+
+    def __get__(self, module, owner=None):
+        if module is None:
+            return self.engine_forward
+        patch = module.__dict__.get("_zerojax_instance_forward")
+        if patch is None or _engine_call.pending:
+            _engine_call.pending = False
+            return types.MethodType(self.engine_forward, module)
+        return patch
+
+    def __set__(self, module, value) -> None:
+        own = getattr(value, "__self__", None) is module and (
+            getattr(value, "__func__", None) is self.engine_forward
+        )
+        module.__dict__["_zerojax_instance_forward"] = None if own else value
+        module._zerojax_engine.forget_programs()
+
+    def __delete__(self, module) -> None:
+        self.__set__(module, None)
 
 
 def _forward_of(base: type):
@@ -352,7 +433,16 @@ def _forward_of(base: type):
     @functools.wraps(own_forward)
     def forward(self, *args, **kwargs):
         if is_plain():
-            return own_forward(self, *args, **kwargs)
+            patch = self._zerojax_instance_forward
+            if patch is None or _engine_call.running_instance_forward:
+                return own_forward(self, *args, **kwargs)
+            # The forward set on the instance, once: its call of the forward it wrapped (the
+            # engine's, read before it was set) runs the class's own code.
+            _engine_call.running_instance_forward = True
+            try:
+                return patch(*args, **kwargs)
+            finally:
+                _engine_call.running_instance_forward = False
         # torch.export, when a new signature is captured, must see ordinary parameters.
         with plain_parameters():
             return self._zerojax_forward(*args, **kwargs)

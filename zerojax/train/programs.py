@@ -186,6 +186,12 @@ class StepPrograms:
                 latest[program.name] = program.last
         return {name: latest[name] for name in PROGRAM_NAMES if name in latest}
 
+    def forget(self, converted: Converted) -> None:
+        """Drop the programs of `converted` (keyed by its id, which a later object may reuse)."""
+        # Keys are (program name, id(converted), ...) for the model's programs.
+        for key in [key for key in self._programs if key[1:2] == (id(converted),)]:
+            del self._programs[key]
+
     def _cached(self, key: tuple, build: Callable[[], Program]) -> Program:
         if key not in self._programs:
             self._programs[key] = build()
