@@ -59,15 +59,16 @@ def mlp() -> torch.nn.Module:
 class Classifier(L.LightningModule):
     """The model as one child, called from training_step; AdamW with a per-step schedule."""
 
-    def __init__(self):
+    def __init__(self, sync_dist: bool = False):
         super().__init__()
         self.model = mlp()
+        self.sync_dist = sync_dist
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = torch.nn.functional.cross_entropy(self.model(x), y)
-        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=self.sync_dist)
         self.losses.append(loss.item())
         return loss
 
@@ -123,11 +124,14 @@ def weight_error(mine: dict, reference: dict) -> float:
 
 
 def fit_classifier(
-    strategy, ckpt_path=None, batch_size=BATCH, sampler=None, **kwargs
+    strategy, ckpt_path=None, batch_size=BATCH, sampler=None, module=Classifier, **kwargs
 ) -> Classifier:
+    """Two epochs; with automatic optimization, accumulating 2 batches and clipping at 0.5."""
     torch.manual_seed(0)
-    module = Classifier()
-    options = {"max_epochs": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    module = module()
+    options = {"max_epochs": 2}
+    if module.automatic_optimization:  # manual optimization does its own
+        options.update(accumulate_grad_batches=2, gradient_clip_val=0.5)
     trainer(strategy, **{**options, **kwargs}).fit(
         module, loader(batch_size, sampler), ckpt_path=ckpt_path
     )
@@ -149,6 +153,38 @@ def test_trainer_matches_plain_lightning():
     # The schedule drove the engine's update: 8 optimizer steps of gamma 0.8.
     assert ours.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 * 0.8**8)
     assert float(ours.trainer.callback_metrics["train_loss"]) == pytest.approx(ours.losses[-1])
+
+
+class ManualClassifier(Classifier):
+    """Manual optimization: `self.optimizers()`, `manual_backward`, `clip_gradients`."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()
+        scheduler.step()
+        self.losses.append(loss.item())
+
+
+def test_manual_optimization_matches_plain_lightning():
+    options = {"max_epochs": 1, "module": ManualClassifier}
+    theirs = fit_classifier("auto", **options)
+    ours = fit_classifier(zerojax_lightning.ZeroJaxStrategy(ZERO3), **options)
+    assert isinstance(ours.model, ZeroModule)
+    assert len(ours.losses) == ROWS // BATCH
+    torch.testing.assert_close(
+        torch.tensor(ours.losses), torch.tensor(theirs.losses), rtol=1e-5, atol=0
+    )
+    error = weight_error(ours.state_dict(), theirs.state_dict())
+    assert error <= 1e-4, error
 
 
 def test_trainer_by_name_runs_the_lightning_module_forward():
@@ -351,10 +387,18 @@ def torchrun_main(out: Path) -> None:
         "zero_stage": 3,
         "runtime": {"compilation_cache_dir": None},
     }
-    module = fit_classifier(zerojax_lightning.ZeroJaxStrategy(config), max_epochs=1)
+    checkpoint = L.pytorch.callbacks.ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)
+    module = fit_classifier(
+        zerojax_lightning.ZeroJaxStrategy(config),
+        max_epochs=1,
+        module=lambda: Classifier(sync_dist=True),  # self.log's mean over processes
+        enable_checkpointing=True,  # rank 0's directory broadcast, rank 0 writes
+        callbacks=[checkpoint],
+    )
     torch.save(
         {
             "losses": module.losses,
+            "logged": float(module.trainer.callback_metrics["train_loss"]),
             "state_dict": module.state_dict(),
             "sampler": type(module.trainer.train_dataloader.sampler).__name__,
             "indices": list(module.trainer.train_dataloader.sampler),
@@ -382,6 +426,10 @@ def test_torchrun_two_processes_match_one_plain_process(tmp_path):
     mean = (torch.tensor(ranks[0]["losses"]) + torch.tensor(ranks[1]["losses"])) / 2
     torch.testing.assert_close(mean, torch.tensor(reference.losses), rtol=1e-5, atol=0)
     assert weight_error(ranks[1]["state_dict"], ranks[0]["state_dict"]) == 0
+    for rank in ranks:  # self.log(sync_dist=True) reduced over the processes
+        assert rank["logged"] == pytest.approx(float(mean[-1]), rel=1e-6)
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert weight_error(saved["state_dict"], ranks[0]["state_dict"]) == 0
     error = weight_error(ranks[0]["state_dict"], reference.state_dict())
     assert error <= 1e-4, error
 

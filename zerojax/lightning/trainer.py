@@ -145,7 +145,8 @@ class ZeroJaxStrategy(ParallelStrategy):
 
     @property
     def node_rank(self) -> int:
-        return distributed.job().node_rank if hasattr(distributed.job(), "node_rank") else 0
+        job = distributed.job()
+        return job.rank // max(job.local_world_size, 1)
 
     @property
     def world_size(self) -> int:
