@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from zerojax import distributed
 from zerojax.config import Config
@@ -22,13 +24,17 @@ __all__ = ["ZeroJaxFabricStrategy"]
 class ZeroJaxFabricStrategy(ParallelStrategy):
     """Fabric strategy: `fabric.setup(model, optimizer)` is `zerojax.initialize(model,
     optimizer, config)`. `Fabric(strategy=ZeroJaxFabricStrategy(config))` or
-    `Fabric(strategy="zerojax")`.
+    `Fabric(strategy="zerojax")`, then `fabric.launch()` as for any parallel Fabric strategy
+    (under torchrun it joins the job; Fabric refuses `setup` before it).
 
     `fabric.backward(loss)` is `loss.backward()` (the engine's pullback), the optimizer's step is
     the engine's update, `fabric.clip_gradients(model, opt, max_norm=...)` clips on the shards
     in one program, and `fabric.save/load` write and read torch-format state dicts (the
     module's gathered to the host, the optimizer's in torch.optim's layout). Call the set-up
     model itself: its submodules cannot train on their own (`zerojax.lightning.target`).
+    Gradient accumulation: `fabric.no_backward_sync(model)` is accepted and does nothing (each
+    backward adds its gradients into the engine's sharded accumulator inside its program; there
+    is no separate all-reduce to skip).
     """
 
     strategy_name = "zerojax"
@@ -48,6 +54,7 @@ class ZeroJaxFabricStrategy(ParallelStrategy):
             precision=precision,
         )
         self._zerojax_config = config
+        self._backward_sync_control = _NothingToSkip()
 
     @property
     def precision(self) -> Precision:
@@ -159,3 +166,8 @@ class ZeroJaxFabricStrategy(ParallelStrategy):
             description="zerojax: the model as one sharded JAX/XLA program (ZeRO 0-3)",
             override=True,
         )
+
+
+class _NothingToSkip(_BackwardSyncControl):
+    def no_backward_sync(self, module, enabled: bool):
+        return contextlib.nullcontext()

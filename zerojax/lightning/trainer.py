@@ -204,8 +204,13 @@ class ZeroJaxStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         optimizers = self.optimizers if fitting else []
         if isinstance(target, ZeroModule):  # a second fit/validate on the same model
-            engine = target.engine
-            wrapped = [ZeroOptimizer(each, engine) for each in optimizers]
+            # As initialize wraps them: several optimizers each run their own step.
+            several = len(optimizers) > 1
+            wrapped = [
+                ZeroOptimizer(each, target.engine, compiled=False if several else None,
+                              reports_steps=i == 0)
+                for i, each in enumerate(optimizers)
+            ]  # fmt: skip
         else:
             label = type(lightning_module).__name__ + (f".{path}" if path else "")
             config = self._zerojax_config
