@@ -17,6 +17,7 @@ passes through the torch-format checkpoint exactly). The examples run as subproc
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -209,8 +210,21 @@ def test_direct_submodule_call_names_the_module():
     LightningModule's forward: an error naming the module and the way out, not torch's
     "element 0 of tensors does not require grad"."""
     torch.manual_seed(0)
+    module = AutoEncoder(call_submodules=True)
     with pytest.raises(RuntimeError, match=r"AutoEncoder\.encoder \(Sequential\).*self\(x\)"):
-        trainer("zerojax", max_steps=2).fit(AutoEncoder(call_submodules=True), loader())
+        trainer("zerojax", max_steps=2).fit(module, loader())
+    # Without gradients (evaluation) a direct call runs on the live parameters, as in torch;
+    # a deepcopy (an EMA model) is an ordinary module.
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(
+            torch.relu(x @ module.encoder[0].weight.T + module.encoder[0].bias),
+            module.decoder.weight, module.decoder.bias,
+        )  # fmt: skip
+        torch.testing.assert_close(module.decoder(module.encoder(x)), expected)
+    copied = copy.deepcopy(module)
+    copied.decoder(copied.encoder(x)).sum().backward()
+    assert copied.encoder[0].weight.grad is not None
 
 
 def test_no_module_to_run_is_a_clear_error():
@@ -226,6 +240,8 @@ def test_no_module_to_run_is_a_clear_error():
         )
 
 
+# Lightning's notes on the plain resume below, which runs without the ModelCheckpoint.
+@pytest.mark.filterwarnings("ignore:The dirpath has changed", "ignore:Be aware that when using")
 def test_resume_from_lightning_checkpoint_continues_like_the_uninterrupted_run(tmp_path):
     """Epoch 1 with ModelCheckpoint, then a fresh model and Trainer resume with
     fit(ckpt_path=...) for epoch 2: the losses and weights of the run that never stopped. The

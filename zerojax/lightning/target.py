@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from zerojax.train.parameters import is_plain
+from zerojax.train.parameters import ShardedParameter, is_plain
 
 __all__ = ["check_submodule_calls", "training_module"]
 
@@ -78,6 +78,9 @@ def _refuse_direct_call(label: str, path: str):
         # Inside the engine's forward (and while torch.export captures it) parameters are
         # plain: the call is part of the program.
         if is_plain() or not torch.is_grad_enabled():
+            return
+        # A copy.deepcopy of the model (an EMA copy) is ordinary torch, hooks and all.
+        if not isinstance(next(module.parameters()), ShardedParameter):
             return
         raise RuntimeError(
             f"zerojax.lightning: {label}.{path} ({type(module).__name__}) was called on its own "
