@@ -103,6 +103,10 @@ class AutoEncoder(L.LightningModule):
         self.losses.append(loss.item())
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        x, _ = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), x))
+
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
@@ -188,6 +192,7 @@ def test_manual_optimization_matches_plain_lightning():
     assert error <= 1e-4, error
 
 
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_trainer_by_name_runs_the_lightning_module_forward():
     """Trainer(strategy="zerojax"): no child holds all parameters, so the LightningModule
     (which defines forward) is initialized itself; training_step calls self(x)."""
@@ -203,6 +208,17 @@ def test_trainer_by_name_runs_the_lightning_module_forward():
     )
     error = weight_error(runs["zerojax"].state_dict(), runs["auto"].state_dict())
     assert error <= 1e-4, error
+
+
+def test_validate_alone_initializes_without_optimizer():
+    """Trainer.validate on a fresh model: no configure_optimizers, initialize with none."""
+    results = {}
+    for strategy in ("auto", "zerojax"):
+        torch.manual_seed(0)
+        module = AutoEncoder()
+        results[strategy] = trainer(strategy).validate(module, loader())[0]["val_loss"]
+    assert isinstance(module, ZeroModule)
+    assert results["zerojax"] == pytest.approx(results["auto"], rel=1e-6)
 
 
 def test_direct_submodule_call_names_the_module():
