@@ -32,7 +32,11 @@ zerojax_lightning = pytest.importorskip("zerojax.lightning")
 from zerojax.train.module import ZeroModule
 from zerojax.train.optimizer_shim import ZeroOptimizer
 
-pytestmark = pytest.mark.multidevice
+pytestmark = [
+    pytest.mark.multidevice,
+    # AutoEncoder has a validation_step (for Trainer.validate); most fits give it no loader.
+    pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 ZERO3 = {"mesh": {"data": -1}, "zero_stage": 3}
@@ -192,7 +196,6 @@ def test_manual_optimization_matches_plain_lightning():
     assert error <= 1e-4, error
 
 
-@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 def test_trainer_by_name_runs_the_lightning_module_forward():
     """Trainer(strategy="zerojax"): no child holds all parameters, so the LightningModule
     (which defines forward) is initialized itself; training_step calls self(x)."""
