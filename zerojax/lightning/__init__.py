@@ -5,6 +5,7 @@ registers both under the name "zerojax".
     trainer = lightning.pytorch.Trainer(strategy=zerojax.lightning.ZeroJaxStrategy("mesh.yaml"))
     trainer = lightning.pytorch.Trainer(strategy="zerojax")           # default config
     fabric = lightning.fabric.Fabric(strategy=zerojax.lightning.ZeroJaxFabricStrategy(cfg))
+    fabric.launch()                                  # as for any parallel Fabric strategy
     model, optimizer = fabric.setup(model, optimizer)
 
 The framework's loop stays Lightning's (DESIGN: integrations compose on the user's
@@ -15,7 +16,9 @@ framework); the strategy only puts the model on the engine:
   `zerojax.initialize(module, optimizers, config)`; the wrapped optimizers share the originals'
   param groups, so the schedulers drive the engine's update. A checkpoint's weights
   (`fit(ckpt_path=...)`) are loaded into the plain module before that, its optimizer state
-  after. Fabric: `fabric.setup(model, optimizer)` is `zerojax.initialize(model, optimizer)`.
+  after. Without fitting (`Trainer.validate/test/predict`) it initializes with no optimizer; a
+  second `fit` of an initialized model wraps the new optimizers on its engine. Fabric:
+  `fabric.setup(model, optimizer)` is `zerojax.initialize(model, optimizer, config)`.
 - **Which module.** zerojax compiles one module's forward. The Trainer strategy initializes
   the one child holding all the LightningModule's parameters (`self.model`, called from
   `training_step` or from a `forward` that calls it), else the LightningModule itself when it
@@ -38,6 +41,9 @@ framework); the strategy only puts the model on the engine:
   (`zerojax.lightning.collectives`).
 - **Precision** is zerojax's policy (the config's `precision:` section); Lightning's plugin stays
   "32-true" (any other is refused with that advice).
+- **Devices.** Lightning sees the CPU accelerator: batches stay on the host and the engine puts
+  them on its (JAX) devices, GPUs included; Lightning's "GPU available but not used" note on
+  such a machine is about torch's devices, which zerojax does not use.
 """
 
 from __future__ import annotations
