@@ -58,6 +58,27 @@ def decomposition_table():
     return table
 
 
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@contextlib.contextmanager
+def _keeping_autocast_state():
+    """Put the process's autocast state back after torch.export: tracing a forward that enters
+    autocast as a decorator (accelerate's mixed-precision wrapper, a forward patched on the
+    instance: see zerojax.train.module) left it enabled afterwards (torch 2.13, measured), and
+    every later torch op of the process would then run in bfloat16."""
+    saved = [
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+    ]
+    try:
+        yield
+    finally:
+        for device, enabled, dtype in saved:
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+
+
 @contextlib.contextmanager
 def _training_mode(module: torch.nn.Module, train: bool):
     saved = {m: m.training for m in module.modules()}
@@ -90,7 +111,7 @@ def capture(
         fold = FoldConstants()
     with _training_mode(module, train):
         try:
-            with fold, _quiet_failure(), tagging_checkpoint_calls():
+            with fold, _quiet_failure(), tagging_checkpoint_calls(), _keeping_autocast_state():
                 exported = torch.export.export(module, args, kwargs, strict=False)
             with warnings.catch_warnings():
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from zerojax.integrations import hf_trainer
 from zerojax.train.module import ZeroModule
 
 __all__ = ["Prepared", "install_prepare_hook", "unwrap_prepared"]
@@ -84,6 +85,8 @@ def install_prepare_hook() -> None:
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if isinstance(model, ZeroModule):
             _check_accelerator(self.distributed_type, self.scaler)
+            # A Trainer imported after zerojax.initialize: its saving needs the hooks too.
+            hf_trainer.install_trainer_hooks()
             # accelerate's own preparation minus its DDP/FSDP/XLA wrappers: zerojax already
             # averages gradients over processes inside the engine.
             evaluation_mode = True

@@ -17,6 +17,13 @@ One process sees the whole batch; with P processes each feeds its own rows, as u
   equal ones. A loss the model computes over the global batch (`loss_fn=`, HF `labels=`) is
   its mean over all rows: its gradient equals DDP's whenever each process's loss is the mean
   over an equal number of rows (not so with per-process counts of ignored tokens).
+- loss kwargs: a model called with `num_items_in_batch` (the Hugging Face Trainer's loss
+  kwargs, the number of items the loss is normalised by over all processes) computes a sum
+  over the global batch divided by it, whose DDP value on each process is its own rows' sum
+  divided by it: the processes' shares, which the caller adds up (the Trainer multiplies each
+  by P before DDP averages the gradients, and averages the logged values). Each process gets
+  the global loss divided by P: the shares add up to the same loss and the same gradient
+  (its cotangent divided by P alike); one process's share is not its own rows' part.
 - input gradients (a wrapped model feeding torch) are per process in DDP, dL_p/dx_p: the
   pullback gave (1/P) of that, so they are multiplied back by P.
 - BatchNorm in train mode normalises over the global batch, as `SyncBatchNorm` does.

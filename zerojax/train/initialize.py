@@ -9,6 +9,7 @@ import torch
 from zerojax import distributed
 from zerojax.config import Config, apply_devices, load_config
 from zerojax.integrations import accelerate as accelerate_integration
+from zerojax.integrations import hf_trainer as hf_trainer_integration
 from zerojax.runtime import effective_time
 from zerojax.runtime.compilation_cache import enable_compilation_cache
 from zerojax.train.engine import Engine
@@ -69,6 +70,7 @@ def initialize(
     # Hugging Face accelerate in either order (zerojax.integrations.accelerate): never a DDP
     # wrap around the model from here on; objects `accelerator.prepare` made are unwrapped.
     accelerate_integration.install_prepare_hook()
+    hf_trainer_integration.install_trainer_hooks()
     prepared = accelerate_integration.unwrap_prepared(model, optimizer)
     model, optimizer = prepared.model, prepared.optimizer
     if isinstance(model, ZeroModule):

@@ -17,6 +17,7 @@ memory up: the JAX state is the only copy, and torch code reaching them (`p.grad
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import threading
@@ -151,7 +152,8 @@ class ZeroModule(torch.nn.Module):
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
             leaves, treedef = jax.tree.flatten(outputs)
             kept = (engine.state.params, engine.state.buffers, jax_args, jax_kwargs)
-            return jax.tree.unflatten(treedef, self._zerojax_hand_over(leaves, kept))
+            share = _LossShare.of(outputs, local, kwargs)
+            return jax.tree.unflatten(treedef, share.value(self._zerojax_hand_over(leaves, kept)))
 
         tensor_inputs = [flat[i] for i in tensor_positions]
         # The fused program returns no input gradients: inputs that need one (a wrapped model
@@ -183,8 +185,10 @@ class ZeroModule(torch.nn.Module):
         leaves, treedef = jax.tree.flatten(outputs)
         loss_leaf = _loss_leaf_index(outputs, loss_path)
         global_rows = self._zerojax_global_rows
+        share = _LossShare.of(outputs, engine.process_local, jax_kwargs)
 
         def backward(grad_leaves):
+            grad_leaves = share.cotangents(grad_leaves)
             if any(grad is not None for i, grad in enumerate(grad_leaves) if i != loss_leaf):
                 # The loss is not (only) the model's own: TRL's SFTTrainer, say, computes its
                 # loss from the log-probs the forward returns. The fused gradients do not
@@ -211,7 +215,7 @@ class ZeroModule(torch.nn.Module):
 
         kept = (engine.state.params, engine.state.buffers, grads, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: self._zerojax_hand_over(leaves, kept),
+            lambda: share.value(self._zerojax_hand_over(leaves, kept)),
             backward,
             self._zerojax_anchor,
             *tensor_inputs,
@@ -241,13 +245,14 @@ class ZeroModule(torch.nn.Module):
         # their device buffers (and, for sharded ones, the host copy NumPy caches) alive.
         specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
 
-        backward = _backward_through(
+        through = _backward_through(
             engine, converted, pullback, specs, treedef, self._zerojax_global_rows
         )
+        share = _LossShare.of(outputs, engine.process_local, jax_kwargs)
         kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
-            lambda: self._zerojax_hand_over(leaves, kept),
-            backward,
+            lambda: share.value(self._zerojax_hand_over(leaves, kept)),
+            lambda grad_leaves: through(share.cotangents(grad_leaves)),
             self._zerojax_anchor,
             *tensor_inputs,
         )
@@ -293,9 +298,31 @@ class ZeroModule(torch.nn.Module):
         if keep_vars:
             return _module_state_dict(self, destination=destination, prefix=prefix, keep_vars=True)
         destination = OrderedDict() if destination is None else destination
+        held = self._zerojax_held_state
+        if held is not None:
+            for name, tensor in held.items():
+                destination[prefix + name] = tensor
+            return destination
         for name, (array, dtype) in self._zerojax_engine.state_dict_arrays().items():
             destination[prefix + name] = to_torch(array).to(dtype)
         return destination
+
+    @contextlib.contextmanager
+    def holding_state_dict(self):
+        """Within: `state_dict()` returns the host copy gathered on entry.
+
+        With several processes the state is sharded over all of them, so reading it is a
+        collective: every process must enter, in the same order. A framework that saves from
+        one process only (the HF Trainer) gathers this way on all of them first
+        (`zerojax.integrations.hf_trainer`). Nested entries reuse the outer copy."""
+        if self._zerojax_held_state is not None:
+            yield
+            return
+        object.__setattr__(self, "_zerojax_held_state", self.state_dict())
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_zerojax_held_state", None)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         own = _module_state_dict(self, keep_vars=True)
@@ -316,6 +343,36 @@ class ZeroModule(torch.nn.Module):
             {n: from_torch(v) for n, v in state_dict.items() if n in expected}
         )
         return torch.nn.modules.module._IncompatibleKeys(sorted(missing), sorted(unexpected))
+
+
+class _LossShare:
+    """This process's share of a loss the model computed over the global batch, where the
+    caller adds the processes' losses up: see "loss kwargs" in `zerojax.train.data_parallel`.
+    `value` scales the handed-over loss by 1/P, `cotangents` its gradient alike."""
+
+    __slots__ = ("factor", "index")
+
+    def __init__(self, index: int | None, factor: float):
+        self.index, self.factor = index, factor
+
+    @classmethod
+    def of(cls, outputs, local, kwargs) -> _LossShare:
+        if local is None or local.num_processes == 1 or "num_items_in_batch" not in kwargs:
+            return cls(None, 1.0)
+        path = find_scalar_loss(outputs)
+        index = None if path is None else _loss_leaf_index(outputs, path)
+        return cls(index, 1.0 / local.num_processes)
+
+    def value(self, torch_leaves: list) -> list:
+        if self.index is not None:
+            torch_leaves[self.index] = torch_leaves[self.index] * self.factor
+        return torch_leaves
+
+    def cotangents(self, grad_leaves) -> list:
+        grad_leaves = list(grad_leaves)
+        if self.index is not None and grad_leaves[self.index] is not None:
+            grad_leaves[self.index] = grad_leaves[self.index] * self.factor
+        return grad_leaves
 
 
 def _backward_through(engine: Engine, converted, pullback, specs, treedef, global_rows):
@@ -374,6 +431,7 @@ def zero_module(module: torch.nn.Module, engine: Engine) -> torch.nn.Module:
     object.__setattr__(module, "_zerojax_engine", engine)
     object.__setattr__(module, "_zerojax_anchor", torch.zeros((), requires_grad=True))
     object.__setattr__(module, "_zerojax_global_rows", None)
+    object.__setattr__(module, "_zerojax_held_state", None)
     object.__setattr__(module, "_zerojax_outputs_differentiated", False)
     object.__setattr__(module, "_zerojax_instance_forward", module.__dict__.pop("forward", None))
     return module

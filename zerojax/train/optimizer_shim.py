@@ -26,6 +26,8 @@ Two ways to update, chosen by the optimizer's class:
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import torch
 
@@ -66,6 +68,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         as the job's steps (the first of several optimizers)."""
         self._optimizer = optimizer
         self._engine = engine
+        self._held_state = None  # see holding_state_dict
         self._compiled = is_compiled(optimizer) if compiled is None else compiled
         self._reports_steps = reports_steps
         if not self._compiled:
@@ -182,12 +185,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._engine.zero_grad(frozenset(self._param_names.values()))
 
     def state_dict(self):
+        if self._held_state is not None:
+            return self._held_state
         if not self._compiled:
             return self._optimizer.state_dict()
         engine = self._engine
         return optimizers.state_dict_from_jax(
             engine.optimizer_spec, engine.state.opt_state, self.param_groups
         )
+
+    @contextlib.contextmanager
+    def holding_state_dict(self):
+        """Within: `state_dict()` returns the copy gathered on entry, as
+        `ZeroModule.holding_state_dict` does for the model (every process must enter)."""
+        if self._held_state is not None:
+            yield
+            return
+        self._held_state = self.state_dict()
+        try:
+            yield
+        finally:
+            self._held_state = None
 
     def load_state_dict(self, state_dict) -> None:
         if not self._compiled:
