@@ -508,8 +508,9 @@ def test_deepspeed_unsupported_keys_each_warn():
         [
             (
                 "DeepSpeed key 'scheduler' is not supported by zerojax and is ignored (build a "
-                "torch.optim.lr_scheduler on the optimizer zerojax.initialize returns: its "
-                "param_groups drive every step)"
+                "torch.optim.lr_scheduler on the optimizer zerojax.initialize returns (its "
+                "param_groups drive every step); inside a Hugging Face Trainer its own schedule "
+                "(lr_scheduler_type, warmup_steps) applies)"
             ),
             (
                 "DeepSpeed key 'steps_per_print' is not supported by zerojax and is ignored "
@@ -602,8 +603,10 @@ DEEPSPEED_BAD = [
     (
         {"train_micro_batch_size_per_gpu": "auto"},
         (
-            "train_micro_batch_size_per_gpu='auto': 'auto' is filled in by the Hugging Face Trainer; "
-            "give the value"
+            'the DeepSpeed config leaves 1 value(s) "auto":\n'
+            "  train_micro_batch_size_per_gpu: the Trainer fills it (per_device_train_batch_size)\n"
+            "give these values, or train the model zerojax.initialize returns with the Hugging "
+            "Face Trainer, which fills them from its arguments"
         ),
     ),
     ({"bf16": {"enabled": "yes"}}, "bf16.enabled='yes': expected true or false"),
@@ -644,6 +647,63 @@ DEEPSPEED_BAD = [
 def test_bad_deepspeed_config_message(raw, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         load(raw)
+
+
+# transformers' documented ZeRO-3 config: "auto" wherever the Trainer fills a value.
+HF_ZERO3_AUTO = {
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+def test_every_deepspeed_auto_is_named_at_once():
+    raw = {**HF_ZERO3_AUTO, "zerojax": {"devices": {"num_cpu_devices": "auto"}}}
+    with pytest.raises(ConfigError) as caught:
+        load(raw)
+    lines = str(caught.value).splitlines()
+    assert lines[0] == 'the DeepSpeed config leaves 14 value(s) "auto":'
+    named = [line.split(":")[0].strip() for line in lines[1:-1]]
+    assert named == [
+        "fp16.enabled", "bf16.enabled", "optimizer.params.lr", "optimizer.params.betas",
+        "optimizer.params.eps", "optimizer.params.weight_decay",
+        "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold", "gradient_accumulation_steps",
+        "gradient_clipping", "train_batch_size", "train_micro_batch_size_per_gpu",
+        "zerojax.devices.num_cpu_devices",
+    ]  # fmt: skip
+    assert "  gradient_clipping: the Trainer fills it (max_grad_norm)" in lines
+    assert "  zerojax.devices.num_cpu_devices: no Trainer fills it: give the value" in lines
+    # For a Trainer: the Trainer's keys are left to it; one it cannot fill is still refused.
+    with pytest.raises(ConfigError, match="14 value"):
+        load_config(raw, num_devices=8, trainer_autos=True)
+
+
+def test_trainer_autos_are_left_to_the_trainer():
+    with pytest.warns(ConfigWarning):  # overlap_comm: XLA schedules communication itself
+        config = load_config(HF_ZERO3_AUTO, num_devices=8, trainer_autos=True)
+    assert config.trainer_autos[:2] == ("fp16.enabled", "bf16.enabled")
+    assert len(config.trainer_autos) == 13
+    assert config.zero_stage == 3
+    # The Trainer's own: its optimizer, accumulation and clipping; its autocast.
+    assert config.optimizer is None
+    assert config.train.gradient_accumulation_steps == 1
+    assert config.train.gradient_clipping is None
+    assert config.precision.param_dtype == "float32"
 
 
 def test_load_config_passes_config_through():

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 import zerojax
+from tests.test_config import HF_ZERO3_AUTO
+from zerojax.config import ConfigError
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate (a dev dependency)")
@@ -96,8 +98,10 @@ def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
         # The unchanged Trainer script: only `model = zerojax.initialize(model)[0]` added; the
         # Trainer builds its AdamW (over the live parameters) and its linear schedule.
         (None, False),
+        # A DeepSpeed user's config: "auto" wherever the Trainer fills a value.
+        (HF_ZERO3_AUTO, False),
     ],
-    ids=["zero3-user-optimizer", "default-trainer-optimizer"],
+    ids=["zero3-user-optimizer", "default-trainer-optimizer", "deepspeed-auto-config"],
 )
 def test_trainer_trains_a_zerojax_model_like_plain_trainer(tmp_path, config, user_optimizer):
     theirs, their_logits, their_dir = train(tmp_path / "torch", user_optimizer=user_optimizer)
@@ -115,3 +119,30 @@ def test_trainer_trains_a_zerojax_model_like_plain_trainer(tmp_path, config, use
     flat = lambda state: torch.cat([state[n].double().flatten() for n in names])
     error = float((flat(mine) - flat(reference)).norm() / flat(reference).norm())
     assert error <= 1e-4, error
+
+
+def test_deepspeed_autos_need_a_trainer():
+    """Outside a Trainer nothing fills the "auto" values: the first call names them all."""
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    )
+    model, optimizer = zerojax.initialize(model, config=HF_ZERO3_AUTO)
+    assert optimizer is None  # the Trainer's own AdamW, built from its arguments
+    tokens = torch.randint(0, 128, (8, 32))
+    with pytest.raises(ConfigError, match='13 value.s. "auto"(.|\n)*gradient_clipping'):
+        model(tokens, labels=tokens)
+
+
+def test_trainer_refuses_a_second_accumulation(tmp_path):
+    """zerojax's own gradient accumulation on top of the Trainer's would update every
+    4 x 2 micro-batches: refused when the Trainer takes the model."""
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    )
+    config = {**HF_ZERO3_AUTO, "gradient_accumulation_steps": 4, "train_batch_size": 32}
+    model, _ = zerojax.initialize(model, config=config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), gradient_accumulation_steps=4, report_to=[], use_cpu=True
+    )
+    with pytest.raises(ValueError, match="accumulate again on top"):
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens())

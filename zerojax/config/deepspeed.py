@@ -41,7 +41,14 @@ from zerojax.config.checks import (
 )
 from zerojax.config.schema import FLOAT_DTYPES
 
-__all__ = ["DEEPSPEED_ONLY_KEYS", "deepspeed_to_zerojax"]
+__all__ = [
+    "DEEPSPEED_ONLY_KEYS",
+    "TRAINER_AUTOS",
+    "auto_paths",
+    "autos_error",
+    "deepspeed_to_zerojax",
+    "split_trainer_autos",
+]
 
 DEEPSPEED_ONLY_KEYS = (
     "zero_optimization",
@@ -85,8 +92,9 @@ _DS_DTYPES = {
 # Why a DeepSpeed key has no zerojax counterpart, where there is more to say than "ignored".
 _WHY_IGNORED = {
     "scheduler": (
-        "build a torch.optim.lr_scheduler on the optimizer zerojax.initialize returns: its "
-        "param_groups drive every step"
+        "build a torch.optim.lr_scheduler on the optimizer zerojax.initialize returns (its "
+        "param_groups drive every step); inside a Hugging Face Trainer its own schedule "
+        "(lr_scheduler_type, warmup_steps) applies"
     ),
     "steps_per_print": "zerojax does not log steps; print in your loop",
     "wall_clock_breakdown": "see zerojax.effective_time() and runtime.report_effective_time",
@@ -113,17 +121,99 @@ def _ignored(key: str, why: str = "") -> None:
     )
 
 
-def _ds_value(path: str, value: Any) -> Any:
-    if value == "auto":
-        raise error(path, value, "'auto' is filled in by the Hugging Face Trainer; give the value")
-    return value
+TRAINER_AUTOS = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train_batch_size": "world_size x per_device_train_batch_size x gradient_accumulation_steps",
+    "gradient_clipping": "max_grad_norm",
+    "optimizer.params.lr": "learning_rate",
+    "optimizer.params.betas": "adam_beta1, adam_beta2",
+    "optimizer.params.eps": "adam_epsilon",
+    "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.warmup_min_lr": "0",
+    "scheduler.params.warmup_max_lr": "learning_rate",
+    "scheduler.params.warmup_num_steps": "warmup_steps, warmup_ratio",
+    "scheduler.params.total_num_steps": "max_steps, num_train_epochs",
+    "fp16.enabled": "fp16",
+    "bf16.enabled": "bf16",
+    "zero_optimization.reduce_bucket_size": "the model's hidden size",
+    "zero_optimization.stage3_prefetch_bucket_size": "the model's hidden size",
+    "zero_optimization.stage3_param_persistence_threshold": "the model's hidden size",
+}
+"""DeepSpeed keys the Hugging Face Trainer fills where they say "auto", and from what
+(transformers' `HfTrainerDeepSpeedConfig`). Inside a Trainer each is the Trainer's own doing:
+its batch size, accumulation, clipping (`max_grad_norm`), AdamW and schedule, and its bf16
+autocast, which zerojax traces into the program; DeepSpeed's bucket sizes mean nothing here."""
+
+
+def auto_paths(ds: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Every key (dotted path) whose value is "auto", in the config's order."""
+    paths = []
+    for key, value in ds.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            paths += auto_paths(value, prefix=f"{path}.")
+        elif isinstance(value, str) and value == "auto":
+            paths.append(path)
+    return paths
+
+
+def split_trainer_autos(
+    ds: Mapping[str, Any], *, in_trainer: bool
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(the config without its "auto" keys, their paths). With `in_trainer`, "auto" is allowed
+    where the Hugging Face Trainer fills it (TRAINER_AUTOS): the Trainer does those things
+    itself, so zerojax leaves them out. Otherwise, or for any other "auto", every "auto" key is
+    named in one ConfigError, each with what would fill it."""
+    autos = auto_paths(ds)
+    if not autos:
+        return dict(ds), ()
+    if not in_trainer or any(path not in TRAINER_AUTOS for path in autos):
+        raise autos_error(autos, in_trainer=in_trainer)
+    return _without(ds, autos), tuple(autos)
+
+
+def autos_error(autos: list[str] | tuple[str, ...], *, in_trainer: bool) -> ConfigError:
+    """One error naming every "auto" key, each with what fills it (if anything does)."""
+    listed = "\n".join(
+        f"  {path}: "
+        + (
+            f"the Trainer fills it ({TRAINER_AUTOS[path]})"
+            if path in TRAINER_AUTOS
+            else "no Trainer fills it: give the value"
+        )
+        for path in autos
+    )
+    fix = (
+        "give these values"
+        if in_trainer
+        else "give these values, or train the model zerojax.initialize returns with the "
+        "Hugging Face Trainer, which fills them from its arguments"
+    )
+    return ConfigError(
+        f'the DeepSpeed config leaves {len(autos)} value(s) "auto":\n{listed}\n{fix}'
+    )
+
+
+def _without(ds: Mapping[str, Any], paths: list[str]) -> dict[str, Any]:
+    out = {key: _without(v, []) if isinstance(v, Mapping) else v for key, v in ds.items()}
+    for path in paths:
+        *parents, last = path.split(".")
+        node = out
+        for key in parents:
+            node = node[key]
+        del node[last]
+    # An optimizer whose parameters the Trainer fills is the Trainer's own optimizer.
+    if any(path.startswith("optimizer.params.") for path in paths):
+        out.pop("optimizer", None)
+    return out
 
 
 def _zero_optimization(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     for key, value in as_mapping("zero_optimization", ds.get("zero_optimization")).items():
         if key == "stage":
             path = "zero_optimization.stage"
-            raw["zero"] = {"stage": as_stage(path, _ds_value(path, value))}
+            raw["zero"] = {"stage": as_stage(path, value)}
         else:
             communication = "bucket" in key or "overlap" in key or "contiguous" in key
             _ignored(
@@ -164,9 +254,7 @@ def _fp16(section: Mapping[str, Any]) -> dict[str, Any]:
     pure = as_bool(
         "fp16.fp16_master_weights_and_grads", section.get("fp16_master_weights_and_grads", False)
     )
-    loss_scale = as_float(
-        "fp16.loss_scale", _ds_value("fp16.loss_scale", section.get("loss_scale", 0))
-    )
+    loss_scale = as_float("fp16.loss_scale", section.get("loss_scale", 0))
     if loss_scale < 0:
         raise error("fp16.loss_scale", loss_scale, "allowed: 0 (dynamic) or a scale > 0")
     power = as_int("fp16.initial_scale_power", section.get("initial_scale_power", 16), minimum=0)
@@ -196,8 +284,8 @@ def _precision(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     """bf16 / fp16 sections, then data_types and communication_data_type on top."""
     bf16 = as_mapping("bf16", ds.get("bf16"))
     fp16 = as_mapping("fp16", ds.get("fp16"))
-    bf16_on = as_bool("bf16.enabled", _ds_value("bf16.enabled", bf16.get("enabled", False)))
-    fp16_on = as_bool("fp16.enabled", _ds_value("fp16.enabled", fp16.get("enabled", False)))
+    bf16_on = as_bool("bf16.enabled", bf16.get("enabled", False))
+    fp16_on = as_bool("fp16.enabled", fp16.get("enabled", False))
     if bf16_on and fp16_on:
         raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
     precision = _bf16(bf16) if bf16_on else _fp16(fp16) if fp16_on else {}
@@ -225,9 +313,9 @@ def _train(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
         ("train_batch_size", "global_batch_size"),
     ):
         if ds.get(ds_key) is not None:
-            train[key] = _ds_value(ds_key, ds[ds_key])
+            train[key] = ds[ds_key]
     if ds.get("gradient_clipping") not in (None, 0, 0.0):  # DeepSpeed: 0 disables clipping
-        train["gradient_clipping"] = _ds_value("gradient_clipping", ds["gradient_clipping"])
+        train["gradient_clipping"] = ds["gradient_clipping"]
     if train:
         raw["train"] = train
 
@@ -264,7 +352,7 @@ def _activation_checkpointing(ds: Mapping[str, Any], raw: dict[str, Any]) -> Non
     for key, value in section.items():
         if key == "cpu_checkpointing":
             path = "activation_checkpointing.cpu_checkpointing"
-            if as_bool(path, _ds_value(path, value)):
+            if as_bool(path, value):
                 raw["activation_checkpointing"] = {"torch_checkpoint": "offload"}
         elif key in _ACTIVATION_CHECKPOINTING_NO_EFFECT:
             _ignored(f"activation_checkpointing.{key}", _ACTIVATION_CHECKPOINTING_NO_EFFECT[key])
@@ -301,7 +389,9 @@ _HANDLED = tuple(key for keys in _SECTIONS for key in keys)
 
 def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
     """Map a DeepSpeed config onto the zerojax schema (a raw dict for `load_config`); see the
-    module docstring for the keys understood. Each other key raises a `ConfigWarning`."""
+    module docstring for the keys understood. Each other key raises a `ConfigWarning`; an
+    "auto" value raises a `ConfigError` naming every one (see `split_trainer_autos`)."""
+    ds, _ = split_trainer_autos(ds, in_trainer=False)
     for key in ds:
         if key not in _HANDLED:
             _ignored(key, _WHY_IGNORED.get(key, ""))

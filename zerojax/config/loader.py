@@ -12,7 +12,11 @@ from dataclasses import replace
 from typing import Any
 
 from zerojax.config.checks import ConfigError, as_int, check_keys, error
-from zerojax.config.deepspeed import DEEPSPEED_ONLY_KEYS, deepspeed_to_zerojax
+from zerojax.config.deepspeed import (
+    DEEPSPEED_ONLY_KEYS,
+    deepspeed_to_zerojax,
+    split_trainer_autos,
+)
 from zerojax.config.devices import apply_devices
 from zerojax.config.files import read_config_file
 from zerojax.config.schema import Config, DevicesConfig
@@ -107,6 +111,7 @@ def load_config(
     source: str | os.PathLike | Mapping[str, Any] | Config,
     *,
     num_devices: int | None = None,
+    trainer_autos: bool = False,
 ) -> Config:
     """Load and validate a zerojax config (YAML or JSON file, or a dict) or a DeepSpeed
     `ds_config.json`; return a frozen `Config`.
@@ -116,6 +121,9 @@ def load_config(
     `jax.device_count()` (which starts JAX's backends: under a multi-process launcher, call
     `zerojax.distributed.initialize()` first, as `zerojax.initialize` does). Raises `ConfigError`
     for any invalid value; warns (`ConfigWarning`) for each DeepSpeed key zerojax ignores.
+    A DeepSpeed "auto" value is refused (every one named) unless `trainer_autos` and the
+    Hugging Face Trainer fills that key: then it is left out and listed in
+    `Config.trainer_autos` (`zerojax.initialize` loads this way).
 
         >>> cfg = load_config({"mesh": {"data": -1}, "zero_stage": 3}, num_devices=8)
         >>> cfg.mesh.shape, cfg.zero_stage
@@ -132,9 +140,11 @@ def load_config(
             f"load_config expects a path, a dict or a Config, got {type(source).__name__}"
         )
     if is_deepspeed(raw):
-        return _build(
-            deepspeed_to_zerojax(raw), num_devices=num_devices, source=where, fmt="deepspeed"
+        ds, autos = split_trainer_autos(raw, in_trainer=trainer_autos)
+        config = _build(
+            deepspeed_to_zerojax(ds), num_devices=num_devices, source=where, fmt="deepspeed"
         )
+        return replace(config, trainer_autos=autos)
     return _build(raw, num_devices=num_devices, source=where, fmt="zerojax")
 
 

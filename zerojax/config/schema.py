@@ -350,6 +350,12 @@ class Config:
     """Optimizer named by the config (DeepSpeed `optimizer`): built when `initialize` gets
     none, checked against the torch optimizer when it gets one; None: the torch optimizer."""
 
+    trainer_autos: tuple[str, ...] = ()
+    """DeepSpeed keys the config left "auto" for the Hugging Face Trainer to fill
+    (`zerojax.config.deepspeed.TRAINER_AUTOS`): the Trainer training the model does those
+    things itself (`zerojax.integrations.hf_trainer`); a model trained without one refuses to
+    run, naming them."""
+
     source: str | None = None
     """File the config was read from, for messages."""
 

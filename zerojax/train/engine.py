@@ -96,6 +96,9 @@ class Engine:
         self.module = module
         self.abstract = abstract
         self.config = config
+        # A Hugging Face Trainer took the model (zerojax.integrations.hf_trainer): it fills the
+        # DeepSpeed "auto" values in `config.trainer_autos` by doing those things itself.
+        self.in_trainer = False
         self.loss_fn = loss_fn
         self.fused = fused
         self.policy = PrecisionPolicy.from_config(config.precision)

@@ -70,7 +70,6 @@ def initialize(
     # Hugging Face accelerate in either order (zerojax.integrations.accelerate): never a DDP
     # wrap around the model from here on; objects `accelerator.prepare` made are unwrapped.
     accelerate_integration.install_prepare_hook()
-    hf_trainer_integration.install_trainer_hooks()
     prepared = accelerate_integration.unwrap_prepared(model, optimizer)
     model, optimizer = prepared.model, prepared.optimizer
     if isinstance(model, ZeroModule):
@@ -83,8 +82,11 @@ def initialize(
     # backends (load_config may, to count devices); a no-op for one process.
     distributed.initialize()
     # The one load: everything below takes this Config.
-    config = load_config({"mesh": {"data": -1}} if config is None else config)
+    config = load_config({"mesh": {"data": -1}} if config is None else config, trainer_autos=True)
     apply_devices(config.devices)  # before anything below starts JAX's backends
+    # The Trainer's hooks (zerojax.integrations.hf_trainer); a config with "auto" values left
+    # for a Trainer imports it now, so that the Trainer built next takes the model.
+    hf_trainer_integration.install_trainer_hooks(import_trainer=bool(config.trainer_autos))
     several = isinstance(optimizer, (list, tuple))
     if several and (not optimizer or config.optimizer is not None):
         raise ValueError(

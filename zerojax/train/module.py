@@ -33,6 +33,7 @@ import torch.utils._pytree as torch_pytree
 from zerojax.bridge.convert import Static
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.bridge.value_inputs import input_key
+from zerojax.config.deepspeed import autos_error
 from zerojax.train.engine import Engine
 from zerojax.train.parameters import is_plain, plain_parameters
 from zerojax.train.programs import find_scalar_loss
@@ -116,6 +117,8 @@ class ZeroModule(torch.nn.Module):
 
     def _zerojax_forward(self, *args, **kwargs):
         engine = self._zerojax_engine
+        if engine.config.trainer_autos and not engine.in_trainer:
+            raise autos_error(engine.config.trainer_autos, in_trainer=False)
         converted = engine.converted(self.training, args, kwargs)
         flat_with_paths, spec = torch_pytree.tree_flatten_with_path((args, kwargs))
         flat = [leaf for _, leaf in flat_with_paths]
