@@ -80,7 +80,7 @@ BAD_CONFIGS = [
         {"zero_sage": 3},
         (
             "zero_sage: unknown key (did you mean 'zero_stage'?); allowed keys: mesh, zero_stage, "
-            "zero, rules, inputs, precision, kernels, moe, sequence_parallel, checkpoint, "
+            "zero, rules, inputs, precision, kernels, moe, sequence_parallel, offload, checkpoint, "
             "activation_checkpointing, train, devices, runtime, optimizer"
         ),
     ),
@@ -498,7 +498,7 @@ def test_deepspeed_unsupported_keys_each_warn():
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 10,
         "scheduler": {"type": "WarmupLR"},
-        "zero_optimization": {"stage": 3, "overlap_comm": True, "offload_param": {"device": "cpu"}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True},
         "bf16": {"enabled": True, "immediate_grad_update": True},
     }
     with pytest.warns(ConfigWarning) as record:
@@ -520,10 +520,6 @@ def test_deepspeed_unsupported_keys_each_warn():
             (
                 "DeepSpeed key 'zero_optimization.overlap_comm' is not supported by zerojax and is "
                 "ignored (XLA schedules and buckets communication itself)"
-            ),
-            (
-                "DeepSpeed key 'zero_optimization.offload_param' is not supported by zerojax and is "
-                "ignored"
             ),
             "DeepSpeed key 'bf16.immediate_grad_update' is not supported by zerojax and is ignored",
         ]
@@ -637,7 +633,7 @@ DEEPSPEED_BAD = [
         {"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
         (
             "zerojax.zero_stage: unknown key; allowed keys: mesh, activation_checkpointing, rules, "
-            "inputs, kernels, checkpoint, devices, runtime, train"
+            "inputs, kernels, checkpoint, devices, runtime, train, offload"
         ),
     ),
 ]
@@ -719,3 +715,177 @@ def test_mesh_and_plan_take_a_loaded_config():
         make_mesh({"mesh": {"data": -1}})
     with pytest.raises(TypeError, match=r"^make_sharding_plan takes a Config, got str; load it"):
         make_sharding_plan({}, str(EXAMPLES / "zero3.yaml"))
+
+
+# --- offload (issue 27) -------------------------------------------------------------------------
+
+BF16_MASTER = "params=bfloat16,compute=bfloat16,master=float32"
+
+
+def test_offload_section_defaults_to_device_and_names_host_states():
+    assert load({}).offload.host_states == ()
+    config = load(
+        {
+            "zero_stage": 2,
+            "precision": BF16_MASTER,
+            "offload": {"optimizer": "host", "master": "host"},
+        }
+    )
+    assert (config.offload.optimizer, config.offload.master) == ("host", "host")
+    assert config.offload.host_states == ("optimizer", "master")
+    assert (config.offload.params, config.offload.grads) == ("device", "device")
+
+
+OFFLOAD_BAD = [
+    (
+        {"zero_stage": 1, "offload": {"optimizer": "cpu"}},
+        "offload.optimizer='cpu': allowed: device, host",
+    ),
+    (
+        {"zero_stage": 1, "offload": {"optimiser": "host"}},
+        (
+            "offload.optimiser: unknown key (did you mean 'optimizer'?); allowed keys: optimizer, "
+            "master, params, grads"
+        ),
+    ),
+    (
+        {"offload": {"optimizer": "host"}},
+        (
+            "offload.optimizer='host': needs ZeRO stage 1, 2 or 3 (as DeepSpeed's "
+            "offload_optimizer does: each rank offloads its own shard of the state); set "
+            "zero_stage to 1 or more"
+        ),
+    ),
+    (
+        {"zero_stage": 2, "offload": {"master": "host"}},
+        (
+            "offload.master='host': the precision policy keeps no master weights "
+            "(precision.master_dtype is null: the params are what the optimizer updates); remove "
+            "the key, or keep float32 masters (precision master=float32 with 16-bit params)"
+        ),
+    ),
+    (
+        {"zero_stage": 3, "offload": {"params": "host"}},
+        (
+            "offload.params='host': parameter offload (ZeRO-Infinity's CPU tier: parameter shards "
+            "on the host, brought in per layer) is not supported yet; allowed: device"
+        ),
+    ),
+    (
+        {"zero_stage": 3, "offload": {"grads": "host"}},
+        (
+            "offload.grads='host': gradient offload is not supported yet (gradients are produced "
+            "on the device and the update reads them there); allowed: device"
+        ),
+    ),
+    (
+        {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+        (
+            "zero_optimization.offload_optimizer.device='cpu': needs zero_optimization.stage 1, 2 "
+            "or 3 (DeepSpeed's rule: each rank offloads its own partition of the optimizer "
+            "state); stage is 0"
+        ),
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+        (
+            "zero_optimization.offload_optimizer.device='nvme': NVMe offload (ZeRO-Infinity) is "
+            "not supported: JAX places arrays in device or host memory only, so NVMe would mean "
+            "swapping files outside the one XLA program; use device: cpu (host memory)"
+        ),
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "gpu"}}},
+        "zero_optimization.offload_optimizer.device='gpu': allowed: none, cpu, nvme",
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+        (
+            "zero_optimization.offload_optimizer.ratio=0.3: partial optimizer offload is not "
+            "supported; allowed: 1.0 (all of it)"
+        ),
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
+        (
+            "zero_optimization.offload_param.device='cpu': parameter offload (ZeRO-Infinity's CPU "
+            "tier: parameter shards in host memory, brought in per layer) is not supported yet; "
+            "remove it (offload_optimizer: {device: cpu} is)"
+        ),
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+        (
+            "zero_optimization.offload_param.device='nvme': NVMe offload (ZeRO-Infinity) is not "
+            "supported: JAX places arrays in device or host memory only, so NVMe would mean "
+            "swapping files outside the one XLA program; use device: cpu (host memory)"
+        ),
+    ),
+    (
+        {"zero_optimization": {"stage": 3, "cpu_offload_params": True}},
+        (
+            "zero_optimization.cpu_offload_params=true: parameter offload (ZeRO-Infinity's CPU "
+            "tier: parameter shards in host memory, brought in per layer) is not supported yet; "
+            "remove it (offload_optimizer: {device: cpu} is)"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("raw, message", OFFLOAD_BAD, ids=[m[:48] for _, m in OFFLOAD_BAD])
+def test_bad_offload_config_message(raw, message):
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        load(raw)
+
+
+def test_deepspeed_offload_optimizer_moves_optimizer_state_and_masters_to_host():
+    """DeepSpeed keeps the fp32 partition (masters) with the optimizer state on the CPU; with
+    no master copy (fp32, or *_master_weights_and_grads) only the optimizer state moves."""
+    offload = {"device": "cpu", "pin_memory": True}
+    config = load(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": offload}, "bf16": {"enabled": True}}
+    )
+    assert config.offload.host_states == ("optimizer", "master")
+    assert load(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": offload}}
+    ).offload.host_states == ("optimizer",)
+    pure = {"enabled": True, "bf16_master_weights_and_grads": True}
+    assert load(
+        {"zero_optimization": {"stage": 1, "offload_optimizer": offload}, "bf16": pure}
+    ).offload.host_states == ("optimizer",)
+    legacy = load(
+        {"zero_optimization": {"stage": 2, "cpu_offload": True}, "fp16": {"enabled": True}}
+    )
+    assert legacy.offload.host_states == ("optimizer", "master")
+
+
+def test_deepspeed_offload_device_none_offloads_nothing():
+    off = {"device": "none", "pin_memory": True}
+    config = load(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": off, "offload_param": off}}
+    )
+    assert config.offload.host_states == ()
+
+
+def test_deepspeed_offload_keys_without_effect_warn_with_the_reason():
+    raw = {
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False, "buffer_count": 4},
+        }
+    }
+    with pytest.warns(ConfigWarning) as record:
+        config = load(raw)
+    assert [str(w.message) for w in record] == [
+        (
+            "DeepSpeed key 'zero_optimization.offload_optimizer.pin_memory' = false has no "
+            "effect: zerojax keeps offloaded state in pinned host memory (JAX's pinned_host "
+            "memory kind), the host memory XLA can transfer to and from inside the training "
+            "program"
+        ),
+        (
+            "DeepSpeed key 'zero_optimization.offload_optimizer.buffer_count' is not supported "
+            "by zerojax and is ignored (it applies to device: nvme only)"
+        ),
+    ]
+    assert config.offload.host_states == ("optimizer",)

@@ -21,6 +21,7 @@ Example (YAML; every section is optional)::
       - gpt2                                       # a built-in preset, expanded in place
     inputs: {sequence_axis: null}
     sequence_parallel: {axis: sequence, attention: auto}  # needs a `sequence` mesh axis
+    offload: {optimizer: host, master: host}       # ZeRO-Offload: those states in host memory
     precision: "params=bfloat16,compute=bfloat16,master=float32"
     train: {gradient_accumulation_steps: 4, gradient_clipping: 1.0}
     optimizer: {type: AdamW, params: {lr: 3.0e-4, weight_decay: 0.1}}  # built if none given
@@ -50,6 +51,7 @@ from zerojax.config.schema import (
     LossScaleConfig,
     MeshConfig,
     MoeConfig,
+    OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
     Rule,
@@ -78,6 +80,7 @@ __all__ = [
     "LossScaleConfig",
     "MeshConfig",
     "MoeConfig",
+    "OffloadConfig",
     "OptimizerConfig",
     "PrecisionConfig",
     "Rule",

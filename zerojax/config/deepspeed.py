@@ -3,7 +3,10 @@
 `deepspeed_to_zerojax` returns a raw dict in zerojax form, which `load_config` then validates
 like any other. Understood:
 
-    zero_optimization   stage
+    zero_optimization   stage; offload_optimizer {device: none|cpu, pin_memory, ratio: 1}
+                        (optimizer state and master weights in host memory, stage >= 1;
+                        device nvme and offload_param {device: cpu|nvme} are refused);
+                        cpu_offload, cpu_offload_params (the older spellings)
     bf16                enabled, bf16_master_weights_and_grads, bf16_optimizer_states
     fp16                enabled, loss_scale, initial_scale_power, loss_scale_window,
                         hysteresis, min_loss_scale, fp16_master_weights_and_grads
@@ -77,6 +80,7 @@ NATIVE_SECTIONS = (
     "devices",
     "runtime",
     "train",
+    "offload",
 )
 """zerojax sections a DeepSpeed config may carry under its `zerojax` key."""
 
@@ -209,17 +213,111 @@ def _without(ds: Mapping[str, Any], paths: list[str]) -> dict[str, Any]:
     return out
 
 
+_NVME_ONLY = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init")
+_PIPELINE = ("pipeline", "pipeline_read", "pipeline_write")
+_OFFLOAD_OPTIMIZER_KEYS = ("device", "pin_memory", "ratio", *_NVME_ONLY, *_PIPELINE)
+_WHY_NO_NVME = (
+    "NVMe offload (ZeRO-Infinity) is not supported: JAX places arrays in device or host "
+    "memory only, so NVMe would mean swapping files outside the one XLA program; use "
+    "device: cpu (host memory)"
+)
+
+
 def _zero_optimization(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
-    for key, value in as_mapping("zero_optimization", ds.get("zero_optimization")).items():
+    section = as_mapping("zero_optimization", ds.get("zero_optimization"))
+    stage = as_stage("zero_optimization.stage", section.get("stage", 0))
+    if "stage" in section:
+        raw["zero"] = {"stage": stage}
+    for key, value in section.items():
+        path = f"zero_optimization.{key}"
         if key == "stage":
-            path = "zero_optimization.stage"
-            raw["zero"] = {"stage": as_stage(path, value)}
+            continue
+        if key == "offload_optimizer":
+            _offload_optimizer(path, value, stage, _keeps_master(ds), raw)
+        elif key == "cpu_offload":  # DeepSpeed's older spelling of offload_optimizer: cpu
+            if as_bool(path, value):
+                _offload_optimizer(path, {"device": "cpu"}, stage, _keeps_master(ds), raw)
+        elif key == "cpu_offload_use_pin_memory":
+            as_bool(path, value)  # host state is always pinned (see _offload_optimizer)
+        elif key in ("offload_param", "cpu_offload_params"):
+            _offload_param(path, value)
         else:
             communication = "bucket" in key or "overlap" in key or "contiguous" in key
             _ignored(
-                f"zero_optimization.{key}",
-                "XLA schedules and buckets communication itself" if communication else "",
+                path, "XLA schedules and buckets communication itself" if communication else ""
             )
+
+
+def _keeps_master(ds: Mapping[str, Any]) -> bool:
+    """Whether the precision sections give float32 master weights (`_bf16`, `_fp16`)."""
+    for name in ("bf16", "fp16"):
+        section = ds.get(name)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            return section.get(f"{name}_master_weights_and_grads") is not True
+    return False
+
+
+def _offload_optimizer(
+    path: str, value: Any, stage: int, keeps_master: bool, raw: dict[str, Any]
+) -> None:
+    """`offload_optimizer: {device: cpu}`: optimizer state and (where kept) master weights in
+    host memory, `offload: {optimizer: host, master: host}`."""
+    section = as_mapping(path, value)
+    check_keys(path, section, _OFFLOAD_OPTIMIZER_KEYS)
+    device = as_choice(f"{path}.device", section.get("device", "none"), ("none", "cpu", "nvme"))
+    if device == "nvme":
+        raise error(f"{path}.device", device, _WHY_NO_NVME)
+    if device == "none":
+        return  # nothing is offloaded; the other keys configure an offload that is not there
+    if stage == 0:
+        raise error(
+            f"{path}.device",
+            device,
+            "needs zero_optimization.stage 1, 2 or 3 (DeepSpeed's rule: each rank offloads its "
+            "own partition of the optimizer state); stage is 0",
+        )
+    ratio = as_float(f"{path}.ratio", section.get("ratio", 1.0))
+    if ratio != 1.0:
+        raise error(
+            f"{path}.ratio",
+            section["ratio"],
+            "partial optimizer offload is not supported; allowed: 1.0 (all of it)",
+        )
+    pinned = as_bool(f"{path}.pin_memory", section.get("pin_memory", False))
+    if "pin_memory" in section and not pinned:
+        warnings.warn(
+            f"DeepSpeed key '{path}.pin_memory' = false has no effect: zerojax keeps "
+            "offloaded state in pinned host memory (JAX's pinned_host memory kind), the "
+            "host memory XLA can transfer to and from inside the training program",
+            ConfigWarning,
+            stacklevel=5,
+        )
+    for key in (*_NVME_ONLY, *_PIPELINE):
+        if key in section:
+            _ignored(f"{path}.{key}", "it applies to device: nvme only")
+    # The master weights go with the optimizer state (DeepSpeed keeps its fp32 partition on
+    # the CPU), where the precision keeps them (fp32 training and *_master_weights_and_grads
+    # have none).
+    raw["offload"] = {"optimizer": "host", **({"master": "host"} if keeps_master else {})}
+
+
+def _offload_param(path: str, value: Any) -> None:
+    if isinstance(value, bool):  # cpu_offload_params, the older spelling
+        device, where, written = ("cpu" if value else "none"), path, value
+    else:
+        section = as_mapping(path, value)
+        device = as_choice(f"{path}.device", section.get("device", "none"), ("none", "cpu", "nvme"))
+        where, written = f"{path}.device", device
+    if device == "nvme":
+        raise error(where, device, _WHY_NO_NVME)
+    if device == "cpu":
+        raise error(
+            where,
+            written,
+            "parameter offload (ZeRO-Infinity's CPU tier: parameter shards in host memory, "
+            "brought in per layer) is not supported yet; remove it (offload_optimizer: "
+            "{device: cpu} is)",
+        )
 
 
 def _bf16(section: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from zerojax.config.sections import (
     parse_kernels,
     parse_mesh,
     parse_moe,
+    parse_offload,
     parse_optimizer,
     parse_precision_section,
     parse_rules,
@@ -50,6 +51,7 @@ TOP_LEVEL_KEYS = (
     "kernels",
     "moe",
     "sequence_parallel",
+    "offload",
     "checkpoint",
     "activation_checkpointing",
     "train",
@@ -87,12 +89,14 @@ def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: st
         mesh.axis_names,
         parse_inputs(raw.get("inputs"), mesh.axis_names),
     )
+    precision = parse_precision_section(raw.get("precision"))
     return replace(
         config,
         rules=parse_rules(raw.get("rules"), mesh.axis_names),
         inputs=inputs,
         sequence_parallel=sequence_parallel,
-        precision=parse_precision_section(raw.get("precision")),
+        precision=precision,
+        offload=parse_offload(raw.get("offload"), zero.stage, precision),
         kernels=parse_kernels(raw.get("kernels")),
         moe=parse_moe(raw.get("moe")),
         checkpoint=parse_checkpoint(raw.get("checkpoint")),

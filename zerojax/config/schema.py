@@ -36,6 +36,10 @@ OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
 """`optimizer.params` keys per type: the torch constructor's keyword arguments zerojax runs
 (torch's foreach/fused/capturable/differentiable choose torch kernels, which zerojax replaces)."""
 
+OFFLOAD_PLACES = ("device", "host")
+"""Where a model state lives between steps: accelerator memory, or host memory (JAX's
+`pinned_host` memory kind on the state's ZeRO sharding; see `OffloadConfig`)."""
+
 # Default 0.1: past that, the per-device memory the ZeRO stage promises is off by more than 10%.
 DEFAULT_MAX_REPLICATED_FRACTION = 0.1
 
@@ -232,6 +236,35 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OffloadConfig:
+    optimizer: str = "device"
+    """Where the optimizer state (Adam's moments, SGD's momentum, step counts) lives: device, or
+    host (ZeRO-Offload; needs ZeRO stage >= 1). Host state stays on its ZeRO shard, in the host
+    memory of the device that owns the shard; the update program moves it in and back out."""
+
+    master: str = "device"
+    """Where the float32 master weights live (only where the precision policy keeps them):
+    device or host, as `optimizer`."""
+
+    params: str = "device"
+    """Where the parameters live between uses: only device so far (ZeRO-Infinity's CPU tier,
+    parameters brought in per layer, is not built yet)."""
+
+    grads: str = "device"
+    """Where the accumulated gradients live: only device so far (they are produced there and
+    the update reads them there)."""
+
+    @property
+    def host_states(self) -> tuple[str, ...]:
+        """The states placed in host memory, in field order."""
+        return tuple(
+            name
+            for name in ("optimizer", "master", "params", "grads")
+            if getattr(self, name) == "host"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
     directory: str | None = None
     """Where Orbax writes checkpoints; None disables checkpointing."""
@@ -328,6 +361,9 @@ class Config:
 
     sequence_parallel: SequenceParallelConfig = field(default_factory=SequenceParallelConfig)
     """Sequence parallelism: the split axis and the attention algorithm."""
+
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Which model states live in host memory instead of device memory (ZeRO-Offload)."""
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Orbax checkpointing."""

@@ -30,6 +30,7 @@ from zerojax.config.schema import (
     FLOAT_DTYPES,
     KERNEL_IMPLEMENTATIONS,
     MESH_AXES,
+    OFFLOAD_PLACES,
     OPTIMIZER_PARAMS,
     OPTIMIZER_TYPES,
     PLATFORMS,
@@ -43,6 +44,7 @@ from zerojax.config.schema import (
     LossScaleConfig,
     MeshConfig,
     MoeConfig,
+    OffloadConfig,
     OptimizerConfig,
     PrecisionConfig,
     Rule,
@@ -384,6 +386,47 @@ def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
             "activation_checkpointing.torch_checkpoint", raw["torch_checkpoint"], REMAT_POLICIES
         )
     return ActivationCheckpointingConfig(**kwargs)
+
+
+_OFFLOAD_NOT_BUILT = {
+    "params": (
+        "parameter offload (ZeRO-Infinity's CPU tier: parameter shards on the host, brought in "
+        "per layer) is not supported yet; allowed: device"
+    ),
+    "grads": (
+        "gradient offload is not supported yet (gradients are produced on the device and the "
+        "update reads them there); allowed: device"
+    ),
+}
+
+
+def parse_offload(raw: Any, zero_stage: int, precision: PrecisionConfig) -> OffloadConfig:
+    """`offload: {optimizer, master, params, grads}`, each device or host. Host placement of
+    optimizer state and master weights needs ZeRO stage >= 1 (as DeepSpeed's offload_optimizer
+    does: what moves to the host is each rank's ZeRO shard), and master weights to move."""
+    raw = as_mapping("offload", raw)
+    check_keys("offload", raw, ("optimizer", "master", "params", "grads"))
+    kwargs = {key: as_choice(f"offload.{key}", value, OFFLOAD_PLACES) for key, value in raw.items()}
+    for key, why in _OFFLOAD_NOT_BUILT.items():
+        if kwargs.get(key) == "host":
+            raise error(f"offload.{key}", "host", why)
+    offload = OffloadConfig(**kwargs)
+    if offload.host_states and zero_stage == 0:
+        raise error(
+            f"offload.{offload.host_states[0]}",
+            "host",
+            "needs ZeRO stage 1, 2 or 3 (as DeepSpeed's offload_optimizer does: each rank "
+            "offloads its own shard of the state); set zero_stage to 1 or more",
+        )
+    if offload.master == "host" and precision.master_dtype is None:
+        raise error(
+            "offload.master",
+            "host",
+            "the precision policy keeps no master weights (precision.master_dtype is null: "
+            "the params are what the optimizer updates); remove the key, or keep float32 "
+            "masters (precision master=float32 with 16-bit params)",
+        )
+    return offload
 
 
 def parse_checkpoint(raw: Any) -> CheckpointConfig:
