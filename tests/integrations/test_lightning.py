@@ -40,6 +40,16 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 ZERO3 = {"mesh": {"data": -1}, "zero_stage": 3}
+
+
+@pytest.fixture(autouse=True)
+def _torch_backend_flags_mutable():
+    """torch's OpInfo test helpers (tests/bridge imports them into the same pytest worker)
+    call `torch.backends.disable_global_flags()`, after which Lightning's Trainer, which sets
+    the cudnn flags, raises; a user's process never has that call."""
+    with torch.backends.__allow_nonbracketed_mutation():
+        yield
+
 ROWS, BATCH = 64, 8  # 8 batches an epoch; with accumulate_grad_batches=2, 4 optimizer steps
 
 
