@@ -11,7 +11,12 @@ SPMD program that is nothing but a different PartitionSpec per component, so a s
     params (compute)  base      base      base      base    (stage 3 all-gathers per step)
 
 `base` is the tensor/expert-parallel spec from the first matching rule (replicated over the
-data-parallel axes); `zero` adds the data-parallel axes to the largest dim that no rule uses and
+data-parallel axes); With `offload: {optimizer: host, master: host}` (ZeRO-Offload) the optimizer state and master
+weights keep their ZeRO shardings in the `pinned_host` memory kind: each device's shard lives
+in the host memory next to it, and the update program moves it in and back out
+(`zerojax.train.programs`); `on_device` gives the device-memory twin of such a sharding.
+
+`zero` adds the data-parallel axes to the largest dim that no rule uses and
 that their product divides. A parameter with no such dim, or a rule dim its axes do not divide,
 stays replicated and is reported by name in `plan.replicated`; if the replicated bytes exceed
 `zero.max_replicated_fraction`, planning fails listing the five largest offenders (MaxText's
@@ -34,9 +39,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from zerojax.config import Config, ConfigError, ConfigWarning
 from zerojax.sharding.rules import match_rules, rule_partition_spec, to_partition_spec
 
-__all__ = ["ReplicatedParam", "ShardingPlan", "make_sharding_plan", "zero_dims"]
+__all__ = ["HOST_MEMORY_KIND", "ReplicatedParam", "ShardingPlan", "make_sharding_plan", "zero_dims"]
 
 COMPONENTS = ("params", "compute_params", "grads", "opt_state", "master_weights")
+
+HOST_MEMORY_KIND = "pinned_host"
+"""The JAX memory kind offloaded state lives in: pinned host memory, which XLA transfers to and
+from inside a program (an `unpinned_host` output of a program comes back in device memory)."""
+
+# Plan component -> the `offload` config field that can move it to host memory.
+_OFFLOADABLE = {"opt_state": "optimizer", "master_weights": "master"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +93,9 @@ class ShardingPlan:
     sequence_axis: str | None
     batch_dim: int = 0
     sequence_dim: int = 1
+    offloaded: tuple[str, ...] = ()
+    """Components (`opt_state`, `master_weights`) whose shardings are in host memory
+    (`HOST_MEMORY_KIND`)."""
 
     @property
     def total_bytes(self) -> int:
@@ -109,6 +124,8 @@ class ShardingPlan:
         that parameter's shape gets `opt_state[name]`; everything else (step counts, scalars)
         is replicated."""
         replicated = NamedSharding(self.mesh, PartitionSpec())
+        if "opt_state" in self.offloaded:  # step counts go with the rest of the state
+            replicated = replicated.with_memory_kind(HOST_MEMORY_KIND)
 
         def pick(path, leaf):
             for key in reversed(path):
@@ -118,6 +135,13 @@ class ShardingPlan:
             return replicated
 
         return jax.tree_util.tree_map_with_path(pick, state)
+
+    @staticmethod
+    def on_device(sharding: NamedSharding) -> NamedSharding:
+        """`sharding` in device memory: where an offloaded array is computed on."""
+        if sharding.memory_kind in (None, "device"):
+            return sharding
+        return sharding.with_memory_kind("device")
 
     def describe(self) -> str:
         """One line per parameter: shape, stored / compute / optimizer-state specs, rule."""
@@ -266,14 +290,19 @@ def make_sharding_plan(
     batch_axes = config.inputs.batch_axes
     if batch_axes is None:
         batch_axes = batch_dp_axes
+    offloaded = tuple(
+        c for c, key in _OFFLOADABLE.items() if getattr(config.offload, key) == "host"
+    )
+
+    def placed(component: str, spec: PartitionSpec) -> NamedSharding:
+        sharding = NamedSharding(mesh, spec)
+        return sharding.with_memory_kind(HOST_MEMORY_KIND) if component in offloaded else sharding
+
     plan = ShardingPlan(
         mesh=mesh,
         stage=config.zero.stage,
         data_parallel_axes=dp_axes,
-        **{
-            c: MappingProxyType({n: NamedSharding(mesh, s) for n, s in specs[c].items()})
-            for c in COMPONENTS
-        },
+        **{c: MappingProxyType({n: placed(c, s) for n, s in specs[c].items()}) for c in COMPONENTS},
         rule_for=MappingProxyType(rule_for),
         shapes=MappingProxyType(shapes),
         nbytes=MappingProxyType(nbytes),
@@ -282,6 +311,7 @@ def make_sharding_plan(
         sequence_axis=config.inputs.sequence_axis,
         batch_dim=config.inputs.batch_dim,
         sequence_dim=config.inputs.sequence_dim,
+        offloaded=offloaded,
     )
     _check_replicated(plan, config.zero.max_replicated_fraction)
     return plan

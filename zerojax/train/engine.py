@@ -571,6 +571,10 @@ class Engine:
         """One parameter's authoritative value (its master weight where kept), in `dtype`."""
         weights = self._state.master if self._state.master is not None else {}
         weight = weights.get(name, self._state.params[name])
+        if weight.sharding.memory_kind not in (None, "device"):
+            # An offloaded master weight: torch's ops on it meet device arrays (inputs,
+            # gradients), and JAX computes only on operands in one memory space.
+            weight = jax.device_put(weight, self.plan.on_device(weight.sharding))
         return weight if weight.dtype == dtype else weight.astype(dtype)
 
     def buffer_value(self, name: str, dtype) -> jax.Array:

@@ -243,3 +243,10 @@ def _check_runs_on_live_tensors(optimizer: torch.optim.Optimizer, engine: Engine
             f"{type(optimizer).__name__} does not use (it runs its own step); use bf16 "
             f"(no loss scaling) or torch.optim.AdamW/Adam/SGD"
         )
+    host_states = engine.config.offload.host_states
+    if host_states:
+        raise ValueError(
+            f"zerojax: offload.{host_states[0]}=host moves state to host memory around the "
+            f"compiled update, which {type(optimizer).__name__} does not use (it runs its own "
+            f"step on live tensors); use torch.optim.AdamW/Adam/SGD, or remove the offload"
+        )

@@ -19,6 +19,13 @@ after forward, `bridge.remat.find_gather_regions`), gradients -> `plan.grads` (s
 reduces them into shards), new params -> `plan.params`; the optimizer state stays on
 `plan.opt_state`.
 
+Offload (ZeRO-Offload, config `offload`) is where arrays live too: optimizer state and master
+weights on their ZeRO shardings in pinned host memory. The update program takes them from
+there, moves each shard to its device (`jax.device_put` to the device-memory twin of its
+sharding, a transfer inside the program), runs the same update, and puts the new state back in
+host memory; the new params come out on the device. The arithmetic is the one of the
+non-offloaded update, so results are bitwise the same.
+
 Every program is compiled ahead of time (`Program`, with `xla_options.compiler_options`: on
 CPU activation checkpointing's barriers kept, gradients reduced per layer, the update in
 place), so what training ran can be inspected: `Program.last.memory_analysis()` is the
@@ -363,6 +370,7 @@ class StepPrograms:
         adam_kernel = self._fused_adam_update() if spec.family == "adam" else None
 
         def update(params, master, opt_state, grads, hyper, loss_scale):
+            master, opt_state = self.moved_state(master, opt_state, to_host=False)
             grads = {n: g.astype(jnp.float32) for n, g in grads.items()}
             if loss_scale is not None:
                 grads = {n: g / loss_scale["scale"] for n, g in grads.items()}
@@ -411,9 +419,25 @@ class StepPrograms:
                 if loss_scale is not None
                 else None
             )
+            new_master, new_state = self.moved_state(new_master, new_state, to_host=True)
             return new_params, new_master, new_state, new_loss_scale, finite
 
         return Program("update", update, donate_argnums=(0, 1, 2))
+
+    def moved_state(self, master, opt_state, *, to_host: bool):
+        """(master, opt_state) with the components the plan offloads moved to their host
+        sharding (`to_host`) or to its device-memory twin; the others as they are. Inside a
+        program this is the transfer; XLA schedules it."""
+        plan = self.plan
+
+        def move(array, sharding):
+            return jax.device_put(array, sharding if to_host else plan.on_device(sharding))
+
+        if master is not None and "master_weights" in plan.offloaded:
+            master = {n: move(m, plan.master_weights[n]) for n, m in master.items()}
+        if opt_state is not None and "opt_state" in plan.offloaded:
+            opt_state = jax.tree.map(move, opt_state, plan.optimizer_state_shardings(opt_state))
+        return master, opt_state
 
     def _fused_adam_update(self):
         """The fused AdamW kernel applied shard by shard (config `kernels.optimizer`), or None.
