@@ -13,15 +13,16 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from zerojax import distributed
 from zerojax.config import Config
 from zerojax.lightning import collectives
+from zerojax.lightning.processes import ZeroJaxProcesses
 from zerojax.lightning.target import check_submodule_calls
-from zerojax.lightning.trainer import engine_of, precision_for_zerojax, prepare_config
+from zerojax.lightning.trainer import engine_of, precision_for_zerojax
 from zerojax.train.initialize import initialize
 from zerojax.train.module import ZeroModule
 
 __all__ = ["ZeroJaxFabricStrategy"]
 
 
-class ZeroJaxFabricStrategy(ParallelStrategy):
+class ZeroJaxFabricStrategy(ZeroJaxProcesses, ParallelStrategy):
     """Fabric strategy: `fabric.setup(model, optimizer)` is `zerojax.initialize(model,
     optimizer, config)`. `Fabric(strategy=ZeroJaxFabricStrategy(config))` or
     `Fabric(strategy="zerojax")`, then `fabric.launch()` as for any parallel Fabric strategy
@@ -73,40 +74,11 @@ class ZeroJaxFabricStrategy(ParallelStrategy):
     # --- processes: zerojax is the data parallelism -----------------------------------------
 
     @property
-    def root_device(self) -> torch.device:
-        return torch.device("cpu")  # batches stay on the host; the engine shards them
-
-    @property
-    def global_rank(self) -> int:
-        return distributed.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return distributed.local_rank()
-
-    @property
-    def world_size(self) -> int:
-        return distributed.world_size()
-
-    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
         # None with one process: Fabric keeps the loader's own sampler (and its order).
         if distributed.world_size() == 1:
             return None
         return {"num_replicas": distributed.world_size(), "rank": distributed.rank()}
-
-    def setup_environment(self) -> None:
-        self._zerojax_config = prepare_config(self._zerojax_config)
-        super().setup_environment()
-
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        collectives.barrier(name)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast(obj, src)
-
-    def all_gather(self, tensor, group=None, sync_grads: bool = False):
-        return collectives.all_gather(tensor)
 
     def all_reduce(self, tensor, group=None, reduce_op="mean"):
         return collectives.reduce(tensor, reduce_op)
@@ -117,9 +89,7 @@ class ZeroJaxFabricStrategy(ParallelStrategy):
         """The engine places the state."""
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        config = self._zerojax_config
-        if not isinstance(config, Config):
-            config = self._zerojax_config = prepare_config(config)
+        config = self.loaded_config()
         several = len(optimizers) > 1
         module, wrapped = initialize(module, optimizers if several else optimizers[0], config)
         check_submodule_calls(module, type(module)._zerojax_base.__name__)
@@ -128,10 +98,7 @@ class ZeroJaxFabricStrategy(ParallelStrategy):
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if isinstance(module, ZeroModule):
             return module
-        config = self._zerojax_config
-        if not isinstance(config, Config):
-            config = self._zerojax_config = prepare_config(config)
-        module, _ = initialize(module, None, config)
+        module, _ = initialize(module, None, self.loaded_config())
         check_submodule_calls(module, type(module)._zerojax_base.__name__)
         return module
 

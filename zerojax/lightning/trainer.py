@@ -11,30 +11,15 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from zerojax import distributed
-from zerojax.config import Config, apply_devices, load_config
+from zerojax.config import Config
 from zerojax.lightning import collectives
+from zerojax.lightning.processes import ZeroJaxProcesses
 from zerojax.lightning.target import check_submodule_calls, training_module
 from zerojax.train.initialize import initialize
 from zerojax.train.module import ZeroModule
 from zerojax.train.optimizer_shim import ZeroOptimizer
 
 __all__ = ["ZeroJaxPrecision", "ZeroJaxStrategy"]
-
-
-def prepare_config(config: str | dict | Config | None) -> Config:
-    """The config, loaded once, its `devices` applied; gradient accumulation belongs to the
-    framework's loop (each backward adds its gradients; the loop scales the loss)."""
-    distributed.initialize()  # before anything starts JAX's backends (a no-op for one process)
-    config = load_config({"mesh": {"data": -1}} if config is None else config)
-    apply_devices(config.devices)
-    if config.train.gradient_accumulation_steps > 1:
-        raise ValueError(
-            f"zerojax.lightning: train.gradient_accumulation_steps="
-            f"{config.train.gradient_accumulation_steps} in the zerojax config; accumulate with "
-            f"Lightning instead (Trainer(accumulate_grad_batches=N), or Fabric's "
-            f"no_backward_sync loop), which scales the loss and steps the optimizer itself"
-        )
-    return config
 
 
 def engine_of(*objects: Any):
@@ -78,7 +63,7 @@ def precision_for_zerojax(plugin: Any, precision_type: type, zerojax_type: type)
     )
 
 
-class ZeroJaxStrategy(ParallelStrategy):
+class ZeroJaxStrategy(ZeroJaxProcesses, ParallelStrategy):
     """Lightning Trainer strategy: the LightningModule's model runs as zerojax's sharded
     program. `Trainer(strategy=ZeroJaxStrategy(config))` or `Trainer(strategy="zerojax")`.
 
@@ -131,26 +116,9 @@ class ZeroJaxStrategy(ParallelStrategy):
     # --- processes: zerojax is the data parallelism -----------------------------------------
 
     @property
-    def root_device(self) -> torch.device:
-        # Batches stay on the host; the engine shards them over its devices.
-        return torch.device("cpu")
-
-    @property
-    def global_rank(self) -> int:
-        return distributed.rank()
-
-    @property
-    def local_rank(self) -> int:
-        return distributed.local_rank()
-
-    @property
     def node_rank(self) -> int:
         job = distributed.job()
         return job.rank // max(job.local_world_size, 1)
-
-    @property
-    def world_size(self) -> int:
-        return distributed.world_size()
 
     @property
     def num_processes(self) -> int:
@@ -167,20 +135,6 @@ class ZeroJaxStrategy(ParallelStrategy):
 
     def set_world_ranks(self) -> None:
         """Ranks come from the launcher's environment (`zerojax.distributed`)."""
-
-    def setup_environment(self) -> None:
-        # Join the job now: Lightning broadcasts (the checkpoint directory) before `setup`.
-        self._zerojax_config = prepare_config(self._zerojax_config)
-        super().setup_environment()
-
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        collectives.barrier(name)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return collectives.broadcast(obj, src)
-
-    def all_gather(self, tensor, group=None, sync_grads: bool = False):
-        return collectives.all_gather(tensor)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
         return collectives.reduce(tensor, reduce_op)
@@ -213,9 +167,7 @@ class ZeroJaxStrategy(ParallelStrategy):
             ]  # fmt: skip
         else:
             label = type(lightning_module).__name__ + (f".{path}" if path else "")
-            config = self._zerojax_config
-            if not isinstance(config, Config):
-                config = self._zerojax_config = prepare_config(config)
+            config = self.loaded_config()
             several = len(optimizers) > 1
             _, wrapped = initialize(
                 target, (optimizers if several else optimizers[0]) if optimizers else None, config
