@@ -145,3 +145,21 @@ def test_optimizer_running_its_own_step_is_refused_with_offload():
         zerojax.initialize(
             net, torch.optim.RMSprop(net.parameters()), config=config_for(1, None, offload=True)
         )
+
+
+def test_memory_report_splits_device_and_host_bytes():
+    """The planner counts offloaded state in host memory: not beside forward and backward."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    args = (torch.randn(16, 64),)
+    device = zerojax.memory_report(net, args, config_for(2, BF16_MASTER, offload=False))
+    hosted = zerojax.memory_report(net, args, config_for(2, BF16_MASTER, offload=True))
+    assert [c.host for c in hosted.components] == [False, False, True, True]
+    assert [c.measured for c in hosted.components] == [c.measured for c in device.components]
+    assert hosted.host_total == hosted["opt_state"].measured + hosted["master_weights"].measured
+    assert hosted.device_total == hosted.measured_total - hosted.host_total
+    assert device.host_total == 0
+    # Here the backward pass sets the peak: its resident state loses the offloaded bytes.
+    backward = hosted.programs["backward"].peak_estimate
+    assert hosted.step_peak == backward + hosted["params"].measured
+    assert device.step_peak == backward + device.measured_total - device["grads"].measured

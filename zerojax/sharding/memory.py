@@ -107,6 +107,9 @@ class ComponentMemory:
     """Global bytes of the component over Psi (4 for fp32 params, 8 for fp32 Adam moments)."""
     sharded: bool
     """Whether the stage partitions this component over the data-parallel ranks."""
+    host: bool = False
+    """Whether it lives in host memory (config `offload`): bytes each device's host holds for
+    it, not the device."""
 
     @property
     def ratio(self) -> float | None:
@@ -150,7 +153,9 @@ class MemoryReport:
         leaves resident beside it (RESIDENT_BESIDE). None when no program ran."""
         if not self.programs:
             return None
-        held = {c.name: c.measured for c in self.components}
+        # Offloaded components sit in host memory beside the programs; the update, which
+        # takes them as arguments, moves them to the device and counts them there.
+        held = {c.name: 0 if c.host else c.measured for c in self.components}
         return max(
             memory.peak_estimate + sum(held[c] for c in RESIDENT_BESIDE.get(name, ()))
             for name, memory in self.programs.items()
@@ -161,7 +166,17 @@ class MemoryReport:
         """`step_peak` minus the training state: activations, residuals, gathered stage-3
         parameters and scratch, the part activation checkpointing shrinks."""
         peak = self.step_peak
-        return None if peak is None else peak - self.measured_total
+        return None if peak is None else peak - self.device_total
+
+    @property
+    def device_total(self) -> int:
+        """Training-state bytes in a device's own memory."""
+        return sum(c.measured for c in self.components if not c.host)
+
+    @property
+    def host_total(self) -> int:
+        """Training-state bytes a device's host holds for it (offloaded components)."""
+        return sum(c.measured for c in self.components if c.host)
 
     def as_dict(self) -> dict:
         """The report as JSON-able values (`zerojax plan --json`): bytes per device."""
@@ -176,10 +191,13 @@ class MemoryReport:
                     "formula": c.formula,
                     "bytes_per_param": c.bytes_per_param,
                     "sharded": c.sharded,
+                    "host": c.host,
                 }
                 for c in self.components
             },
             "states": self.measured_total,
+            "device_states": self.device_total,
+            "host_states": self.host_total,
             "programs": {
                 name: {
                     "argument": m.argument,
@@ -217,7 +235,7 @@ class MemoryReport:
         for c in self.components:
             rows.append(
                 (
-                    LABELS[c.name],
+                    LABELS[c.name] + (" (host)" if c.host else ""),
                     f"{c.measured:,}",
                     f"{c.formula:,.0f}",
                     _formula_text(c.bytes_per_param, c.sharded),
@@ -261,10 +279,15 @@ class MemoryReport:
                 f"{m.temp:,} B, aliased (donated) {m.alias:,} B; peak estimate "
                 f"{m.peak_estimate:,} B"
             )
+        if self.host_total:
+            lines.append(
+                f"states per device: {self.device_total:,} B in device memory, "
+                f"{self.host_total:,} B in host memory (offload)"
+            )
         if self.step_peak is not None:
             lines.append(
                 f"training step peak per device: {self.step_peak:,} B = states "
-                f"{self.measured_total:,} B + activations and scratch {self.activations:,} B"
+                f"{self.device_total:,} B + activations and scratch {self.activations:,} B"
             )
         if self.replicated:
             lines.append(f"replicated parameters (not split as intended): {len(self.replicated)}")
@@ -316,11 +339,21 @@ def measure_memory(
                 formula=total / nd if sharded else float(total),
                 bytes_per_param=total / num_params if num_params else 0.0,
                 sharded=sharded,
+                host=name in plan.offloaded,
             )
         )
     model_axes = [
         f"{a}={n}" for a, n in plan.mesh.shape.items() if a not in plan.data_parallel_axes and n > 1
     ]
+    if plan.offloaded:
+        notes = (
+            *notes,
+            (
+                f"{' and '.join(LABELS[c] for c in plan.offloaded)} live in host memory: not "
+                "counted beside forward and backward; the update moves them to the device for "
+                "its duration, and its memory_analysis() counts them there"
+            ),
+        )
     if model_axes:
         notes = (
             *notes,
