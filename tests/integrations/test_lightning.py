@@ -50,6 +50,7 @@ def _torch_backend_flags_mutable():
     with torch.backends.__allow_nonbracketed_mutation():
         yield
 
+
 ROWS, BATCH = 64, 8  # 8 batches an epoch; with accumulate_grad_batches=2, 4 optimizer steps
 
 
