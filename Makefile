@@ -34,10 +34,11 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m '' --durations=15
 
 # The multi-process tests left out of `make test` (torchrun jobs on 127.0.0.1: ZeRO-1/2/3 vs
-# torch DDP, checkpoints across process counts, SIGKILLed ranks and restarts); each job has its
-# own timeout. CI runs it after `make test`.
+# torch DDP, checkpoints across process counts, SIGKILLed ranks and restarts, the HF Trainer,
+# accelerate and Lightning with 2 processes); each job has its own timeout. CI runs it after
+# `make test`.
 test-distributed: $(STAMP)
-	$(PY) -m pytest -q -m slow tests/distributed --durations=10
+	$(PY) -m pytest -q -m slow tests/distributed tests/integrations --durations=10
 
 # The default suite on a newer torch, each in its own venv (.venv-torch-2.14, ...) with the dev
 # extra and the torchvision of that release. torch 2.14.1 (a CUDA build; it runs on CPU) lies on

@@ -16,14 +16,14 @@ test_accelerate_torchrun.py (not a test module itself).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+
+from tests.distributed.leave_together import leave_together
 
 ACCUMULATION = 2
 LOCAL_BATCH = 8
@@ -126,12 +126,7 @@ def main() -> None:
         ddp_wrapped=np.array(ddp_wrapped),
         num_processes=np.array(accelerator.num_processes),
     )
-    # Leave together, without the interpreter's teardown (gloo's threads; see ddp_script.py).
-    accelerator.wait_for_everyone()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_together()
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from tests.distributed.leave_together import leave_together
 
 NUM_CLASSES = 10
 IN_FEATURES = 16
@@ -114,16 +115,7 @@ def main() -> None:
         out, losses=np.array(losses), norms=np.array(norms), indices=np.array(indices), **params
     )
     if args.engine == "torch":
-        # Both ranks leave together, once both files are written; then without the interpreter's
-        # teardown: with gloo's threads still about, a rank sometimes hung there after main()
-        # returned until the test's timeout killed it (2 of 57 runs in two concurrent loops;
-        # faulthandler showed the main thread at the module's last line beside one native
-        # thread). With os._exit: 0 of 80.
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_together()
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ test_hf_trainer_torchrun.py (not a test module itself).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+
+from tests.distributed.leave_together import leave_together
 
 STEPS = 4
 SAVE_AT = 2  # checkpoint-2 (model, optimizer, scheduler, RNG), resumed from at the end
@@ -121,12 +121,7 @@ def main() -> None:
         ddp_wrapped=np.array(ddp_wrapped),
         num_processes=np.array(trainer.accelerator.num_processes),
     )
-    # Leave together, without the interpreter's teardown (gloo's threads; see ddp_script.py).
-    trainer.accelerator.wait_for_everyone()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_together()
 
 
 if __name__ == "__main__":
