@@ -3,13 +3,18 @@
 Run: `.venv/bin/python -m pytest -q tests/train/test_offload.py -p no:cacheprovider`
 Why: `offload: {optimizer: host, master: host}` (DeepSpeed's `offload_optimizer: {device:
 cpu}`) only changes where those arrays live: on their ZeRO shardings in the `pinned_host`
-memory kind, moved to the device and back inside the update program. The update's arithmetic is
-the same program's, so on CPU an offloaded run must equal the run without offload bit for bit
-(losses, parameters, optimizer state), under ZeRO-1/2/3 on 8 devices, in fp32 and with bf16
-params and fp32 masters; and a checkpoint saved with one setting resumes under the other.
+memory kind. With both offloaded, the update's element-wise step computes on the host
+(`compute_on("device_host")` on the host shards: the device never holds them); with the state
+offloaded but masters on the device it is moved to the device and back. The arithmetic is the
+non-offloaded update's, compiled by XLA:CPU either way, so on CPU an offloaded run must equal the
+run without offload bit for bit (losses, parameters, optimizer state), under ZeRO-1/2/3 on 8
+devices, in fp32 and with bf16 params and fp32 masters; and a checkpoint saved with one setting
+resumes under the other.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import pytest
@@ -24,6 +29,7 @@ pytestmark = pytest.mark.multidevice
 
 BF16_MASTER = "params=bfloat16,compute=bfloat16,master=float32"
 STEPS = 4
+HOST_COMPUTE = '_xla_compute_type = "host"'
 
 
 class Net(nn.Module):
@@ -45,10 +51,13 @@ def config_for(stage: int, precision: str | None, offload: bool) -> dict:
     return config
 
 
-def make(config: dict):
+def make(config: dict, optimizer_for=None):
     torch.manual_seed(0)
     net = Net()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.05)
+    if optimizer_for is None:
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.05)
+    else:
+        optimizer = optimizer_for(net.parameters())
     return zerojax.initialize(net, optimizer, config=config, seed=7)
 
 
@@ -104,6 +113,112 @@ def test_offloaded_training_is_bitwise_the_device_run(stage, precision):
     x = torch.randn(4, 16)
     weight, hosted_weight = model.fc1.weight, hosted_model.fc1.weight
     assert torch.equal(F.linear(x, hosted_weight), F.linear(x, weight))
+
+
+def lowered_update(model, platform: str | None = None) -> str:
+    """The StableHLO of the update program the model last ran (for `platform`, default the
+    one it ran on), lowered again from the compiled program's argument types."""
+    program = model.engine.programs.update(model.engine.optimizer_spec)
+    compiled = program.last
+    (args, _), (shardings, _) = compiled.args_info, compiled.input_shardings
+    types = jax.tree.map(
+        lambda arg, sharding: jax.ShapeDtypeStruct(arg.shape, arg.dtype, sharding=sharding),
+        args,
+        shardings,
+        is_leaf=lambda x: isinstance(x, jax.stages.ArgInfo),
+    )
+    traced = program._jitted.trace(*types)
+    return traced.lower(lowering_platforms=(platform,) if platform else None).as_text()
+
+
+def host_function(module: str) -> list[str]:
+    """The operations of the module's `step_on_host` function (the host-computed step), but
+    its constants (which carry no placement)."""
+    body = module.split("func.func private @step_on_host(", 1)[1].split("\n  }", 1)[0]
+    return [
+        line
+        for line in body.splitlines()[1:]
+        if "stablehlo." in line and "stablehlo.constant" not in line
+    ]
+
+
+OTHER_OPTIMIZERS = {
+    "sgd-nesterov": lambda p: torch.optim.SGD(
+        p, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
+    "adam-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, weight_decay=1e-3),
+}
+
+
+@pytest.mark.parametrize("optimizer", list(OTHER_OPTIMIZERS))
+def test_other_optimizers_update_on_the_host_bitwise(optimizer):
+    """SGD with momentum and Adam (L2 decay, amsgrad) on the host too: ZeRO-2, bf16 params
+    with fp32 masters, bitwise the device run."""
+    optimizer_for = OTHER_OPTIMIZERS[optimizer]
+    model, opt = make(config_for(2, BF16_MASTER, offload=False), optimizer_for)
+    losses = train(model, opt, torch.Generator().manual_seed(5), STEPS)
+    hosted, hosted_opt = make(config_for(2, BF16_MASTER, offload=True), optimizer_for)
+    assert train(hosted, hosted_opt, torch.Generator().manual_seed(5), STEPS) == losses
+    assert_same_state(model, opt, hosted, hosted_opt)
+    assert HOST_COMPUTE in lowered_update(hosted)
+
+
+def transfers(part: str) -> list[tuple[str, str]]:
+    """(memory kind, operand type) of each in-program transfer in `part` of a module lowered
+    for a GPU (on CPU `device_put` inside a program lowers to nothing)."""
+    return re.findall(
+        r'annotate_device_placement.*_xla_buffer_placement = "(\w+)".*: \((tensor<[^>]*>)\)', part
+    )
+
+
+@pytest.mark.parametrize("precision", [None, BF16_MASTER], ids=["fp32", "bf16-master"])
+def test_update_computes_on_the_host(precision):
+    """The element-wise step is one host computation on the host shards: every operation of it
+    is marked for the host, for this CPU and in the program lowered for a GPU; there the only
+    arrays moved to the device are scalars (step counts, for Adam's bias corrections) before
+    it, and the new params (in the params' dtype) after it.
+
+    What XLA:CPU cannot show: `memory_analysis()` here counts host-resident arguments in
+    `argument_size_in_bytes` and reports every `host_*` figure as 0, host and device are one
+    memory, and transfers inside a program compile to nothing; so the device bytes this saves
+    (the whole optimizer state and masters during the update) cannot be measured on CPU. The
+    compiled CPU program keeps the host mark only on scalar bitcasts (its fusions drop it), so
+    the lowered program is what is checked.
+    """
+    model, optimizer = make(config_for(2, precision, offload=True))
+    train(model, optimizer, torch.Generator().manual_seed(5), 1)
+    for platform in (None, "cuda"):
+        module = lowered_update(model, platform)
+        call = next(line for line in module.splitlines() if "call @step_on_host(" in line)
+        assert HOST_COMPUTE in call
+        operations = host_function(module)
+        assert any("stablehlo.sqrt" in line for line in operations)  # Adam's denominator
+        assert all(HOST_COMPUTE in line for line in operations), platform
+    before, after = module.split("call @step_on_host(")
+    after = after.split("func.func private")[0]
+    assert all("x" not in kind for place, kind in transfers(before) if place == "device")
+    assert any(place == "pinned_host" for place, _ in transfers(before))  # gradients
+    param_dtype = "bf16" if precision else "f32"
+    back = [kind for place, kind in transfers(after) if place == "device"]
+    assert len(back) == len(model.state_dict())
+    assert all(kind.endswith(f"{param_dtype}>") for kind in back)
+
+
+def test_state_offloaded_with_masters_on_the_device_updates_on_the_device():
+    """`offload: {optimizer: host}` with bf16 params and fp32 masters kept on the device: the
+    step reads device masters, so the state moves to the device for it (no host compute) and
+    back; still bitwise the device run."""
+    config = config_for(2, BF16_MASTER, offload=True)
+    config["offload"] = {"optimizer": "host"}
+    model, optimizer = make(config_for(2, BF16_MASTER, offload=False))
+    losses = train(model, optimizer, torch.Generator().manual_seed(5), STEPS)
+    hosted_model, hosted_optimizer = make(config)
+    hosted_losses = train(hosted_model, hosted_optimizer, torch.Generator().manual_seed(5), STEPS)
+    assert hosted_losses == losses
+    assert_same_state(model, optimizer, hosted_model, hosted_optimizer)
+    assert memory_kinds(hosted_model.engine.opt_state) == {"pinned_host"}
+    assert memory_kinds(hosted_model.engine.master) == {"device"}
+    assert HOST_COMPUTE not in lowered_update(hosted_model)
 
 
 def save_and_resume(save_config: dict, resume_config: dict, directory) -> list[float]:

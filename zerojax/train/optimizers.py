@@ -459,6 +459,7 @@ def apply_update(
     hyper: Mapping[str, Any],
     *,
     adam_kernel: Callable | None = None,
+    bias_corrections: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     """One `optimizer.step()`: returns `(new_params, new_state)`; pure and jit-able.
 
@@ -472,6 +473,10 @@ def apply_update(
     needs one per trainable parameter, `state` comes from `init_state` or
     `load_state_dict_into_jax`, `hyper` from `hyper_from_torch`. Computation is float32;
     results keep the dtypes (and shardings) of `params` and `state`.
+
+    `bias_corrections` (Adam/AdamW): `adam_bias_corrections` of the new steps, computed
+    elsewhere (the host-offloaded update computes these per-group scalars on the device: their
+    loop does not trace under `compute_on("device_host")`).
     """
     _check_params(spec, grads, "grads")
     f32 = jnp.float32
@@ -480,7 +485,9 @@ def apply_update(
     new_state = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in state.items()}
     new_steps = tuple(s + 1 for s in state["step"])
     if spec.family == "adam":
-        step_sizes_neg, bc2_sqrts = adam_bias_corrections(jnp.stack(new_steps), hyper_arrays)
+        if bias_corrections is None:
+            bias_corrections = adam_bias_corrections(jnp.stack(new_steps), hyper_arrays)
+        step_sizes_neg, bc2_sqrts = bias_corrections
     for index, group in enumerate(spec.groups):
         h = {k: v[index] for k, v in hyper_arrays.items()}
         step = state["step"][index]

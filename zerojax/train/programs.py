@@ -20,11 +20,14 @@ reduces them into shards), new params -> `plan.params`; the optimizer state stay
 `plan.opt_state`.
 
 Offload (ZeRO-Offload, config `offload`) is where arrays live too: optimizer state and master
-weights on their ZeRO shardings in pinned host memory. The update program takes them from
-there, moves each shard to its device (`jax.device_put` to the device-memory twin of its
-sharding, a transfer inside the program), runs the same update, and puts the new state back in
-host memory; the new params come out on the device. The arithmetic is the one of the
-non-offloaded update, so results are bitwise the same.
+weights on their ZeRO shardings in pinned host memory. With both offloaded (or no masters) the
+update's element-wise step runs on the host, under `compute_on("device_host")` on the host
+shards: gradient shards go in, new params (in their dtype) come out to the device, and the
+device never holds the state (`StepPrograms._host_update`). With only one of them offloaded
+the update moves each offloaded shard to its device (`jax.device_put` to the device-memory
+twin of its sharding, a transfer inside the program), runs there and puts the new state back
+(`moved_state`). The arithmetic is the non-offloaded update's either way (`_stepped`), so on
+CPU results are bitwise the same.
 
 Every program is compiled ahead of time (`Program`, with `xla_options.compiler_options`: on
 CPU activation checkpointing's barriers kept, gradients reduced per layer, the update in
@@ -47,7 +50,7 @@ from zerojax.bridge.expert_parallel import ExpertLoadLog, ExpertParallel
 from zerojax.bridge.sequence_parallel import SequenceParallel
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
-from zerojax.sharding.zero import ShardingPlan
+from zerojax.sharding.zero import HOST_MEMORY_KIND, ShardingPlan
 from zerojax.train import optimizers
 from zerojax.train.precision import PrecisionPolicy, next_loss_scale_state
 from zerojax.train.state import weights_of
@@ -370,7 +373,9 @@ class StepPrograms:
         adam_kernel = self._fused_adam_update() if spec.family == "adam" else None
 
         def update(params, master, opt_state, grads, hyper, loss_scale):
-            master, opt_state = self.moved_state(master, opt_state, to_host=False)
+            on_host = self.updates_on_host(master)
+            if not on_host:
+                master, opt_state = self.moved_state(master, opt_state, to_host=False)
             grads = {n: g.astype(jnp.float32) for n, g in grads.items()}
             if loss_scale is not None:
                 grads = {n: g / loss_scale["scale"] for n, g in grads.items()}
@@ -382,26 +387,20 @@ class StepPrograms:
                 finite = None
             if clip is not None:
                 grads, _ = clip_by_global_norm(grads, jnp.float32(1.0), clip, 2.0)
-            weights = weights_of(params, master)
-            full_grads = {
-                n: grads[n] if n in grads else jnp.zeros_like(weights[n])
-                for n in spec.param_names
-                if n in weights
-            }
-            new_weights, new_state = optimizers.apply_update(
-                spec, weights, full_grads, opt_state, hyper, adam_kernel=adam_kernel
+            new_loss_scale = (
+                next_loss_scale_state(loss_scale_config, loss_scale, finite)
+                if loss_scale is not None
+                else None
             )
-            # torch skips parameters whose .grad is None (frozen after initialize, or cleared
-            # one by one): no decay, no moment update.
-            for n in spec.param_names:
-                if n in weights and n not in grads:
-                    new_weights[n] = weights[n]
-                    for key, value in new_state.items():
-                        if isinstance(value, dict) and n in value:
-                            value[n] = opt_state[key][n]
-            if finite is not None:
-                keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-                new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
+            if on_host:
+                new_params, new_master, new_state = self._host_update(
+                    spec, params, master, opt_state, grads, hyper, finite
+                )
+                return new_params, new_master, new_state, new_loss_scale, finite
+            weights = weights_of(params, master)
+            new_weights, new_state = _stepped(
+                spec, weights, grads, opt_state, hyper, finite, adam_kernel
+            )
             if master is not None:
                 new_master = {n: new_weights[n] for n in master}
                 new_params = {
@@ -414,15 +413,94 @@ class StepPrograms:
                 n: jax.lax.with_sharding_constraint(p, plan.params[n])
                 for n, p in new_params.items()
             }
-            new_loss_scale = (
-                next_loss_scale_state(loss_scale_config, loss_scale, finite)
-                if loss_scale is not None
-                else None
-            )
             new_master, new_state = self.moved_state(new_master, new_state, to_host=True)
             return new_params, new_master, new_state, new_loss_scale, finite
 
         return Program("update", update, donate_argnums=(0, 1, 2))
+
+    def updates_on_host(self, master) -> bool:
+        """Whether the update's element-wise step runs on the host (ZeRO-Offload's CPU
+        optimizer): when the optimizer state and the master weights it reads are all offloaded.
+        With the state offloaded but masters on the device (or the reverse) the state is moved
+        to the device for the step instead (`moved_state`)."""
+        offloaded = self.plan.offloaded
+        return "opt_state" in offloaded and (master is None or "master_weights" in offloaded)
+
+    def _host_update(self, spec, params, master, opt_state, grads, hyper, finite):
+        """(new params on the device, new master and optimizer state in host memory): the
+        element-wise optimizer step computed under `compute_on("device_host")` on the
+        host-resident shards, so the device never holds optimizer state or master weights.
+
+        What crosses: each processed fp32 gradient shard in (resharded on the device to its
+        optimizer state's layout first: under ZeRO-1 gradients are replicated, state sharded),
+        each new parameter shard out in the params' dtype (cast on the host, so bf16 crosses,
+        not fp32), then gathered to `plan.params` on the device. The arithmetic is `_stepped`,
+        the device path's; XLA:CPU compiles both, so on CPU the results are bitwise equal. The
+        fused Adam kernel is a device kernel and is not used here."""
+        from jax.experimental.compute_on import compute_on
+
+        plan = self.plan
+        replicated_host = self.replicated.with_memory_kind(HOST_MEMORY_KIND)
+
+        def state_sharding(name):
+            return plan.opt_state.get(name, replicated_host)
+
+        def to_host(array, sharding):
+            on_device = jax.lax.with_sharding_constraint(array, plan.on_device(sharding))
+            return jax.device_put(on_device, sharding)
+
+        host_grads = {n: to_host(g, state_sharding(n)) for n, g in grads.items()}
+        weights, weight_shardings = {}, {}
+        for n, p in params.items():
+            if master is not None and n in master:
+                weights[n], weight_shardings[n] = master[n], plan.master_weights[n]
+            elif n in spec.param_names:  # no master weight: the param itself is updated
+                weight_shardings[n] = state_sharding(n)
+                weights[n] = to_host(p, weight_shardings[n])
+        host_hyper = jax.tree.map(lambda h: jax.device_put(h, replicated_host), hyper)
+        host_finite = None if finite is None else jax.device_put(finite, replicated_host)
+        param_dtypes = {n: params[n].dtype for n in weights}
+        corrections = None
+        if spec.family == "adam":
+            # Per-group scalars from the step counts: on the device (a fori_loop, whose
+            # counter XLA's host computation rejects), then moved in as the hyperparameters.
+            steps = jnp.stack([jax.device_put(s, self.replicated) + 1 for s in opt_state["step"]])
+            hyper_arrays = {k: jnp.asarray(v, jnp.float32) for k, v in hyper.items()}
+            corrections = jax.tree.map(
+                lambda c: jax.device_put(c, replicated_host),
+                optimizers.adam_bias_corrections(steps, hyper_arrays),
+            )
+
+        @compute_on("device_host")
+        @jax.jit
+        def step_on_host(weights, grads, opt_state, hyper, finite, corrections):
+            new_weights, new_state = _stepped(
+                spec, weights, grads, opt_state, hyper, finite, bias_corrections=corrections
+            )
+            new_low = {n: w.astype(param_dtypes[n]) for n, w in new_weights.items()}
+            return new_weights, new_state, new_low
+
+        new_weights, new_state, new_low = step_on_host(
+            weights, host_grads, opt_state, host_hyper, host_finite, corrections
+        )
+        new_params = {
+            n: jax.lax.with_sharding_constraint(
+                jax.device_put(new_low[n], plan.on_device(weight_shardings[n]))
+                if n in new_low
+                else p,
+                plan.params[n],
+            )
+            for n, p in params.items()
+        }
+        new_master = (
+            None
+            if master is None
+            else {n: jax.device_put(new_weights[n], plan.master_weights[n]) for n in master}
+        )
+        new_state = jax.tree.map(
+            jax.device_put, new_state, plan.optimizer_state_shardings(new_state)
+        )
+        return new_params, new_master, new_state
 
     def moved_state(self, master, opt_state, *, to_host: bool):
         """(master, opt_state) with the components the plan offloads moved to their host
@@ -475,6 +553,33 @@ class StepPrograms:
             return weights, exp_avgs, exp_avg_sqs, results[3] if len(results) > 3 else None
 
         return update
+
+
+def _stepped(spec, weights, grads, opt_state, hyper, finite, adam_kernel=None, **update_options):
+    """(new weights, new optimizer state): `optimizers.apply_update` with torch's handling of
+    parameters without a gradient, and with fp16 loss scaling's skip of a non-finite step
+    (`finite` a boolean scalar, or None). The element-wise part of the update, wherever it
+    runs (device, or host under offload)."""
+    full_grads = {
+        n: grads[n] if n in grads else jnp.zeros_like(weights[n])
+        for n in spec.param_names
+        if n in weights
+    }
+    new_weights, new_state = optimizers.apply_update(
+        spec, weights, full_grads, opt_state, hyper, adam_kernel=adam_kernel, **update_options
+    )
+    # torch skips parameters whose .grad is None (frozen after initialize, or cleared
+    # one by one): no decay, no moment update.
+    for n in spec.param_names:
+        if n in weights and n not in grads:
+            new_weights[n] = weights[n]
+            for key, value in new_state.items():
+                if isinstance(value, dict) and n in value:
+                    value[n] = opt_state[key][n]
+    if finite is not None:
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
+    return new_weights, new_state
 
 
 # --- small gradient programs (elementwise, on the shards) ------------------------------------
