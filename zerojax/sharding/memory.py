@@ -153,8 +153,10 @@ class MemoryReport:
         leaves resident beside it (RESIDENT_BESIDE). None when no program ran."""
         if not self.programs:
             return None
-        # Offloaded components sit in host memory beside the programs; the update, which
-        # takes them as arguments, moves them to the device and counts them there.
+        # Offloaded components sit in host memory beside the programs. The update takes them as
+        # arguments: with the state and masters both offloaded it computes on the host; with
+        # the state alone it moves it to the device for its duration. Either way its
+        # memory_analysis() counts them (XLA:CPU does not tell host from device bytes).
         held = {c.name: 0 if c.host else c.measured for c in self.components}
         return max(
             memory.peak_estimate + sum(held[c] for c in RESIDENT_BESIDE.get(name, ()))
@@ -350,8 +352,9 @@ def measure_memory(
             *notes,
             (
                 f"{' and '.join(LABELS[c] for c in plan.offloaded)} live in host memory: not "
-                "counted beside forward and backward; the update moves them to the device for "
-                "its duration, and its memory_analysis() counts them there"
+                "counted beside forward and backward; the update computes on the host when the "
+                "state and master weights are both offloaded (else it moves the state to the "
+                "device for its duration), and its memory_analysis() counts them on a CPU"
             ),
         )
     if model_axes:
