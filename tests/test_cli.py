@@ -7,14 +7,12 @@ memory table and write the stage 0-3 plot.
 """
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.fresh_python import run_fresh_python
 from zerojax.cli import CLIError, load_factory, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,27 +43,13 @@ def files(tmp_path):
 
 
 def test_plan_prints_table_and_writes_plot(files):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the config must do it
-    env["PYTHONPATH"] = str(REPO)
     plot = files / "plan.png"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zerojax.cli",
-            "plan",
-            "--config",
-            str(files / "mesh.yaml"),
-            f"{files / 'factory.py'}:build",
-            "--plot",
-            str(plot),
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
+    # The config must set the device count: no XLA_FLAGS in a fresh process.
+    result = run_fresh_python(
+        ["-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml"),
+         f"{files / 'factory.py'}:build", "--plot", str(plot)],
         timeout=120,
-    )
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = result.stdout
     # Psi = 16*32 + 32 + 32*8 + 8 = 808; stage 3 on 8 devices: 4Psi/8 = 404 bytes of params.
@@ -95,13 +79,9 @@ def test_factory_spec_errors(files, capsys):
 
 
 def test_plan_json_is_one_object_with_the_step_peak(files):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
-    command = [sys.executable, "-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml")]
+    command = ["-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml")]
     command += [f"{files / 'factory.py'}:build", "--json", "--describe"]
-    result = subprocess.run(
-        command, check=False, capture_output=True, text=True, env=env, timeout=120
-    )
+    result = run_fresh_python(command, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # --describe went to stderr
     assert "0.weight" in result.stderr
@@ -117,15 +97,11 @@ def test_plan_json_is_one_object_with_the_step_peak(files):
 def test_plan_for_devices_you_do_not_have_matches_the_real_plan(files):
     """`--devices 8` builds the model on the meta device and compiles the step for 8
     simulated devices, never running it: the JSON report is the real run's, byte for byte."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
-    command = [sys.executable, "-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml")]
+    command = ["-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml")]
     command += [f"{files / 'factory.py'}:build", "--json"]
     reports = []
     for extra in ([], ["--devices", "8"]):
-        result = subprocess.run(
-            command + extra, check=False, capture_output=True, text=True, env=env, timeout=120
-        )
+        result = run_fresh_python(command + extra, timeout=120)
         assert result.returncode == 0, result.stderr
         reports.append(json.loads(result.stdout))
     real, planned = reports

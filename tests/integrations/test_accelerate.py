@@ -22,9 +22,6 @@ it is exact; the bound leaves room for nothing but reordering in a recompiled pr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import zerojax
+from tests.fresh_python import run_fresh_python
 
 accelerate = pytest.importorskip("accelerate", reason="accelerate is a dev dependency")
 from accelerate.state import AcceleratorState, GradientState
@@ -237,17 +235,9 @@ def test_prepare_model_never_wraps_a_zerojax_model(monkeypatch, distributed_type
 
 def test_example_script_trains():
     """examples/accelerate_train.py (a tiny GPT-2, order A) runs to the end and its loss falls."""
-    # The script sets its own device count (4); conftest's XLA_FLAGS (8) is for this process.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
-    result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "accelerate_train.py"), "--steps", "8"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    # The script sets its own device count (4).
+    result = run_fresh_python(
+        [str(REPO / "examples" / "accelerate_train.py"), "--steps", "8"], timeout=240
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in result.stdout.splitlines() if "loss" in line]

@@ -18,13 +18,12 @@ passes through the torch-format checkpoint exactly). The examples run as subproc
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.fresh_python import run_fresh_python
 
 L = pytest.importorskip("lightning")
 zerojax_lightning = pytest.importorskip("zerojax.lightning")
@@ -368,11 +367,7 @@ def test_fabric_matches_plain_fabric_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("script", ["lightning_train.py", "lightning_fabric_train.py"])
 def test_example_trains(script):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, str(REPO / "examples" / script), "--steps", "8"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=REPO, check=False,
-    )  # fmt: skip
+    done = run_fresh_python([str(REPO / "examples" / script), "--steps", "8"], timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     first, last = (float(v) for v in done.stdout.split("loss ")[-1].split()[:3:2])
     assert last < first, done.stdout[-2000:]

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import torch.nn.functional as F
 import zerojax
 from bench.architectures import MLP
 from tests import tolerances
+from tests.fresh_python import run_fresh_python
 from zerojax.config import ConfigError
 
 pytestmark = pytest.mark.multidevice
@@ -71,17 +69,7 @@ def test_initialize_applies_devices_section_in_a_fresh_process(tmp_path):
         "optimizer: {type: AdamW, params: {lr: 1.0e-3}}\n"
         "runtime: {compilation_cache_dir: null}\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no 8-device override
-    env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(config)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-        check=False,
-    )
+    done = run_fresh_python(["-c", SCRIPT, str(config)], timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4 and result["mesh"] == {"data": 4}

@@ -15,14 +15,12 @@ process; the 1-device run launches it with `python`, as a user does.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.fresh_python import run_fresh_python
 from tests.train.scripts import nanogpt_style
 
 pytestmark = pytest.mark.multidevice
@@ -44,16 +42,7 @@ def run(out, *extra) -> dict[int, float]:
 
 def run_as_python(out, *extra) -> dict[int, float]:
     """`python nanogpt_style.py ...` as a user launches it: one CPU device (no XLA_FLAGS)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=300,
-        check=False,
-    )
+    done = run_fresh_python([str(SCRIPT), "--out", str(out), *extra], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return losses_in(out)
 
