@@ -27,11 +27,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import zerojax
 from tools.float64_judge import (
-    KinkRecorder,
     float64_gradients_at,
     relative_errors,
+    torch_fp32_gradients,
+    zerojax_fp32_gradients,
 )
 from tools.model_zoo import import_torchvision
 
@@ -72,20 +72,8 @@ def run_seed(seed: int) -> dict:
     loss_of(twin(x.double())).backward()
     plain = {n: p.grad.numpy() for n, p in twin.named_parameters()}
 
-    ours = KinkRecorder(copy.deepcopy(model))
-    out, torch_seen = ours(x)
-    loss_of(out).backward()
-    torch_grads = {n.removeprefix("model."): p.grad.numpy() for n, p in ours.named_parameters()}
-
-    recorder = KinkRecorder(copy.deepcopy(model))
-    optimizer = torch.optim.SGD(recorder.parameters(), lr=0.1)
-    recorder, optimizer = zerojax.initialize(recorder, optimizer, config={"zero_stage": 0})
-    out, zj_seen = recorder(x)
-    loss_of(out).backward()
-    zj_grads = {
-        n.removeprefix("model."): p.grad.detach().numpy() for n, p in recorder.named_parameters()
-    }
-    zj_seen = [s.detach() for s in zj_seen]
+    torch_grads, torch_seen = torch_fp32_gradients(model, x, loss_of)
+    zj_grads, zj_seen = zerojax_fp32_gradients(model, x, loss_of)
     return {
         "torch_plain": worst(relative_errors(torch_grads, plain)),
         "zerojax_plain": worst(relative_errors(zj_grads, plain)),

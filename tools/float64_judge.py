@@ -233,3 +233,29 @@ def relative_errors(got: dict, exact: dict[str, np.ndarray]) -> dict[str, float]
         diff = np.linalg.norm(np.asarray(got[name], np.float64) - want)
         errors[name] = float(diff / max(np.linalg.norm(want), np.finfo(np.float64).tiny))
     return errors
+
+
+def torch_fp32_gradients(model: nn.Module, x: torch.Tensor, loss_of):
+    """(parameter gradients by name, recorded kink inputs) of one float32 torch backward of
+    `loss_of(model(x))`, on a copy of `model`."""
+    recorder = KinkRecorder(copy.deepcopy(model))
+    outputs, seen = recorder(x)
+    loss_of(outputs).backward()
+    grads = {n.removeprefix("model."): p.grad.numpy() for n, p in recorder.named_parameters()}
+    return grads, seen
+
+
+def zerojax_fp32_gradients(model: nn.Module, x: torch.Tensor, loss_of):
+    """The same through `zerojax.initialize` (ZeRO-0) of a copy of `model`: the kink inputs are
+    the zerojax program's own values."""
+    import zerojax  # the judge itself needs only torch
+
+    recorder = KinkRecorder(copy.deepcopy(model))
+    optimizer = torch.optim.SGD(recorder.parameters(), lr=0.1)
+    recorder, optimizer = zerojax.initialize(recorder, optimizer, config={"zero_stage": 0})
+    outputs, seen = recorder(x)
+    loss_of(outputs).backward()
+    grads = {
+        n.removeprefix("model."): p.grad.detach().numpy() for n, p in recorder.named_parameters()
+    }
+    return grads, [s.detach() for s in seen]

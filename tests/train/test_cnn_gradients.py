@@ -22,35 +22,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import zerojax
 from tests import tolerances
-from tools.float64_judge import KinkRecorder, float64_gradients_at, relative_errors
+from tools.float64_judge import (
+    KinkRecorder,
+    float64_gradients_at,
+    relative_errors,
+    torch_fp32_gradients,
+    zerojax_fp32_gradients,
+)
 from tools.model_zoo import import_torchvision
 
 
-def _torch_fp32(model, x, loss_of):
-    recorder = KinkRecorder(copy.deepcopy(model))
-    outputs, seen = recorder(x)
-    loss_of(outputs).backward()
-    grads = {n.removeprefix("model."): p.grad.numpy() for n, p in recorder.named_parameters()}
-    return grads, seen
-
-
-def _zerojax_fp32(model, x, loss_of):
-    recorder = KinkRecorder(copy.deepcopy(model))
-    optimizer = torch.optim.SGD(recorder.parameters(), lr=0.1, momentum=0.9)
-    recorder, optimizer = zerojax.initialize(recorder, optimizer, config={"zero_stage": 0})
-    outputs, seen = recorder(x)
-    loss_of(outputs).backward()
-    grads = {
-        n.removeprefix("model."): p.grad.detach().numpy() for n, p in recorder.named_parameters()
-    }
-    return grads, [s.detach() for s in seen]
-
-
 def assert_as_accurate_as_torch(model: nn.Module, x: torch.Tensor, loss_of) -> None:
-    torch_grads, torch_seen = _torch_fp32(model, x, loss_of)
-    ours, our_seen = _zerojax_fp32(model, x, loss_of)
+    torch_grads, torch_seen = torch_fp32_gradients(model, x, loss_of)
+    ours, our_seen = zerojax_fp32_gradients(model, x, loss_of)
     torch_exact = float64_gradients_at(model, (x,), loss_of, torch_seen)
     our_exact = float64_gradients_at(model, (x,), loss_of, our_seen)
     theirs = relative_errors(torch_grads, torch_exact)
