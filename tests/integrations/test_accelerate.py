@@ -233,6 +233,7 @@ def test_prepare_model_never_wraps_a_zerojax_model(monkeypatch, distributed_type
     assert accelerator._models == [model]
 
 
+@pytest.mark.slow  # a fresh process (imports, compiles): make test-distributed runs it
 def test_example_script_trains():
     """examples/accelerate_train.py (a tiny GPT-2, order A) runs to the end and its loss falls."""
     # The script sets its own device count (4).

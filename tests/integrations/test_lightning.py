@@ -365,6 +365,7 @@ def test_fabric_matches_plain_fabric_and_resumes(tmp_path):
 # --- the examples ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # fresh processes (imports, compiles): make test-distributed runs them
 @pytest.mark.parametrize("script", ["lightning_train.py", "lightning_fabric_train.py"])
 def test_example_trains(script):
     done = run_fresh_python([str(REPO / "examples" / script), "--steps", "8"], timeout=240)
