@@ -35,8 +35,8 @@ test-all: $(STAMP)
 
 # The multi-process tests left out of `make test` (torchrun jobs on 127.0.0.1: ZeRO-1/2/3 vs
 # torch DDP, checkpoints across process counts, SIGKILLed ranks and restarts, the HF Trainer,
-# accelerate and Lightning with 2 processes) and the integration examples run as scripts; each
-# job has its own timeout. CI runs it after `make test`.
+# accelerate and Lightning with 2 processes) and the slow integration tests (Lightning, TRL, the
+# examples run as scripts); each job has its own timeout. CI runs it after `make test`.
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/distributed tests/integrations --durations=10
 

@@ -33,6 +33,9 @@ from zerojax.train.optimizer_shim import ZeroOptimizer
 
 pytestmark = [
     pytest.mark.multidevice,
+    # ~40 s of Lightning Trainer runs: make test-distributed (in CI) runs them, keeping make
+    # test under 8 minutes.
+    pytest.mark.slow,
     # AutoEncoder has a validation_step (for Trainer.validate); most fits give it no loader.
     pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no"),
 ]
