@@ -34,6 +34,8 @@ from tests.fresh_python import run_fresh_python
 accelerate = pytest.importorskip("accelerate", reason="accelerate is a dev dependency")
 from accelerate.state import AcceleratorState, GradientState
 
+from tests.distributed.accelerate_script import MLP  # the torchrun test's model
+
 pytestmark = pytest.mark.multidevice
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,17 +44,6 @@ ACCUMULATION = 2
 LOCAL_BATCH = 8
 OPTIMIZER_STEPS = 4
 MAX_NORM = 0.5  # below the first steps' norms: the clip really scales
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(16, 64)
-        self.norm = torch.nn.LayerNorm(64)
-        self.head = torch.nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.head(F.gelu(self.norm(self.fc1(x))))
 
 
 def batches():

@@ -26,32 +26,12 @@ from zerojax.config import ConfigError
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate (a dev dependency)")
+# The torchrun Trainer test's data and log recorder (one definition for both).
+from tests.distributed.hf_trainer_script import LogRecorder, Tokens
 
 pytestmark = pytest.mark.multidevice
 
 STEPS = 6
-
-
-class Tokens(torch.utils.data.Dataset):
-    """Random token rows; `labels` are the inputs (the model shifts them)."""
-
-    def __init__(self):
-        self.ids = torch.randint(0, 128, (64, 32), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-class LogRecorder(transformers.TrainerCallback):
-    def __init__(self):
-        self.logs = []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.logs.append((logs["loss"], logs["grad_norm"]))
 
 
 def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
@@ -79,12 +59,12 @@ def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
     trainer = transformers.Trainer(
         model=model,
         args=args,
-        train_dataset=Tokens(),
+        train_dataset=Tokens(64, seed=0),
         optimizers=(optimizer, None) if user_optimizer else (None, None),
         callbacks=[recorder],
     )
     trainer.train()
-    held_out = torch.utils.data.Subset(Tokens(), range(16))
+    held_out = torch.utils.data.Subset(Tokens(64, seed=0), range(16))
     evaluated = trainer.evaluate(held_out)["eval_loss"]
     predicted = torch.as_tensor(trainer.predict(held_out).predictions)
     trainer.save_model(str(out / "final"))
@@ -145,4 +125,4 @@ def test_trainer_refuses_a_second_accumulation(tmp_path):
         output_dir=str(tmp_path), gradient_accumulation_steps=4, report_to=[], use_cpu=True
     )
     with pytest.raises(ValueError, match="accumulate again on top"):
-        transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(64, seed=0))
