@@ -767,15 +767,27 @@ OFFLOAD_BAD = [
     (
         {"zero_stage": 3, "offload": {"params": "host"}},
         (
-            "offload.params='host': parameter offload (ZeRO-Infinity's CPU tier: parameter shards "
-            "on the host, brought in per layer) is not supported yet; allowed: device"
+            "offload.params='host': parameter offload (ZeRO-Infinity's CPU tier) keeps ZeRO-3's "
+            "parameter shards on the host and brings each in where an op reads it; it needs "
+            "zero_stage 3 and the update on the host: offload.optimizer, offload.grads (and "
+            "offload.master where the precision keeps masters) set to host"
+        ),
+    ),
+    (
+        {"zero_stage": 2, "offload": {"params": "host", "grads": "host", "optimizer": "host"}},
+        (
+            "offload.params='host': parameter offload (ZeRO-Infinity's CPU tier) keeps ZeRO-3's "
+            "parameter shards on the host and brings each in where an op reads it; it needs "
+            "zero_stage 3 and the update on the host: offload.optimizer, offload.grads (and "
+            "offload.master where the precision keeps masters) set to host"
         ),
     ),
     (
         {"zero_stage": 3, "offload": {"grads": "host"}},
         (
-            "offload.grads='host': gradient offload is not supported yet (gradients are produced "
-            "on the device and the update reads them there); allowed: device"
+            "offload.grads='host': gradients go to the host for the host-side update "
+            "(ZeRO-Offload): it needs offload.optimizer: host (and master: host where the "
+            "precision keeps masters)"
         ),
     ),
     (
@@ -808,9 +820,23 @@ OFFLOAD_BAD = [
     (
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}},
         (
-            "zero_optimization.offload_param.device='cpu': parameter offload (ZeRO-Infinity's CPU "
-            "tier: parameter shards in host memory, brought in per layer) is not supported yet; "
-            "remove it (offload_optimizer: {device: cpu} is)"
+            "zero_optimization.offload_param.device='cpu': zerojax runs the optimizer update "
+            "where the parameter shards live, on the host: add offload_optimizer: {device: cpu} "
+            "as well"
+        ),
+    ),
+    (
+        {
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu"},
+                "offload_param": {"device": "cpu"},
+            }
+        },
+        (
+            "zero_optimization.offload_param.device='cpu': parameter offload needs "
+            "zero_optimization.stage 3 (DeepSpeed's rule: only stage 3 partitions the "
+            "parameters); stage is 2"
         ),
     ),
     (
@@ -824,9 +850,8 @@ OFFLOAD_BAD = [
     (
         {"zero_optimization": {"stage": 3, "cpu_offload_params": True}},
         (
-            "zero_optimization.cpu_offload_params=true: parameter offload (ZeRO-Infinity's CPU "
-            "tier: parameter shards in host memory, brought in per layer) is not supported yet; "
-            "remove it (offload_optimizer: {device: cpu} is)"
+            "zero_optimization.cpu_offload_params=true: zerojax runs the optimizer update where "
+            "the parameter shards live, on the host: add offload_optimizer: {device: cpu} as well"
         ),
     ),
 ]
@@ -838,25 +863,41 @@ def test_bad_offload_config_message(raw, message):
         load(raw)
 
 
-def test_deepspeed_offload_optimizer_moves_optimizer_state_and_masters_to_host():
-    """DeepSpeed keeps the fp32 partition (masters) with the optimizer state on the CPU; with
-    no master copy (fp32, or *_master_weights_and_grads) only the optimizer state moves."""
+def test_deepspeed_offload_optimizer_moves_optimizer_state_masters_and_grads_to_host():
+    """DeepSpeed keeps the fp32 partition (masters) with the optimizer state on the CPU and
+    copies the gradients there for its CPU optimizer; with no master copy (fp32, or
+    *_master_weights_and_grads) the optimizer state and gradients move."""
     offload = {"device": "cpu", "pin_memory": True}
     config = load(
         {"zero_optimization": {"stage": 2, "offload_optimizer": offload}, "bf16": {"enabled": True}}
     )
-    assert config.offload.host_states == ("optimizer", "master")
+    assert config.offload.host_states == ("optimizer", "master", "grads")
     assert load(
         {"zero_optimization": {"stage": 3, "offload_optimizer": offload}}
-    ).offload.host_states == ("optimizer",)
+    ).offload.host_states == ("optimizer", "grads")
     pure = {"enabled": True, "bf16_master_weights_and_grads": True}
     assert load(
         {"zero_optimization": {"stage": 1, "offload_optimizer": offload}, "bf16": pure}
-    ).offload.host_states == ("optimizer",)
+    ).offload.host_states == ("optimizer", "grads")
     legacy = load(
         {"zero_optimization": {"stage": 2, "cpu_offload": True}, "fp16": {"enabled": True}}
     )
-    assert legacy.offload.host_states == ("optimizer", "master")
+    assert legacy.offload.host_states == ("optimizer", "master", "grads")
+
+
+@pytest.mark.parametrize("order", ["param_first", "optimizer_first"])
+def test_deepspeed_offload_param_moves_parameter_shards_to_host(order):
+    """ZeRO-Infinity's CPU tier: offload_param with offload_optimizer under stage 3 puts every
+    model state on the host, whichever key comes first."""
+    keys = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    if order == "optimizer_first":
+        keys = dict(reversed(keys.items()))
+    config = load({"zero_optimization": {"stage": 3, **keys}, "bf16": {"enabled": True}})
+    assert config.offload.host_states == ("optimizer", "master", "params", "grads")
+    legacy = load(
+        {"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True}}
+    )
+    assert legacy.offload.host_states == ("optimizer", "params", "grads")
 
 
 def test_deepspeed_offload_device_none_offloads_nothing():
@@ -888,4 +929,4 @@ def test_deepspeed_offload_keys_without_effect_warn_with_the_reason():
             "by zerojax and is ignored (it applies to device: nvme only)"
         ),
     ]
-    assert config.offload.host_states == ("optimizer",)
+    assert config.offload.host_states == ("optimizer", "grads")

@@ -42,12 +42,25 @@ class Net(nn.Module):
         return self.head(F.relu(self.fc1(x)))
 
 
-def config_for(stage: int, precision: str | None, offload: bool) -> dict:
+OFFLOADS = ("optimizer", "grads", "params")
+"""What each offload setting in these tests moves to the host: `optimizer` the optimizer state
+and master weights; `grads` those and the gradients (DeepSpeed's offload_optimizer: cpu);
+`params` everything (with offload_param: cpu, ZeRO-3 only)."""
+
+
+def config_for(stage: int, precision: str | None, offload: str | None, **train) -> dict:
     config: dict = {"mesh": {"data": 8}, "zero_stage": stage}
     if precision is not None:
         config["precision"] = precision
-    if offload:
-        config["offload"] = {"optimizer": "host", **({"master": "host"} if precision else {})}
+    if offload is not None:
+        hosted = OFFLOADS[: OFFLOADS.index(offload) + 1]
+        config["offload"] = {
+            "optimizer": "host",
+            **({"master": "host"} if precision else {}),
+            **{state: "host" for state in hosted[1:]},
+        }
+    if train:
+        config["train"] = train
     return config
 
 
@@ -88,31 +101,98 @@ def assert_same_state(model_a, opt_a, model_b, opt_b) -> None:
             assert torch.equal(value, state_b[index][key]), (index, key)
 
 
+SETTINGS = [(stage, offload) for stage in (1, 2, 3) for offload in ("optimizer", "grads")] + [
+    (3, "params")
+]
+
+
 @pytest.mark.parametrize("precision", [None, BF16_MASTER], ids=["fp32", "bf16-master"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_offloaded_training_is_bitwise_the_device_run(stage, precision):
-    model, optimizer = make(config_for(stage, precision, offload=False))
+@pytest.mark.parametrize("stage, offload", SETTINGS, ids=[f"zero{s}-{o}" for s, o in SETTINGS])
+def test_offloaded_training_is_bitwise_the_device_run(stage, offload, precision):
+    model, optimizer = make(config_for(stage, precision, None))
     losses = train(model, optimizer, torch.Generator().manual_seed(5), STEPS)
-    hosted_model, hosted_optimizer = make(config_for(stage, precision, offload=True))
+    hosted_model, hosted_optimizer = make(config_for(stage, precision, offload))
     hosted_losses = train(hosted_model, hosted_optimizer, torch.Generator().manual_seed(5), STEPS)
 
     assert hosted_losses == losses
     assert_same_state(model, optimizer, hosted_model, hosted_optimizer)
     engine = hosted_model.engine
     assert memory_kinds(engine.opt_state) == {"pinned_host"}  # moments and step counts
-    assert memory_kinds(engine.params) == {"device"}  # the update brings new params back
+    # With parameter offload the new shards stay on the host; else the update brings them back.
+    params_kind = "pinned_host" if offload == "params" else "device"
+    assert memory_kinds(engine.params) == {params_kind}
     if precision is not None:
         assert memory_kinds(engine.master) == {"pinned_host"}
     # On their ZeRO shardings, only in another memory: the same layout as without offload.
-    for name, sharding in model.engine.plan.opt_state.items():
-        hosted = engine.plan.opt_state[name]
+    plan, hosted_plan = model.engine.plan, engine.plan
+    for name, sharding in plan.opt_state.items():
+        hosted = hosted_plan.opt_state[name]
         assert hosted == sharding.with_memory_kind("pinned_host")
         moment = engine.opt_state["exp_avg"][name]
         assert moment.sharding.is_equivalent_to(hosted, moment.ndim)
-    # torch ops on a parameter read its (offloaded) master weight on the device.
-    x = torch.randn(4, 16)
+        assert hosted_plan.params[name] == plan.params[name].with_memory_kind(params_kind)
+    # The backward pass leaves the gradients where the setting puts them.
+    x, y = torch.randn(16, 16), torch.randint(0, 8, (16,))
+    F.cross_entropy(hosted_model(x), y).backward()
+    grads_kind = "device" if offload == "optimizer" else "pinned_host"
+    assert memory_kinds(engine.grads) == {grads_kind}
+    for name, sharding in plan.grads.items():
+        assert engine.grads[name].sharding.is_equivalent_to(
+            sharding.with_memory_kind(grads_kind), engine.grads[name].ndim
+        )
+    # torch ops on a parameter read its (offloaded) master weight on the device, and on its
+    # gradient read that on the device too.
+    F.cross_entropy(model(x), y).backward()
     weight, hosted_weight = model.fc1.weight, hosted_model.fc1.weight
     assert torch.equal(F.linear(x, hosted_weight), F.linear(x, weight))
+    assert torch.equal(hosted_weight.grad * 2, weight.grad * 2)
+
+
+def host_gradient_loop(model, optimizer, generator, steps, *, clip_in_loop: bool) -> list:
+    """Two micro-batches per step (the config's gradient_accumulation_steps=2), the loss
+    scaled by fp16 loss scaling inside the step; `clip_in_loop`: torch's clip_grad_norm_
+    before each optimizer.step(), as the HF Trainer calls it."""
+    losses = []
+    for _ in range(steps):
+        for _ in range(2):
+            x = torch.randn(16, 16, generator=generator)
+            y = torch.randint(0, 8, (16,), generator=generator)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses.append(loss.item())
+            if clip_in_loop:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                losses.append(norm.item())
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("clip_in_loop", [False, True], ids=["config-clipping", "clip_grad_norm_"])
+def test_host_gradients_accumulate_clip_and_loss_scale_bitwise(clip_in_loop):
+    """Gradient offload under everything that reads the gradients between backward and update:
+    accumulation (added on the host), fp16 loss scaling (unscaled and checked for overflow),
+    and clipping (config gradient_clipping, or torch's clip_grad_norm_ in the loop): the norm
+    from device copies, the scaling on the host. Bitwise the device run, ZeRO-2."""
+    fp16 = "params=float16,compute=float16,master=float32"
+    train_options = {"gradient_accumulation_steps": 2}
+    if not clip_in_loop:
+        train_options["gradient_clipping"] = 0.05
+    runs = []
+    for offload in (None, "grads"):
+        model, optimizer = make(config_for(2, fp16, offload, **train_options))
+        generator = torch.Generator().manual_seed(5)
+        runs.append(
+            (
+                host_gradient_loop(model, optimizer, generator, 3, clip_in_loop=clip_in_loop),
+                model,
+                optimizer,
+            )
+        )
+    (losses, model, optimizer), (hosted_losses, hosted_model, hosted_optimizer) = runs
+    assert hosted_losses == losses
+    assert_same_state(model, optimizer, hosted_model, hosted_optimizer)
+    assert hosted_optimizer.loss_scale == optimizer.loss_scale
 
 
 def lowered_update(model, platform: str | None = None) -> str:
@@ -155,9 +235,9 @@ def test_other_optimizers_update_on_the_host_bitwise(optimizer):
     """SGD with momentum and Adam (L2 decay, amsgrad) on the host too: ZeRO-2, bf16 params
     with fp32 masters, bitwise the device run."""
     optimizer_for = OTHER_OPTIMIZERS[optimizer]
-    model, opt = make(config_for(2, BF16_MASTER, offload=False), optimizer_for)
+    model, opt = make(config_for(2, BF16_MASTER, None), optimizer_for)
     losses = train(model, opt, torch.Generator().manual_seed(5), STEPS)
-    hosted, hosted_opt = make(config_for(2, BF16_MASTER, offload=True), optimizer_for)
+    hosted, hosted_opt = make(config_for(2, BF16_MASTER, "grads"), optimizer_for)
     assert train(hosted, hosted_opt, torch.Generator().manual_seed(5), STEPS) == losses
     assert_same_state(model, opt, hosted, hosted_opt)
     assert HOST_COMPUTE in lowered_update(hosted)
@@ -185,7 +265,7 @@ def test_update_computes_on_the_host(precision):
     compiled CPU program keeps the host mark only on scalar bitcasts (its fusions drop it), so
     the lowered program is what is checked.
     """
-    model, optimizer = make(config_for(2, precision, offload=True))
+    model, optimizer = make(config_for(2, precision, "optimizer"))
     train(model, optimizer, torch.Generator().manual_seed(5), 1)
     for platform in (None, "cuda"):
         module = lowered_update(model, platform)
@@ -208,9 +288,9 @@ def test_state_offloaded_with_masters_on_the_device_updates_on_the_device():
     """`offload: {optimizer: host}` with bf16 params and fp32 masters kept on the device: the
     step reads device masters, so the state moves to the device for it (no host compute) and
     back; still bitwise the device run."""
-    config = config_for(2, BF16_MASTER, offload=True)
+    config = config_for(2, BF16_MASTER, "optimizer")
     config["offload"] = {"optimizer": "host"}
-    model, optimizer = make(config_for(2, BF16_MASTER, offload=False))
+    model, optimizer = make(config_for(2, BF16_MASTER, None))
     losses = train(model, optimizer, torch.Generator().manual_seed(5), STEPS)
     hosted_model, hosted_optimizer = make(config)
     hosted_losses = train(hosted_model, hosted_optimizer, torch.Generator().manual_seed(5), STEPS)
@@ -232,22 +312,25 @@ def save_and_resume(save_config: dict, resume_config: dict, directory) -> list[f
     with Checkpointer(directory, resumed, resumed_optimizer) as checkpointer:
         state = checkpointer.restore()
     generator.set_state(torch.tensor(state.extra["data_rng"], dtype=torch.uint8))
-    engine = resumed.engine
-    offloaded = "offload" in resume_config
-    assert memory_kinds(engine.opt_state) == {"pinned_host" if offloaded else "device"}
-    assert memory_kinds(engine.master) == {"pinned_host" if offloaded else "device"}
+    engine, hosted = resumed.engine, resume_config.get("offload", {})
+    assert memory_kinds(engine.opt_state) == {"pinned_host" if hosted else "device"}
+    assert memory_kinds(engine.master) == {"pinned_host" if hosted else "device"}
+    assert memory_kinds(engine.params) == {"pinned_host" if "params" in hosted else "device"}
     return train(resumed, resumed_optimizer, generator, STEPS)
 
 
-@pytest.mark.parametrize("saved_offloaded", [False, True], ids=["device-to-host", "host-to-device"])
-def test_resume_across_offload_settings(saved_offloaded, tmp_path):
-    """ZeRO-2, bf16 params with fp32 masters: a checkpoint is the same whichever memory the
-    state lived in, and restores into either."""
-    device = config_for(2, BF16_MASTER, offload=False)
-    hosted = config_for(2, BF16_MASTER, offload=True)
-    model, optimizer = make(device)
+RESUMES = [(2, None, "grads"), (2, "grads", None), (3, None, "params"), (3, "params", "grads")]
+
+
+@pytest.mark.parametrize(
+    "stage, saved, resumed", RESUMES, ids=[f"zero{s}-{a}-to-{b}" for s, a, b in RESUMES]
+)
+def test_resume_across_offload_settings(stage, saved, resumed, tmp_path):
+    """bf16 params with fp32 masters: a checkpoint is the same whichever memory the state lived
+    in, and restores into any other offload setting."""
+    model, optimizer = make(config_for(stage, BF16_MASTER, None))
     straight = train(model, optimizer, torch.Generator().manual_seed(5), 2 * STEPS)
-    save, resume = (hosted, device) if saved_offloaded else (device, hosted)
+    save, resume = (config_for(stage, BF16_MASTER, offload) for offload in (saved, resumed))
     assert save_and_resume(save, resume, tmp_path) == straight[STEPS:]
 
 
@@ -258,7 +341,7 @@ def test_optimizer_running_its_own_step_is_refused_with_offload():
     net = Net()
     with pytest.raises(ValueError, match=r"^zerojax: offload.optimizer=host moves state"):
         zerojax.initialize(
-            net, torch.optim.RMSprop(net.parameters()), config=config_for(1, None, offload=True)
+            net, torch.optim.RMSprop(net.parameters()), config=config_for(1, None, "optimizer")
         )
 
 
@@ -267,7 +350,7 @@ def test_memory_report_splits_device_and_host_bytes():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     args = (torch.randn(16, 64),)
-    device = zerojax.memory_report(net, args, config_for(2, BF16_MASTER, offload=False))
+    device = zerojax.memory_report(net, args, config_for(2, BF16_MASTER, None))
     hosted = zerojax.memory_report(net, args, config_for(2, BF16_MASTER, offload=True))
     assert [c.host for c in hosted.components] == [False, False, True, True]
     assert [c.measured for c in hosted.components] == [c.measured for c in device.components]

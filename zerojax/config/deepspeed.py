@@ -4,8 +4,9 @@
 like any other. Understood:
 
     zero_optimization   stage; offload_optimizer {device: none|cpu, pin_memory, ratio: 1}
-                        (optimizer state and master weights in host memory, stage >= 1;
-                        device nvme and offload_param {device: cpu|nvme} are refused);
+                        (optimizer state, master weights and gradients in host memory,
+                        stage >= 1); offload_param {device: none|cpu} (parameter shards in
+                        host memory, stage 3 with offload_optimizer); device nvme refused;
                         cpu_offload, cpu_offload_params (the older spellings)
     bf16                enabled, bf16_master_weights_and_grads, bf16_optimizer_states
     fp16                enabled, loss_scale, initial_scale_power, loss_scale_window,
@@ -240,7 +241,7 @@ def _zero_optimization(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
         elif key == "cpu_offload_use_pin_memory":
             as_bool(path, value)  # host state is always pinned (see _offload_optimizer)
         elif key in ("offload_param", "cpu_offload_params"):
-            _offload_param(path, value)
+            _offload_param(path, value, stage, section, raw)
         else:
             communication = "bucket" in key or "overlap" in key or "contiguous" in key
             _ignored(
@@ -260,8 +261,8 @@ def _keeps_master(ds: Mapping[str, Any]) -> bool:
 def _offload_optimizer(
     path: str, value: Any, stage: int, keeps_master: bool, raw: dict[str, Any]
 ) -> None:
-    """`offload_optimizer: {device: cpu}`: optimizer state and (where kept) master weights in
-    host memory, `offload: {optimizer: host, master: host}`."""
+    """`offload_optimizer: {device: cpu}`: optimizer state, gradients and (where kept) master
+    weights in host memory, `offload: {optimizer: host, grads: host, master: host}`."""
     section = as_mapping(path, value)
     check_keys(path, section, _OFFLOAD_OPTIMIZER_KEYS)
     device = as_choice(f"{path}.device", section.get("device", "none"), ("none", "cpu", "nvme"))
@@ -297,27 +298,50 @@ def _offload_optimizer(
             _ignored(f"{path}.{key}", "it applies to device: nvme only")
     # The master weights go with the optimizer state (DeepSpeed keeps its fp32 partition on
     # the CPU), where the precision keeps them (fp32 training and *_master_weights_and_grads
-    # have none).
-    raw["offload"] = {"optimizer": "host", **({"master": "host"} if keeps_master else {})}
+    # have none), and so do the gradients (ZeRO-Offload copies each to the CPU as the
+    # backward pass produces it, for the CPU optimizer).
+    raw.setdefault("offload", {}).update(
+        {"optimizer": "host", "grads": "host", **({"master": "host"} if keeps_master else {})}
+    )
 
 
-def _offload_param(path: str, value: Any) -> None:
+def _offloads_optimizer(section: Mapping[str, Any]) -> bool:
+    optimizer = section.get("offload_optimizer")
+    if isinstance(optimizer, Mapping):
+        return optimizer.get("device") == "cpu"
+    return section.get("cpu_offload") is True
+
+
+def _offload_param(
+    path: str, value: Any, stage: int, section: Mapping[str, Any], raw: dict[str, Any]
+) -> None:
+    """`offload_param: {device: cpu}`: ZeRO-3's parameter shards in host memory,
+    `offload: {params: host}`."""
     if isinstance(value, bool):  # cpu_offload_params, the older spelling
         device, where, written = ("cpu" if value else "none"), path, value
     else:
-        section = as_mapping(path, value)
-        device = as_choice(f"{path}.device", section.get("device", "none"), ("none", "cpu", "nvme"))
+        options = as_mapping(path, value)
+        device = as_choice(f"{path}.device", options.get("device", "none"), ("none", "cpu", "nvme"))
         where, written = f"{path}.device", device
     if device == "nvme":
         raise error(where, device, _WHY_NO_NVME)
-    if device == "cpu":
+    if device != "cpu":
+        return
+    if stage != 3:
         raise error(
             where,
             written,
-            "parameter offload (ZeRO-Infinity's CPU tier: parameter shards in host memory, "
-            "brought in per layer) is not supported yet; remove it (offload_optimizer: "
-            "{device: cpu} is)",
+            "parameter offload needs zero_optimization.stage 3 (DeepSpeed's rule: only "
+            f"stage 3 partitions the parameters); stage is {stage}",
         )
+    if not _offloads_optimizer(section):
+        raise error(
+            where,
+            written,
+            "zerojax runs the optimizer update where the parameter shards live, on the host: "
+            "add offload_optimizer: {device: cpu} as well",
+        )
+    raw.setdefault("offload", {})["params"] = "host"
 
 
 def _bf16(section: Mapping[str, Any]) -> dict[str, Any]:

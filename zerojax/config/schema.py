@@ -247,12 +247,15 @@ class OffloadConfig:
     device or host, as `optimizer`."""
 
     params: str = "device"
-    """Where the parameters live between uses: only device so far (ZeRO-Infinity's CPU tier,
-    parameters brought in per layer, is not built yet)."""
+    """Where the parameter shards live between uses: device, or host (ZeRO-Infinity's CPU tier;
+    needs ZeRO stage 3 and `grads: host`): each op that reads a parameter brings its shard in
+    and gathers it there, inside the checkpointed region that op is (so the backward pass
+    brings it in again), and the new parameters stay on the host after the update."""
 
     grads: str = "device"
-    """Where the accumulated gradients live: only device so far (they are produced there and
-    the update reads them there)."""
+    """Where the accumulated gradients live: device, or host (ZeRO-Offload; needs `optimizer:
+    host`): each gradient leaves the device as the backward pass produces it, accumulation
+    adds on the host, and the update computes there."""
 
     @property
     def host_states(self) -> tuple[str, ...]:

@@ -388,28 +388,14 @@ def parse_activation_checkpointing(raw: Any) -> ActivationCheckpointingConfig:
     return ActivationCheckpointingConfig(**kwargs)
 
 
-_OFFLOAD_NOT_BUILT = {
-    "params": (
-        "parameter offload (ZeRO-Infinity's CPU tier: parameter shards on the host, brought in "
-        "per layer) is not supported yet; allowed: device"
-    ),
-    "grads": (
-        "gradient offload is not supported yet (gradients are produced on the device and the "
-        "update reads them there); allowed: device"
-    ),
-}
-
-
 def parse_offload(raw: Any, zero_stage: int, precision: PrecisionConfig) -> OffloadConfig:
-    """`offload: {optimizer, master, params, grads}`, each device or host. Host placement of
-    optimizer state and master weights needs ZeRO stage >= 1 (as DeepSpeed's offload_optimizer
-    does: what moves to the host is each rank's ZeRO shard), and master weights to move."""
+    """`offload: {optimizer, master, params, grads}`, each device or host. Host placement needs
+    ZeRO stage >= 1 (as DeepSpeed's offload_optimizer does: what moves to the host is each
+    rank's ZeRO shard) and master weights to move; host gradients feed the host update (so
+    need the optimizer state there), host parameters need stage 3 and host gradients."""
     raw = as_mapping("offload", raw)
     check_keys("offload", raw, ("optimizer", "master", "params", "grads"))
     kwargs = {key: as_choice(f"offload.{key}", value, OFFLOAD_PLACES) for key, value in raw.items()}
-    for key, why in _OFFLOAD_NOT_BUILT.items():
-        if kwargs.get(key) == "host":
-            raise error(f"offload.{key}", "host", why)
     offload = OffloadConfig(**kwargs)
     if offload.host_states and zero_stage == 0:
         raise error(
@@ -418,7 +404,26 @@ def parse_offload(raw: Any, zero_stage: int, precision: PrecisionConfig) -> Offl
             "needs ZeRO stage 1, 2 or 3 (as DeepSpeed's offload_optimizer does: each rank "
             "offloads its own shard of the state); set zero_stage to 1 or more",
         )
-    if offload.master == "host" and precision.master_dtype is None:
+    keeps_master = precision.master_dtype is not None
+    if offload.grads == "host" and (
+        offload.optimizer != "host" or (keeps_master and offload.master != "host")
+    ):
+        raise error(
+            "offload.grads",
+            "host",
+            "gradients go to the host for the host-side update (ZeRO-Offload): it needs "
+            "offload.optimizer: host (and master: host where the precision keeps masters)",
+        )
+    if offload.params == "host" and (zero_stage < 3 or offload.grads != "host"):
+        raise error(
+            "offload.params",
+            "host",
+            "parameter offload (ZeRO-Infinity's CPU tier) keeps ZeRO-3's parameter shards on "
+            "the host and brings each in where an op reads it; it needs zero_stage 3 and the "
+            "update on the host: offload.optimizer, offload.grads (and offload.master where "
+            "the precision keeps masters) set to host",
+        )
+    if offload.master == "host" and not keeps_master:
         raise error(
             "offload.master",
             "host",

@@ -49,7 +49,12 @@ HOST_MEMORY_KIND = "pinned_host"
 from inside a program (an `unpinned_host` output of a program comes back in device memory)."""
 
 # Plan component -> the `offload` config field that can move it to host memory.
-_OFFLOADABLE = {"opt_state": "optimizer", "master_weights": "master"}
+_OFFLOADABLE = {
+    "params": "params",
+    "grads": "grads",
+    "opt_state": "optimizer",
+    "master_weights": "master",
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -95,8 +100,8 @@ class ShardingPlan:
     batch_dim: int = 0
     sequence_dim: int = 1
     offloaded: tuple[str, ...] = ()
-    """Components (`opt_state`, `master_weights`) whose shardings are in host memory
-    (`HOST_MEMORY_KIND`)."""
+    """Components (`params`, `grads`, `opt_state`, `master_weights`) whose shardings are in
+    host memory (`HOST_MEMORY_KIND`); `compute_params`, where ops read the params, never are."""
 
     @property
     def total_bytes(self) -> int:

@@ -52,13 +52,13 @@ from zerojax.train.data_parallel import ProcessLocalBatches, rank0_seed
 from zerojax.train.parameters import plain_parameters
 from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
 from zerojax.train.programs import (
+    DEVICE_GRADIENT_OPS,
+    HOST_GRADIENT_OPS,
     StepPrograms,
-    add_grads,
-    add_scaled_grads,
     clip_by_global_norm_jit,
+    clip_host_grads,
     find_scalar_loss,
     is_float,
-    scale_grads,
 )
 from zerojax.train.state import TrainState
 
@@ -493,14 +493,20 @@ class Engine:
             weight = jnp.float32(1.0 / gas) * (jnp.float32(1.0) if weight is None else weight)
         # One pass over the gradients at most: `loss.backward()`'s cotangent is 1, which
         # needs no multiply (x * 1.0 == x exactly), and a weight is folded into the add.
+        ops = HOST_GRADIENT_OPS if self.grads_offloaded else DEVICE_GRADIENT_OPS
         current = self._state.grads
         if current is None:
-            accumulated = grads if weight is None else scale_grads(grads, weight)
+            accumulated = grads if weight is None else ops.scale(grads, weight)
         elif weight is None:
-            accumulated = add_grads(current, grads)
+            accumulated = ops.add(current, grads)
         else:
-            accumulated = add_scaled_grads(current, grads, weight)
+            accumulated = ops.add_scaled(current, grads, weight)
         self._state = self._state.replace(grads=accumulated)
+
+    @property
+    def grads_offloaded(self) -> bool:
+        """Whether the accumulated gradients live in host memory (config `offload.grads`)."""
+        return "grads" in self.plan.offloaded
 
     def in_accumulation_window(self) -> bool:
         """True between the micro-steps of one accumulation (after a step() that did not reach
@@ -551,9 +557,10 @@ class Engine:
         grads = self._state.grads
         if grads is None or name not in grads:
             return None
+        # An offloaded gradient: torch's ops on it meet device arrays (see weight_value).
+        grad = _in_device_memory(grads[name], self.plan)
         if self._state.loss_scale is not None:
-            return _unscaled(grads[name], self.scale, dtype)
-        grad = grads[name]
+            return _unscaled(grad, self.scale, dtype)
         return grad if grad.dtype == dtype else grad.astype(dtype)
 
     def write_grad(self, name: str, value: jax.Array) -> None:
@@ -570,11 +577,9 @@ class Engine:
     def weight_value(self, name: str, dtype) -> jax.Array:
         """One parameter's authoritative value (its master weight where kept), in `dtype`."""
         weights = self._state.master if self._state.master is not None else {}
-        weight = weights.get(name, self._state.params[name])
-        if weight.sharding.memory_kind not in (None, "device"):
-            # An offloaded master weight: torch's ops on it meet device arrays (inputs,
-            # gradients), and JAX computes only on operands in one memory space.
-            weight = jax.device_put(weight, self.plan.on_device(weight.sharding))
+        # An offloaded weight: torch's ops on it meet device arrays (inputs, gradients), and
+        # JAX computes only on operands in one memory space.
+        weight = _in_device_memory(weights.get(name, self._state.params[name]), self.plan)
         return weight if weight.dtype == dtype else weight.astype(dtype)
 
     def buffer_value(self, name: str, dtype) -> jax.Array:
@@ -603,7 +608,15 @@ class Engine:
         grads = self._state.grads
         if grads is None:
             return jnp.float32(0.0)
-        grads, norm = clip_by_global_norm_jit(grads, self.scale, float(max_norm), float(norm_type))
+        if self.grads_offloaded:
+            on_device = tuple((n, self.plan.on_device(self.plan.grads[n])) for n in grads)
+            grads, norm = clip_host_grads(
+                grads, self.scale, float(max_norm), float(norm_type), on_device
+            )
+        else:
+            grads, norm = clip_by_global_norm_jit(
+                grads, self.scale, float(max_norm), float(norm_type)
+            )
         self._state = self._state.replace(grads=grads)
         return norm
 
@@ -723,6 +736,13 @@ def place_abstract(structs: dict, shardings: dict) -> dict:
         key: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[key])
         for key, s in structs.items()
     }
+
+
+def _in_device_memory(array: jax.Array, plan) -> jax.Array:
+    """`array`, moved to device memory if it is offloaded to the host."""
+    if array.sharding.memory_kind in (None, "device"):
+        return array
+    return jax.device_put(array, plan.on_device(array.sharding))
 
 
 def _put(array, sharding):

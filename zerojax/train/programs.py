@@ -38,11 +38,13 @@ executable the last call used, which is what `zerojax.memory_report` reports.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted
@@ -223,7 +225,10 @@ class StepPrograms:
                 # ...and not before the op's activations exist: without this order XLA:CPU's
                 # scheduler starts every layer's all-gather at the top of the program, so
                 # all of them are live at once (measured: 0.8 GB per 6.7B-model layer).
+                # The same holds for bringing in a host shard (parameter offload).
                 value = _after(value, activations)
+            if "params" in self.plan.offloaded:
+                value = jax.device_put(value, self.plan.on_device(self.plan.params[name]))
             value = jax.lax.with_sharding_constraint(value, gathered)
             if is_float(value) and policy.compute_override is not None:
                 value = value.astype(policy.compute_dtype)
@@ -289,14 +294,19 @@ class StepPrograms:
         )
 
     def as_grads(self, grads):
-        """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards)."""
-        return {
-            n: jax.lax.with_sharding_constraint(
-                g.astype(self.policy.grad_dtype), self.plan.grads[n]
+        """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards;
+        with gradient offload, each then copied out to its host shard: XLA starts the copy
+        when the backward pass has produced the gradient, not at the program's end)."""
+        plan = self.plan
+
+        def placed(name, grad):
+            sharding = plan.grads[name]
+            grad = jax.lax.with_sharding_constraint(
+                grad.astype(self.policy.grad_dtype), plan.on_device(sharding)
             )
-            for n, g in grads.items()
-            if is_float(g)
-        }
+            return jax.device_put(grad, sharding) if "grads" in plan.offloaded else grad
+
+        return {n: placed(n, g) for n, g in grads.items() if is_float(g)}
 
     # --- forward / backward -----------------------------------------------------------------
 
@@ -376,17 +386,21 @@ class StepPrograms:
             on_host = self.updates_on_host(master)
             if not on_host:
                 master, opt_state = self.moved_state(master, opt_state, to_host=False)
-            grads = {n: g.astype(jnp.float32) for n, g in grads.items()}
-            if loss_scale is not None:
-                grads = {n: g / loss_scale["scale"] for n, g in grads.items()}
-                finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
+            scale = None if loss_scale is None else loss_scale["scale"]
+            if "grads" in plan.offloaded:
+                # Host gradients are processed on the host, in the host step; what needs all of
+                # them at once (the overflow check, the clipping norm) reads device copies of
+                # each, freed after its reduction.
+                finite, clip_coef = self._gradient_checks(grads, scale, clip)
             else:
+                grads = unscaled(grads, scale)
                 # Without loss scaling torch steps whatever the gradients hold, and so does
                 # this: the check and the state it keeps cost ResNet-18's SGD step 50 of its
                 # 77 ms on CPU (a copy and a reduction per parameter, bench/cnn_step.py).
-                finite = None
-            if clip is not None:
-                grads, _ = clip_by_global_norm(grads, jnp.float32(1.0), clip, 2.0)
+                finite = None if scale is None else all_finite(grads)
+                if clip is not None:
+                    grads, _ = clip_by_global_norm(grads, jnp.float32(1.0), clip, 2.0)
+                scale = clip_coef = None  # applied
             new_loss_scale = (
                 next_loss_scale_state(loss_scale_config, loss_scale, finite)
                 if loss_scale is not None
@@ -394,7 +408,7 @@ class StepPrograms:
             )
             if on_host:
                 new_params, new_master, new_state = self._host_update(
-                    spec, params, master, opt_state, grads, hyper, finite
+                    spec, params, master, opt_state, grads, hyper, finite, scale, clip_coef
                 )
                 return new_params, new_master, new_state, new_loss_scale, finite
             weights = weights_of(params, master)
@@ -426,7 +440,23 @@ class StepPrograms:
         offloaded = self.plan.offloaded
         return "opt_state" in offloaded and (master is None or "master_weights" in offloaded)
 
-    def _host_update(self, spec, params, master, opt_state, grads, hyper, finite):
+    def _gradient_checks(self, grads, scale, clip):
+        """(finite, clip coefficient) of host gradients, each None where not configured: the
+        device update's overflow check and clipping norm (same arithmetic), computed on a
+        device copy of each gradient shard."""
+        if scale is None and clip is None:
+            return None, None
+        plan = self.plan
+        copies = unscaled(
+            {n: jax.device_put(g, plan.on_device(plan.grads[n])) for n, g in grads.items()}, scale
+        )
+        finite = None if scale is None else all_finite(copies)
+        coef = None if clip is None else clip_coefficient(global_norm(copies, 1.0, 2.0), clip)
+        return finite, coef
+
+    def _host_update(
+        self, spec, params, master, opt_state, grads, hyper, finite, scale=None, clip_coef=None
+    ):
         """(new params on the device, new master and optimizer state in host memory): the
         element-wise optimizer step computed under `compute_on("device_host")` on the
         host-resident shards, so the device never holds optimizer state or master weights.
@@ -437,28 +467,32 @@ class StepPrograms:
         not fp32), then gathered to `plan.params` on the device. The arithmetic is `_stepped`,
         the device path's; XLA:CPU compiles both, so on CPU the results are bitwise equal. The
         fused Adam kernel is a device kernel and is not used here."""
-        from jax.experimental.compute_on import compute_on
-
         plan = self.plan
         replicated_host = self.replicated.with_memory_kind(HOST_MEMORY_KIND)
 
         def state_sharding(name):
             return plan.opt_state.get(name, replicated_host)
 
-        def to_host(array, sharding):
+        def to_host(array, sharding, component):
+            if component in plan.offloaded:  # host gradients or params: resharded there
+                return jax.device_put(array, sharding)
             on_device = jax.lax.with_sharding_constraint(array, plan.on_device(sharding))
             return jax.device_put(on_device, sharding)
 
-        host_grads = {n: to_host(g, state_sharding(n)) for n, g in grads.items()}
+        host_grads = {n: to_host(g, state_sharding(n), "grads") for n, g in grads.items()}
         weights, weight_shardings = {}, {}
         for n, p in params.items():
             if master is not None and n in master:
                 weights[n], weight_shardings[n] = master[n], plan.master_weights[n]
             elif n in spec.param_names:  # no master weight: the param itself is updated
                 weight_shardings[n] = state_sharding(n)
-                weights[n] = to_host(p, weight_shardings[n])
-        host_hyper = jax.tree.map(lambda h: jax.device_put(h, replicated_host), hyper)
-        host_finite = None if finite is None else jax.device_put(finite, replicated_host)
+                weights[n] = to_host(p, weight_shardings[n], "params")
+
+        def host_scalar(value):
+            return None if value is None else jax.device_put(value, replicated_host)
+
+        host_hyper = jax.tree.map(host_scalar, hyper)
+        host_finite, host_scale, host_coef = map(host_scalar, (finite, scale, clip_coef))
         param_dtypes = {n: params[n].dtype for n in weights}
         corrections = None
         if spec.family == "adam":
@@ -473,7 +507,11 @@ class StepPrograms:
 
         @compute_on("device_host")
         @jax.jit
-        def step_on_host(weights, grads, opt_state, hyper, finite, corrections):
+        def step_on_host(weights, grads, opt_state, hyper, finite, scale, coef, corrections):
+            if scale is not None or coef is not None:  # host gradients, as the device does it
+                grads = unscaled(grads, scale)
+                if coef is not None:
+                    grads = {n: (g * coef).astype(g.dtype) for n, g in grads.items()}
             new_weights, new_state = _stepped(
                 spec, weights, grads, opt_state, hyper, finite, bias_corrections=corrections
             )
@@ -481,17 +519,25 @@ class StepPrograms:
             return new_weights, new_state, new_low
 
         new_weights, new_state, new_low = step_on_host(
-            weights, host_grads, opt_state, host_hyper, host_finite, corrections
+            weights,
+            host_grads,
+            opt_state,
+            host_hyper,
+            host_finite,
+            host_scale,
+            host_coef,
+            corrections,
         )
-        new_params = {
-            n: jax.lax.with_sharding_constraint(
-                jax.device_put(new_low[n], plan.on_device(weight_shardings[n]))
-                if n in new_low
-                else p,
-                plan.params[n],
-            )
-            for n, p in params.items()
-        }
+
+        def new_param(name, param):
+            if name not in new_low:
+                return param
+            if "params" in plan.offloaded:  # the new shard stays on the host
+                return jax.device_put(new_low[name], plan.params[name])
+            on_device = jax.device_put(new_low[name], plan.on_device(weight_shardings[name]))
+            return jax.lax.with_sharding_constraint(on_device, plan.params[name])
+
+        new_params = {n: new_param(n, p) for n, p in params.items()}
         new_master = (
             None
             if master is None
@@ -585,32 +631,80 @@ def _stepped(spec, weights, grads, opt_state, hyper, finite, adam_kernel=None, *
 # --- small gradient programs (elementwise, on the shards) ------------------------------------
 
 
-@jax.jit
-def add_grads(a, b):
+def _add(a, b):
     return jax.tree.map(lambda x, y: x + y, a, b)
 
 
-@jax.jit
-def add_scaled_grads(a, b, weight):
-    """`add_grads(a, scale_grads(b, weight))` in one pass (same roundings)."""
+def _add_scaled(a, b, weight):
+    """`_add(a, _scale(b, weight))` in one pass (same roundings)."""
     return jax.tree.map(lambda x, y: x + (y * weight).astype(y.dtype), a, b)
 
 
-@jax.jit
-def scale_grads(grads, weight):
+def _scale(grads, weight):
     return jax.tree.map(lambda g: (g * weight).astype(g.dtype), grads)
+
+
+class GradientOps(NamedTuple):
+    """How gradients accumulate (`Engine.accumulate`): on the device, or on the host where
+    gradient offload keeps them (compiled to compute there, so the device never holds them)."""
+
+    add: Callable
+    add_scaled: Callable
+    scale: Callable
+
+
+def _on_host(fn):
+    return jax.jit(compute_on("device_host")(jax.jit(fn)))
+
+
+DEVICE_GRADIENT_OPS = GradientOps(jax.jit(_add), jax.jit(_add_scaled), jax.jit(_scale))
+HOST_GRADIENT_OPS = GradientOps(_on_host(_add), _on_host(_add_scaled), _on_host(_scale))
+
+
+def unscaled(grads, scale):
+    """Gradients in float32, divided by the fp16 loss scale when there is one (`scale` None)."""
+    grads = {n: g.astype(jnp.float32) for n, g in grads.items()}
+    return grads if scale is None else {n: g / scale for n, g in grads.items()}
+
+
+def all_finite(grads):
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in grads.values()]))
+
+
+def global_norm(grads, scale, norm_type: float):
+    """torch's clip_grad_norm_ norm of the gradients divided by `scale`."""
+    unscaled = [g.astype(jnp.float32) / scale for g in grads.values()]
+    if norm_type == float("inf"):
+        return jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in unscaled]))
+    return sum(jnp.sum(jnp.abs(g) ** norm_type) for g in unscaled) ** (1.0 / norm_type)
+
+
+def clip_coefficient(norm, max_norm):
+    return jnp.minimum(max_norm / (norm + 1e-6), 1.0)
 
 
 def clip_by_global_norm(grads, scale, max_norm, norm_type: float):
     """torch's clip_grad_norm_: norm of the unscaled gradients, then
     `grads *= min(max_norm / (norm + 1e-6), 1)`; returns (clipped grads, norm)."""
-    unscaled = [g.astype(jnp.float32) / scale for g in grads.values()]
-    if norm_type == float("inf"):
-        norm = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in unscaled]))
-    else:
-        norm = sum(jnp.sum(jnp.abs(g) ** norm_type) for g in unscaled) ** (1.0 / norm_type)
-    coef = jnp.minimum(max_norm / (norm + 1e-6), 1.0)
+    norm = global_norm(grads, scale, norm_type)
+    coef = clip_coefficient(norm, max_norm)
     return {n: (g * coef).astype(g.dtype) for n, g in grads.items()}, norm
 
 
 clip_by_global_norm_jit = jax.jit(clip_by_global_norm, static_argnums=(3,))
+
+
+@partial(jax.jit, static_argnums=(2, 3, 4))
+def clip_host_grads(grads, scale, max_norm, norm_type: float, on_device: tuple):
+    """`clip_by_global_norm` of gradients in host memory: the norm from a device copy of each
+    shard (`on_device`: (name, its sharding in device memory) pairs), the scaling on the host."""
+    placed = dict(on_device)
+    copies = {n: jax.device_put(g, placed[n]) for n, g in grads.items()}
+    norm = global_norm(copies, scale, norm_type)
+    mesh = next(iter(placed.values())).mesh
+    coef = jax.device_put(
+        clip_coefficient(norm, max_norm),
+        NamedSharding(mesh, PartitionSpec(), memory_kind=HOST_MEMORY_KIND),
+    )
+    scaled = compute_on("device_host")(jax.jit(_scale))(grads, coef)
+    return scaled, norm
