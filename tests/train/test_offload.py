@@ -195,10 +195,11 @@ def test_host_gradients_accumulate_clip_and_loss_scale_bitwise(clip_in_loop):
     assert hosted_optimizer.loss_scale == optimizer.loss_scale
 
 
-def lowered_update(model, platform: str | None = None) -> str:
-    """The StableHLO of the update program the model last ran (for `platform`, default the
+def lowered_update(model, platform: str | None = None, name: str = "update") -> str:
+    """The StableHLO of the program `name` the model last ran (for `platform`, default the
     one it ran on), lowered again from the compiled program's argument types."""
-    program = model.engine.programs.update(model.engine.optimizer_spec)
+    programs = model.engine.programs._programs.values()
+    program = next(p for p in programs if p.name == name and p.last is not None)
     compiled = program.last
     (args, _), (shardings, _) = compiled.args_info, compiled.input_shardings
     types = jax.tree.map(
@@ -284,6 +285,41 @@ def test_update_computes_on_the_host(precision):
     assert all(kind.endswith(f"{param_dtype}>") for kind in back)
 
 
+def full_types(model, dtype: str) -> list[str]:
+    """The StableHLO tensor type of each parameter, global shape (programs are lowered before
+    XLA partitions them), in `dtype`."""
+    return sorted(f"tensor<{'x'.join(map(str, p.shape))}x{dtype}>" for p in model.parameters())
+
+
+@pytest.mark.parametrize("offload", ["grads", "params"])
+def test_gradients_leave_and_parameters_arrive_inside_the_programs(offload):
+    """Lowered for a GPU, the backward pass ends each gradient with its own transfer to host
+    memory (so XLA can start it as soon as that gradient exists, not after the last one):
+    fp32 with gradient offload; with parameter offload the pullback of bringing a shard in
+    moves its gradient out in the compute dtype (bf16: half the bytes), cast to fp32 on the
+    host. With parameter offload the forward pass brings each parameter shard in where an
+    op reads it, and the backward pass brings in again the ones it needs (each read is a
+    rematerialized region: nothing brought in is kept between them)."""
+    model, optimizer = make(config_for(3, BF16_MASTER, offload))
+    train(model, optimizer, torch.Generator().manual_seed(5), 1)
+
+    def placed(name, place):
+        module = lowered_update(model, "cuda", name)
+        return sorted(kind for where, kind in transfers(module) if where == place)
+
+    backward_out = placed("backward", "pinned_host")
+    if offload == "grads":
+        assert backward_out == full_types(model, "f32")
+        assert placed("forward_vjp", "device") == []
+        return
+    assert [k for k in backward_out if k.endswith("bf16>")] == full_types(model, "bf16")
+    assert not [k for k in placed("backward", "device") if k.endswith("f32>")]
+    assert placed("forward_vjp", "device") == full_types(model, "bf16")
+    # Backward needs head.weight (for the hidden activations' gradient) but not fc1.weight
+    # (the input needs no gradient) nor the biases.
+    assert placed("backward", "device") == ["tensor<8x32xbf16>"]
+
+
 def test_state_offloaded_with_masters_on_the_device_updates_on_the_device():
     """`offload: {optimizer: host}` with bf16 params and fp32 masters kept on the device: the
     step reads device masters, so the state moves to the device for it (no host compute) and
@@ -346,18 +382,46 @@ def test_optimizer_running_its_own_step_is_refused_with_offload():
 
 
 def test_memory_report_splits_device_and_host_bytes():
-    """The planner counts offloaded state in host memory: not beside forward and backward."""
+    """The planner puts offloaded state in host memory, and each program's host-placed
+    arguments and outputs with it (XLA:CPU's memory_analysis() has one memory: the split is
+    read off the program's shardings); the device keeps what crosses it."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     args = (torch.randn(16, 64),)
-    device = zerojax.memory_report(net, args, config_for(2, BF16_MASTER, None))
-    hosted = zerojax.memory_report(net, args, config_for(2, BF16_MASTER, offload=True))
-    assert [c.host for c in hosted.components] == [False, False, True, True]
-    assert [c.measured for c in hosted.components] == [c.measured for c in device.components]
-    assert hosted.host_total == hosted["opt_state"].measured + hosted["master_weights"].measured
-    assert hosted.device_total == hosted.measured_total - hosted.host_total
-    assert device.host_total == 0
-    # Here the backward pass sets the peak: its resident state loses the offloaded bytes.
-    backward = hosted.programs["backward"].peak_estimate
-    assert hosted.step_peak == backward + hosted["params"].measured
+    settings = [(2, None), (2, "optimizer"), (2, "grads"), (3, None), (3, "params")]
+    reports = {
+        (stage, offload): zerojax.memory_report(net, args, config_for(stage, BF16_MASTER, offload))
+        for stage, offload in settings
+    }
+    hosted = {
+        None: [False] * 4,
+        "optimizer": [False, False, True, True],
+        "grads": [False, True, True, True],
+        "params": [True] * 4,
+    }
+    for (stage, offload), report in reports.items():
+        device = reports[stage, None]
+        assert [c.host for c in report.components] == hosted[offload]
+        # The same arrays, only in another memory.
+        assert [c.measured for c in report.components] == [c.measured for c in device.components]
+        assert report.host_total == sum(c.measured for c in report.components if c.host)
+        assert report.device_total == report.measured_total - report.host_total
+        assert report.host_step_peak >= report.host_total
+
+    # ZeRO-Offload's state: not held beside the backward pass, which then sets the peak.
+    device, optimizer, grads = (reports[2, o] for o in (None, "optimizer", "grads"))
+    backward = device.programs["backward"].peak_estimate
+    assert optimizer.step_peak == backward + optimizer["params"].measured
     assert device.step_peak == backward + device.measured_total - device["grads"].measured
+    # Gradients leave as produced: the device holds the largest gradient shard (fp32 256 x 64
+    # over 8 devices), not all of them.
+    largest_grad = 256 * 64 * 4 // 8
+    hosted_backward = grads.programs["backward"]
+    assert hosted_backward.host_output == grads["grads"].measured
+    assert hosted_backward.in_flight == largest_grad
+    assert hosted_backward.peak_estimate == backward - grads["grads"].measured + largest_grad
+    assert grads.programs["update"].host_temp  # the update computes on the host
+    # ZeRO-Infinity's CPU tier: no state in device memory, a lower device peak.
+    params = reports[3, "params"]
+    assert params.device_total == 0
+    assert params.step_peak < reports[3, None].step_peak

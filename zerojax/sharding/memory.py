@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zerojax.sharding.zero import ReplicatedParam, ShardingPlan
+from zerojax.sharding.zero import HOST_MEMORY_KIND, ReplicatedParam, ShardingPlan
 
 __all__ = [
     "COMPONENTS",
@@ -61,9 +61,9 @@ RESIDENT_BESIDE = {
     "backward": ("params", "opt_state", "master_weights"),
     "update": (),
 }
-"""State components held on the device while a program runs without being its arguments: the
-forward programs take the params (and output the gradients), the backward program takes the
-forward's residuals and outputs the gradients, the update takes every component."""
+"""State components held while a program runs without being its arguments: the forward
+programs take the params (and output the gradients), the backward program takes the forward's
+residuals and outputs the gradients, the update takes every component."""
 
 
 def bytes_by_device(tree: Any) -> dict[Any, int]:
@@ -118,18 +118,54 @@ class ComponentMemory:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompiledMemory:
-    """`compiled.memory_analysis()` of one compiled program, per device."""
+    """`compiled.memory_analysis()` of one compiled program, per device, with the part of it
+    that offload places in host memory.
+
+    XLA:CPU has one memory: its `memory_analysis()` counts host-placed arrays with the rest and
+    reports every `host_*` figure as 0. So the host part is read off the program's own argument
+    and output shardings (their `pinned_host` memory kind), and a program that computes on the
+    host (the offloaded update) has its temporaries there too. What a device still holds of
+    offloaded arrays is what is crossing it: `in_flight`."""
 
     argument: int
     output: int
     temp: int
     alias: int
     """Output bytes that reuse donated argument buffers (params, optimizer state)."""
+    host_argument: int = 0
+    host_output: int = 0
+    host_alias: int = 0
+    """Of `alias`, donated host arguments (offloaded state the update writes in place)."""
+    host_temp: bool = False
+    """Whether the program computes on the host, so its temporaries are host memory."""
+    in_flight: int = 0
+    """Device bytes of host arrays crossing at once. A program computing on the device: the two
+    largest host argument shards (the one an op reads now and the next, brought in ahead) and
+    the largest host output shard (a gradient on its way out). One computing on the host: the
+    largest host argument shard (a gradient copied in for the clipping norm or overflow
+    check; its new params are device outputs already)."""
 
     @property
     def peak_estimate(self) -> int:
-        """Arguments + outputs + temporaries, minus outputs written into donated buffers."""
-        return self.argument + self.output + self.temp - self.alias
+        """Arguments + outputs + temporaries, minus outputs written into donated buffers: in
+        device memory, with offload's host part left out and what crosses added."""
+        temp = 0 if self.host_temp else self.temp
+        return (
+            self.argument
+            - self.host_argument
+            + self.output
+            - self.host_output
+            + temp
+            - (self.alias - self.host_alias)
+            + self.in_flight
+        )
+
+    @property
+    def host_peak(self) -> int:
+        """The host memory the program holds per device: its host arguments and outputs (less
+        the donated ones written in place), and its temporaries when it computes there."""
+        temp = self.temp if self.host_temp else 0
+        return self.host_argument + self.host_output - self.host_alias + temp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,17 +185,25 @@ class MemoryReport:
     @property
     def step_peak(self) -> int | None:
         """Peak bytes on a device during the training step: the largest over its programs of
-        the program's own peak (arguments + outputs + temporaries - donated) plus the state it
-        leaves resident beside it (RESIDENT_BESIDE). None when no program ran."""
+        the program's own device peak (arguments + outputs + temporaries - donated, offload's
+        host part left out: `CompiledMemory.peak_estimate`) plus the state it leaves resident
+        in device memory beside it (RESIDENT_BESIDE; offloaded state sits on the host). None
+        when no program ran."""
+        return self._peak(host=False)
+
+    @property
+    def host_step_peak(self) -> int | None:
+        """Peak host bytes per device during the step (offload): the offloaded state, plus the
+        host part of the program holding the most beside it."""
+        return self._peak(host=True)
+
+    def _peak(self, *, host: bool) -> int | None:
         if not self.programs:
             return None
-        # Offloaded components sit in host memory beside the programs. The update takes them as
-        # arguments: with the state and masters both offloaded it computes on the host; with
-        # the state alone it moves it to the device for its duration. Either way its
-        # memory_analysis() counts them (XLA:CPU does not tell host from device bytes).
-        held = {c.name: 0 if c.host else c.measured for c in self.components}
+        held = {c.name: c.measured if c.host == host else 0 for c in self.components}
         return max(
-            memory.peak_estimate + sum(held[c] for c in RESIDENT_BESIDE.get(name, ()))
+            (memory.host_peak if host else memory.peak_estimate)
+            + sum(held[c] for c in RESIDENT_BESIDE.get(name, ()))
             for name, memory in self.programs.items()
         )
 
@@ -206,11 +250,17 @@ class MemoryReport:
                     "output": m.output,
                     "temp": m.temp,
                     "alias": m.alias,
+                    "host_argument": m.host_argument,
+                    "host_output": m.host_output,
+                    "host_temp": m.host_temp,
+                    "in_flight": m.in_flight,
                     "peak_estimate": m.peak_estimate,
+                    "host_peak": m.host_peak,
                 }
                 for name, m in self.programs.items()
             },
             "step_peak": self.step_peak,
+            "host_step_peak": self.host_step_peak,
             "activations": self.activations,
             "replicated": [str(r) for r in self.replicated],
             "notes": list(self.notes),
@@ -280,6 +330,7 @@ class MemoryReport:
                 f"  {name}: arguments {m.argument:,} B, outputs {m.output:,} B, temp "
                 f"{m.temp:,} B, aliased (donated) {m.alias:,} B; peak estimate "
                 f"{m.peak_estimate:,} B"
+                + (f" in device memory, {m.host_peak:,} B in host memory" if m.host_peak else "")
             )
         if self.host_total:
             lines.append(
@@ -291,6 +342,8 @@ class MemoryReport:
                 f"training step peak per device: {self.step_peak:,} B = states "
                 f"{self.device_total:,} B + activations and scratch {self.activations:,} B"
             )
+        if self.host_total and self.host_step_peak is not None:
+            lines.append(f"training step peak in host memory per device: {self.host_step_peak:,} B")
         if self.replicated:
             lines.append(f"replicated parameters (not split as intended): {len(self.replicated)}")
             lines += [f"  {r}" for r in self.replicated]
@@ -316,11 +369,13 @@ def measure_memory(
     opt_state: Any,
     master_weights: Any = None,
     programs: Mapping[str, Any] | None = None,
+    host_computed: tuple[str, ...] = (),
     notes: tuple[str, ...] = (),
 ) -> MemoryReport:
     """A `MemoryReport` for live training state: measured per-device bytes of each component
     beside the ZeRO formula for `plan.stage`, plus `memory_analysis()` of each compiled
-    program in `programs` (name -> compiled executable), if given."""
+    program in `programs` (name -> compiled executable), if given; `host_computed` names the
+    programs that compute on the host (the offloaded update)."""
     devices = list(plan.mesh.devices.flat)
     nd = math.prod(plan.mesh.shape[a] for a in plan.data_parallel_axes)
     num_params = sum(math.prod(s) for s in plan.shapes.values())
@@ -351,10 +406,10 @@ def measure_memory(
         notes = (
             *notes,
             (
-                f"{' and '.join(LABELS[c] for c in plan.offloaded)} live in host memory: not "
-                "counted beside forward and backward; the update computes on the host when the "
-                "state and master weights are both offloaded (else it moves the state to the "
-                "device for its duration), and its memory_analysis() counts them on a CPU"
+                f"{', '.join(LABELS[c] for c in plan.offloaded)} live in host memory: the "
+                "device peak leaves them out but for the shards crossing the device (two "
+                "arriving, one leaving); XLA:CPU has one memory, so the host part of each "
+                "program is read off its argument and output shardings"
             ),
         )
     if model_axes:
@@ -374,20 +429,63 @@ def measure_memory(
         programs={
             name: memory
             for name, compiled in (programs or {}).items()
-            if (memory := compiled_memory(compiled)) is not None
+            if (memory := compiled_memory(compiled, host_temp=name in host_computed)) is not None
         },
         replicated=plan.replicated,
         notes=tuple(notes),
     )
 
 
-def compiled_memory(compiled) -> CompiledMemory | None:
+def compiled_memory(compiled, *, host_temp: bool = False) -> CompiledMemory | None:
+    """`compiled.memory_analysis()` with the host part of offloaded programs (see
+    `CompiledMemory`); `host_temp`: the program computes on the host."""
     stats = compiled.memory_analysis()
     if stats is None:  # some backends do not report
         return None
+    arguments, outputs = _host_shard_bytes(compiled)
+    largest_in = sorted((b for b, _ in arguments), reverse=True)[: 1 if host_temp else 2]
+    largest_out = 0 if host_temp else max((b for b, _ in outputs), default=0)
     return CompiledMemory(
         argument=stats.argument_size_in_bytes,
         output=stats.output_size_in_bytes,
         temp=stats.temp_size_in_bytes,
         alias=stats.alias_size_in_bytes,
+        host_argument=sum(b for b, _ in arguments),
+        host_output=sum(b for b, _ in outputs),
+        host_alias=min(stats.alias_size_in_bytes, sum(b for b, donated in arguments if donated)),
+        host_temp=host_temp,
+        in_flight=sum(largest_in) + largest_out,
+    )
+
+
+def _host_shard_bytes(compiled) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
+    """(bytes of the fullest device's shard, donated) of each host-placed argument and output
+    of a compiled program, read off its shardings."""
+    # Paired on the arguments' tree; an argument the program does not read has sharding None.
+    is_info = lambda x: isinstance(x, jax.stages.ArgInfo)
+    paired = jax.tree.map(
+        lambda info, sharding: (info, sharding),
+        compiled.args_info,
+        compiled.input_shardings,
+        is_leaf=is_info,
+    )
+    arguments = [
+        (_shard_bytes(info.shape, info.dtype, sharding), info.donated)
+        for info, sharding in jax.tree.leaves(
+            paired, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 2 and is_info(x[0])
+        )
+        if sharding is not None and sharding.memory_kind == HOST_MEMORY_KIND
+    ]
+    outputs = [
+        (_shard_bytes(out.shape, out.dtype, out.sharding), False)
+        for out in jax.tree.leaves(compiled.out_info)
+        if getattr(out.sharding, "memory_kind", None) == HOST_MEMORY_KIND
+    ]
+    return arguments, outputs
+
+
+def _shard_bytes(shape, dtype, sharding) -> int:
+    return max(
+        bytes_by_device(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)).values(),
+        default=0,
     )

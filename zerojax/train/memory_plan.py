@@ -105,6 +105,7 @@ def memory_report(
         opt_state=state.opt_state,
         master_weights=state.master,
         programs=engine.compiled_programs(),
+        host_computed=("update",) if engine.programs.updates_on_host(state.master) else (),
         notes=tuple(notes),
     )
 
@@ -131,7 +132,9 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
         def outputs_of(params, buffers, inputs):
             return converted.apply(params, buffers, *inputs, rng=jax.random.key(0))[0]
 
-        shapes = jax.eval_shape(outputs_of, engine.state.params, engine.state.buffers, jax_args)
+        # Shapes alone (no placement: offloaded params are in host memory, where no op runs).
+        params = {n: jax.ShapeDtypeStruct(p.shape, p.dtype) for n, p in engine.state.params.items()}
+        shapes = jax.eval_shape(outputs_of, params, engine.state.buffers, jax_args)
         loss_path = find_scalar_loss(shapes)
     if loss_path is not None:
         _, grads, _ = engine.fused_forward(converted, jax_args, {}, loss_path)

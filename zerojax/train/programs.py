@@ -167,6 +167,12 @@ def _after_jvp(primals, tangents):
     return _after(*primals), tangents[0]
 
 
+def _cast_on_host(array, dtype):
+    if array.dtype == dtype:
+        return array
+    return compute_on("device_host")(jax.jit(lambda a: a.astype(dtype)))(array)
+
+
 def _platform(leaves) -> str:
     for leaf in leaves:
         if isinstance(leaf, jax.Array):
@@ -297,13 +303,15 @@ class StepPrograms:
         """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards;
         with gradient offload, each then copied out to its host shard: XLA starts the copy
         when the backward pass has produced the gradient, not at the program's end)."""
-        plan = self.plan
+        plan, dtype = self.plan, self.policy.grad_dtype
 
         def placed(name, grad):
             sharding = plan.grads[name]
-            grad = jax.lax.with_sharding_constraint(
-                grad.astype(self.policy.grad_dtype), plan.on_device(sharding)
-            )
+            if "params" in plan.offloaded:
+                # The pullback of bringing the shard in has already moved its gradient out, in
+                # the compute dtype, on the parameter's shard (ZeRO-3: the gradient's shard).
+                return jax.lax.with_sharding_constraint(_cast_on_host(grad, dtype), sharding)
+            grad = jax.lax.with_sharding_constraint(grad.astype(dtype), plan.on_device(sharding))
             return jax.device_put(grad, sharding) if "grads" in plan.offloaded else grad
 
         return {n: placed(n, g) for n, g in grads.items() if is_float(g)}
