@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-distributed test-other-cpu test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context lint clean
+.PHONY: demo test test-all test-distributed test-other-cpu test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context bench-offload lint clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -111,6 +111,10 @@ bench-moe: $(STAMP)
 # ZeRO-3 vs ZeRO-3 + sequence parallelism: longest sequence per device budget, step time.
 bench-long-context: $(STAMP)
 	$(PY) bench/long_context.py --plot bench/long_context.png
+
+# Host offload: 13B on one device planned with and without it; largest model per budget; CPU step cost.
+bench-offload: $(STAMP)
+	$(PY) bench/offload.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples
