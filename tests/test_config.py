@@ -900,6 +900,33 @@ def test_deepspeed_offload_param_moves_parameter_shards_to_host(order):
     assert legacy.offload.host_states == ("optimizer", "params", "grads")
 
 
+def test_deepspeed_offload_param_keys_warn_or_fail_by_name():
+    """No offload_param key is passed over: those without effect warn, unknown ones fail."""
+    raw = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu", "pin_memory": False, "max_in_cpu": 10**9},
+        }
+    }
+    with pytest.warns(ConfigWarning) as record:
+        load(raw)
+    assert [str(w.message) for w in record] == [
+        (
+            "DeepSpeed key 'zero_optimization.offload_param.pin_memory' = false has no effect: "
+            "zerojax keeps offloaded state in pinned host memory (JAX's pinned_host memory "
+            "kind), the host memory XLA can transfer to and from inside the training program"
+        ),
+        (
+            "DeepSpeed key 'zero_optimization.offload_param.max_in_cpu' is not supported by "
+            "zerojax and is ignored (it applies to device: nvme only)"
+        ),
+    ]
+    raw["zero_optimization"]["offload_param"] = {"device": "cpu", "ratio": 0.5}
+    with pytest.raises(ConfigError, match=r"^zero_optimization\.offload_param\.ratio: unknown key"):
+        load(raw)
+
+
 def test_deepspeed_offload_device_none_offloads_nothing():
     off = {"device": "none", "pin_memory": True}
     config = load(

@@ -284,18 +284,7 @@ def _offload_optimizer(
             section["ratio"],
             "partial optimizer offload is not supported; allowed: 1.0 (all of it)",
         )
-    pinned = as_bool(f"{path}.pin_memory", section.get("pin_memory", False))
-    if "pin_memory" in section and not pinned:
-        warnings.warn(
-            f"DeepSpeed key '{path}.pin_memory' = false has no effect: zerojax keeps "
-            "offloaded state in pinned host memory (JAX's pinned_host memory kind), the "
-            "host memory XLA can transfer to and from inside the training program",
-            ConfigWarning,
-            stacklevel=5,
-        )
-    for key in (*_NVME_ONLY, *_PIPELINE):
-        if key in section:
-            _ignored(f"{path}.{key}", "it applies to device: nvme only")
+    _pinned_and_nvme_keys(path, section)
     # The master weights go with the optimizer state (DeepSpeed keeps its fp32 partition on
     # the CPU), where the precision keeps them (fp32 training and *_master_weights_and_grads
     # have none), and so do the gradients (ZeRO-Offload copies each to the CPU as the
@@ -303,6 +292,22 @@ def _offload_optimizer(
     raw.setdefault("offload", {}).update(
         {"optimizer": "host", "grads": "host", **({"master": "host"} if keeps_master else {})}
     )
+
+
+def _pinned_and_nvme_keys(path: str, section: Mapping[str, Any]) -> None:
+    """Warn for the keys of an offload section that have no effect with device: cpu."""
+    pinned = as_bool(f"{path}.pin_memory", section.get("pin_memory", False))
+    if "pin_memory" in section and not pinned:
+        warnings.warn(
+            f"DeepSpeed key '{path}.pin_memory' = false has no effect: zerojax keeps "
+            "offloaded state in pinned host memory (JAX's pinned_host memory kind), the "
+            "host memory XLA can transfer to and from inside the training program",
+            ConfigWarning,
+            stacklevel=6,
+        )
+    for key in (*_NVME_ONLY, *_PIPELINE):
+        if key in section:
+            _ignored(f"{path}.{key}", "it applies to device: nvme only")
 
 
 def _offloads_optimizer(section: Mapping[str, Any]) -> bool:
@@ -321,12 +326,15 @@ def _offload_param(
         device, where, written = ("cpu" if value else "none"), path, value
     else:
         options = as_mapping(path, value)
+        check_keys(path, options, ("device", "pin_memory", *_NVME_ONLY))
         device = as_choice(f"{path}.device", options.get("device", "none"), ("none", "cpu", "nvme"))
         where, written = f"{path}.device", device
     if device == "nvme":
         raise error(where, device, _WHY_NO_NVME)
     if device != "cpu":
         return
+    if not isinstance(value, bool):
+        _pinned_and_nvme_keys(path, options)
     if stage != 3:
         raise error(
             where,

@@ -11,11 +11,11 @@ SPMD program that is nothing but a different PartitionSpec per component, so a s
     params (compute)  base      base      base      base    (stage 3 all-gathers per step)
 
 `base` is the tensor/expert-parallel spec from the first matching rule (replicated over the
-data-parallel axes). With `offload: {optimizer: host, master: host}` (ZeRO-Offload) the
-optimizer state and master weights keep their ZeRO shardings in the `pinned_host` memory kind:
-each device's shard lives in the host memory next to it, and the update program computes on it
-there (with the state alone offloaded, it moves it to the device and back out;
-`zerojax.train.programs`); `on_device` gives the device-memory twin of such a sharding.
+data-parallel axes). Each component the `offload` section names (optimizer, master, grads,
+params: ZeRO-Offload and ZeRO-Infinity's CPU tier) keeps its ZeRO sharding in the `pinned_host`
+memory kind: each device's shard lives in the host memory next to it, and the programs move it
+in and out (`zerojax.train.programs`); `on_device` gives the device-memory twin of such a
+sharding. Compute params are never offloaded: they are where ops read the parameters.
 
 `zero` adds the data-parallel axes to the largest dim that no rule uses and
 that their product divides. A parameter with no such dim, or a rule dim its axes do not divide,

@@ -19,15 +19,17 @@ after forward, `bridge.remat.find_gather_regions`), gradients -> `plan.grads` (s
 reduces them into shards), new params -> `plan.params`; the optimizer state stays on
 `plan.opt_state`.
 
-Offload (ZeRO-Offload, config `offload`) is where arrays live too: optimizer state and master
-weights on their ZeRO shardings in pinned host memory. With both offloaded (or no masters) the
-update's element-wise step runs on the host, under `compute_on("device_host")` on the host
-shards: gradient shards go in, new params (in their dtype) come out to the device, and the
-device never holds the state (`StepPrograms._host_update`). With only one of them offloaded
-the update moves each offloaded shard to its device (`jax.device_put` to the device-memory
-twin of its sharding, a transfer inside the program), runs there and puts the new state back
-(`moved_state`). The arithmetic is the non-offloaded update's either way (`_stepped`), so on
-CPU results are bitwise the same.
+Offload (config `offload`) is where arrays live too: state on its ZeRO sharding in pinned host
+memory. With the optimizer state and masters offloaded (or no masters) the update's
+element-wise step runs on the host, under `compute_on("device_host")` on the host shards: new
+params (in their dtype) come out, and the device never holds the state
+(`StepPrograms._host_update`). With only one of them offloaded the update moves each offloaded
+shard to its device and back (`moved_state`). Offloaded gradients leave the backward pass one
+transfer each (`as_grads`), accumulate on the host (`HOST_GRADIENT_OPS`) and are unscaled and
+clipped there, the overflow check and the norm read from device copies
+(`_gradient_checks`). Offloaded params are brought in where an op reads them (`apply`'s
+`param_use`), inside that op's rematerialized region. The arithmetic is the non-offloaded
+update's either way (`_stepped`), so on CPU results are bitwise the same.
 
 Every program is compiled ahead of time (`Program`, with `xla_options.compiler_options`: on
 CPU activation checkpointing's barriers kept, gradients reduced per layer, the update in
