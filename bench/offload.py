@@ -142,7 +142,7 @@ def largest_fitting(workdir: Path, device_gb: float, host_gb: float) -> None:
         report, seconds = plan(zero, layers, workdir)
         binding = "device" if fits[0] <= fits[1] else "host"
         print(
-            f"   {name}: {layers} layers ({binding} memory binds); planned: "
+            f"   {layers} layers ({binding} memory binds), planned: "
             + describe(name, report, seconds),
             flush=True,
         )

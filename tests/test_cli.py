@@ -106,3 +106,36 @@ def test_plan_for_devices_you_do_not_have_matches_the_real_plan(files):
         reports.append(json.loads(result.stdout))
     real, planned = reports
     assert planned == real
+
+
+def test_plan_says_whether_the_step_fits_a_device_with_offload(files):
+    """`--device-gb`/`--host-gb` answer "does it fit?" from the planned peaks: offloading the
+    optimizer state, masters and gradients (DeepSpeed's offload_optimizer: cpu) takes them out
+    of the device peak and into the host's, and the exit status says whether it fits."""
+    deepspeed = {
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "bf16": {"enabled": True},
+    }
+    (files / "ds_offload.json").write_text(json.dumps(deepspeed))
+    del deepspeed["zero_optimization"]["offload_optimizer"]
+    (files / "ds_device.json").write_text(json.dumps(deepspeed))
+    peaks = {}
+    for name in ("device", "offload"):
+        command = ["-m", "zerojax.cli", "plan", "--config", str(files / f"ds_{name}.json")]
+        command += [f"{files / 'factory.py'}:build", "--devices", "8", "--json"]
+        result = run_fresh_python(command + ["--device-gb", "1"], timeout=120)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report["fits"] is True
+        peaks[name] = report["step_peak"], report["host_step_peak"]
+    (device, device_host), (offloaded, offloaded_host) = peaks["device"], peaks["offload"]
+    assert offloaded < device and device_host == 0 and offloaded_host > 0
+    # A budget between the two peaks: the offloaded step fits, the other does not.
+    budget = f"{(device + offloaded) / 2 / 1e9:.9f}"
+    for name, fits in (("device", False), ("offload", True)):
+        command = ["-m", "zerojax.cli", "plan", "--config", str(files / f"ds_{name}.json")]
+        command += [f"{files / 'factory.py'}:build", "--devices", "8", "--device-gb", budget]
+        result = run_fresh_python(command, timeout=120)
+        assert result.returncode == (0 if fits else 1), result.stderr
+        verdict = result.stdout.strip().splitlines()[-1]
+        assert verdict.startswith("fits: device peak" if fits else "does not fit: device peak")

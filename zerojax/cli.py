@@ -132,11 +132,16 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
         out = sys.stderr if opts.json else sys.stdout  # --json: stdout is the JSON object
         print(make_sharding_plan(abstract_state(module)[0], config).describe(), file=out)
         print(file=out)
+    verdict = _fits(report, opts.device_gb, opts.host_gb)
     if opts.json:
-        print(json.dumps(report.as_dict(), indent=1))
+        print(
+            json.dumps({**report.as_dict(), **({"fits": verdict[0]} if verdict else {})}, indent=1)
+        )
     else:
         print(f"{type(module).__name__} from {opts.factory}, config {opts.config}")
         print(report)
+        if verdict:
+            print(verdict[1])
     if opts.plot:
         reports = {}
         for stage in range(4):
@@ -155,7 +160,30 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
         )
         plot_stages(reports, opts.plot, title=title)
         print(f"plot written to {opts.plot}")
-    return 0
+    return 1 if verdict and not verdict[0] else 0
+
+
+def _fits(report, device_gb: float | None, host_gb: float | None) -> tuple[bool, str] | None:
+    """(whether the step's peaks fit the budgets given, a line saying so); None without any.
+    Budgets are decimal GB per device (and per device's share of the host)."""
+    checks = [
+        (what, budget, peak)
+        for what, budget, peak in (
+            ("device", device_gb, report.step_peak),
+            ("host", host_gb, report.host_step_peak or 0),
+        )
+        if budget is not None
+    ]
+    if not checks:
+        return None
+    if report.step_peak is None:
+        raise CLIError("--device-gb/--host-gb need the step's programs; the step did not run")
+    parts = [
+        f"{what} peak {peak / 1e9:.2f} GB {'<=' if peak <= budget * 1e9 else '>'} {budget:g} GB"
+        for what, budget, peak in checks
+    ]
+    fits = all(peak <= budget * 1e9 for _, budget, peak in checks)
+    return fits, f"{'fits' if fits else 'does not fit'}: {', '.join(parts)} per device"
 
 
 def _cmd_ckpt_inspect(opts: argparse.Namespace) -> int:
@@ -337,6 +365,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="plan for N devices without their memory: the model is built on the meta device "
         "and the step compiled for N simulated CPU devices, never run",
+    )
+    plan.add_argument(
+        "--device-gb",
+        type=float,
+        metavar="D",
+        help="say whether the step's device peak fits D GB per device (exit status 1 if not)",
+    )
+    plan.add_argument(
+        "--host-gb",
+        type=float,
+        metavar="H",
+        help="likewise for the host memory each device's offloaded state takes",
     )
     plan.set_defaults(run=_cmd_plan)
     _add_ckpt_commands(commands)

@@ -467,15 +467,19 @@ class StepPrograms:
     def _host_update(
         self, spec, params, master, opt_state, grads, hyper, finite, scale=None, clip_coef=None
     ):
-        """(new params on the device, new master and optimizer state in host memory): the
-        element-wise optimizer step computed under `compute_on("device_host")` on the
-        host-resident shards, so the device never holds optimizer state or master weights.
+        """(new params: on the device, or on the host under parameter offload; new master and
+        optimizer state in host memory): the element-wise optimizer step computed under
+        `compute_on("device_host")` on the host-resident shards, so the device never holds
+        optimizer state or master weights.
 
-        What crosses: each processed fp32 gradient shard in (resharded on the device to its
-        optimizer state's layout first: under ZeRO-1 gradients are replicated, state sharded),
-        each new parameter shard out in the params' dtype (cast on the host, so bf16 crosses,
-        not fp32), then gathered to `plan.params` on the device. The arithmetic is `_stepped`,
-        the device path's; XLA:CPU compiles both, so on CPU the results are bitwise equal. The
+        What crosses: each fp32 gradient shard in, unless gradient offload has it there already
+        (resharded to its optimizer state's layout first: under ZeRO-1 gradients are
+        replicated, state sharded), then unscaled and clipped here with the device's
+        coefficients (`scale`, `clip_coef`: see `_gradient_checks`); each new parameter shard
+        out in the params' dtype (cast on the host, so bf16 crosses, not fp32), then gathered
+        to `plan.params` on the device, or kept on the host under parameter offload. The
+        arithmetic is `_stepped`, the device path's; XLA:CPU compiles both, so on CPU the
+        results are bitwise equal. The
         fused Adam kernel is a device kernel and is not used here."""
         plan = self.plan
         replicated_host = self.replicated.with_memory_kind(HOST_MEMORY_KIND)
@@ -672,7 +676,7 @@ HOST_GRADIENT_OPS = GradientOps(_on_host(_add), _on_host(_add_scaled), _on_host(
 
 
 def unscaled(grads, scale):
-    """Gradients in float32, divided by the fp16 loss scale when there is one (`scale` None)."""
+    """Gradients in float32, divided by the fp16 loss scale (`scale`; None without one)."""
     grads = {n: g.astype(jnp.float32) for n, g in grads.items()}
     return grads if scale is None else {n: g / scale for n, g in grads.items()}
 
