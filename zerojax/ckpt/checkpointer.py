@@ -281,9 +281,10 @@ class Checkpointer:
                 "set checkpoint.directory in the zerojax config"
             )
         self.directory = os.path.abspath(os.fspath(directory))
-        pick = lambda given, field, fallback: (
-            given if given is not _UNSET else getattr(defaults, field, fallback)
-        )
+
+        def pick(given: Any, field: str, fallback: Any) -> Any:
+            return given if given is not _UNSET else getattr(defaults, field, fallback)
+
         self.max_to_keep = pick(max_to_keep, "max_to_keep", 3)
         self.async_save = bool(pick(async_save, "async_save", True))
         self.save_interval_steps = int(pick(save_interval_steps, "save_interval_steps", 0))
@@ -576,8 +577,10 @@ class Checkpointer:
             and engine.state.opt_state is not None
             and has(layout.OPTIMIZER)
         )
+        optimizer = self._optimizer
         if with_optimizer:
-            self._check_optimizer(step_dir, meta)
+            assert optimizer is not None  # with_optimizer says so
+            self._check_optimizer(step_dir, optimizer, meta)
 
         model_abstract, _, source = ts.model_target(engine, meta["parameters"])
         model = self._read_arrays(step, layout.MODEL, model_abstract, "model")
@@ -607,8 +610,8 @@ class Checkpointer:
             if train_state is not None:
                 state = ts.apply_train_state(state, train_state, meta["engine"])
             engine.load(state)
-            if with_optimizer:
-                ts.apply_param_groups(self._optimizer, meta["optimizer"])
+            if with_optimizer and optimizer is not None:
+                ts.apply_param_groups(optimizer, meta["optimizer"])
                 if self._scheduler is not None and meta.get("scheduler") is not None:
                     self._scheduler.load_state_dict(meta["scheduler"])
             if meta.get("torch_rng") is not None:
@@ -621,9 +624,9 @@ class Checkpointer:
 
         return apply
 
-    def _check_optimizer(self, step_dir: str, meta: Mapping) -> None:
+    def _check_optimizer(self, step_dir: str, optimizer, meta: Mapping) -> None:
         saved = meta.get("optimizer") or {}
-        current = type(self._optimizer).__name__
+        current = type(optimizer).__name__
         hint = (
             "; pass load_optimizer=False to restore the weights only and start the optimizer "
             "state fresh"
@@ -634,15 +637,17 @@ class Checkpointer:
                 f"is {current}{hint}"
             )
         groups = len(saved.get("param_groups") or [])
-        if groups != len(self._optimizer.param_groups):
+        if groups != len(optimizer.param_groups):
             raise CheckpointMismatchError(
                 f"checkpoint {step_dir} has {groups} param groups, the current optimizer "
-                f"{len(self._optimizer.param_groups)}{hint}"
+                f"{len(optimizer.param_groups)}{hint}"
             )
         # Leaf names only: shapes follow the parameters' (checked against meta) and are
         # checked again as the arrays are read.
         saved_paths = self._saved_paths(step_dir, layout.OPTIMIZER)
-        differences = ts.optimizer_differences(saved_paths, self._engine.state.opt_state)
+        engine = self._engine
+        assert engine is not None  # an optimizer comes with its model's engine
+        differences = ts.optimizer_differences(saved_paths, engine.state.opt_state)
         if differences:
             raise CheckpointMismatchError(
                 f"checkpoint {step_dir}: the optimizer state does not fit the current "

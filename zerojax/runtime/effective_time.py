@@ -131,11 +131,11 @@ class EffectiveTimeLedger:
             if self._num_engines == 0:
                 jax.monitoring.unregister_event_duration_listener(self._on_jax_event)
 
-    def _on_jax_event(self, event: str, duration: float, **_) -> None:
+    def _on_jax_event(self, event: str, duration_secs: float, **_: str | int) -> None:
         if threading.get_ident() != self._loop_thread:
             return
         if event in _COMPILE_EVENTS and self._depth == 0 and self.start is not None:
-            self.add("trace_compile", duration, source=event.rsplit("/", 1)[-1])
+            self.add("trace_compile", duration_secs, source=event.rsplit("/", 1)[-1])
 
     def add(self, category: str, seconds: float, **fields) -> None:
         assert category in _LOST, category

@@ -88,7 +88,10 @@ def initialize(
     # for a Trainer imports it now, so that the Trainer built next takes the model.
     hf_trainer_integration.install_trainer_hooks(import_trainer=bool(config.trainer_autos))
     several = isinstance(optimizer, (list, tuple))
-    if several and (not optimizer or config.optimizer is not None):
+    # One optimizer (or none), or several: each path below holds its own.
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else []
+    single = None if isinstance(optimizer, (list, tuple)) else optimizer
+    if several and (not optimizers or config.optimizer is not None):
         raise ValueError(
             "zerojax.initialize: a list of optimizers must be non-empty, and cannot be combined "
             "with the config's optimizer: section"
@@ -100,10 +103,10 @@ def initialize(
             "instead"
         )
     if config.optimizer is not None:
-        if optimizer is None:
-            optimizer = build_optimizer(config.optimizer, model)
+        if single is None:
+            single = build_optimizer(config.optimizer, model)
         else:
-            check_optimizer_matches_config(optimizer, config.optimizer)
+            check_optimizer_matches_config(single, config.optimizer)
     runtime = config.runtime
     enable_compilation_cache(runtime.compilation_cache_dir)
     ledger = effective_time.LEDGER
@@ -119,17 +122,17 @@ def initialize(
     with ledger.measure("init", model=type(model).__name__):
         engine = Engine(model, config, loss_fn=loss_fn, fused=fused, seed=seed)
         ledger.attach(engine)
-        wrapped_optimizer = None
+        wrapped_optimizer: ZeroOptimizer | list[ZeroOptimizer] | None = None
         if several:
-            for each in optimizer:
+            for each in optimizers:
                 _check_optimizer_covers_model(model, each)
             wrapped_optimizer = [
                 ZeroOptimizer(each, engine, compiled=False, reports_steps=i == 0)
-                for i, each in enumerate(optimizer)
+                for i, each in enumerate(optimizers)
             ]
-        elif optimizer is not None:
-            _check_optimizer_covers_model(model, optimizer)
-            wrapped_optimizer = ZeroOptimizer(optimizer, engine)
+        elif single is not None:
+            _check_optimizer_covers_model(model, single)
+            wrapped_optimizer = ZeroOptimizer(single, engine)
         release_parameters(model, engine)
         wrapped = zero_module(model, engine)
     if example_inputs is not None:
