@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-distributed test-other-cpu test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context bench-offload lint clean
+.PHONY: demo test test-all test-distributed test-other-cpu test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context bench-offload lint docs clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,10 +73,12 @@ test-other-cpu: $(STAMP)
 		$(PY) -m pytest -q -n 2 --torch-without-onednn --durations=15
 
 # Coverage matrix over torchvision, timm, Hugging Face and multimodal models (hours on 2 cores;
-# resumable: results are cached per model in .cache/model_coverage). Writes the README table.
+# resumable: results are cached per model in .cache/model_coverage). Writes the table into
+# docs/coverage.md (committed: `make docs` cannot rerun hours of models, so it builds the page
+# as committed).
 COVERAGE_ARGS ?= --jobs 2
 coverage: $(STAMP)
-	$(PY) -m tools.model_coverage $(COVERAGE_ARGS) --write-readme
+	$(PY) -m tools.model_coverage $(COVERAGE_ARGS) --write-docs
 
 # Peers (torch2jax, torchax) live in their own venv, never in zerojax's dependencies;
 # --no-deps keeps them from replacing the pinned torch.
@@ -116,8 +118,21 @@ bench-long-context: $(STAMP)
 bench-offload: $(STAMP)
 	$(PY) bench/offload.py
 
+# The docs site: the docs extra (mkdocs, material, mkdocstrings) into .venv, the configuration
+# reference generated from zerojax/config/schema.py, `mkdocs build --strict` into site/, then
+# every code block of the pages run (tests/test_docs.py, its slow tests included).
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	$(PY) -m tools.config_reference
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m '' tests/test_docs.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench examples
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .venv-torch-* build *.egg-info
+	rm -rf $(VENV) $(BENCH_VENV) .venv-torch-* build *.egg-info site docs/configuration.md

@@ -3,7 +3,7 @@
     .venv/bin/python -m tools.model_coverage                     # every family (hours on 2 cores)
     .venv/bin/python -m tools.model_coverage --family timm --jobs 2
     .venv/bin/python -m tools.model_coverage --only torchvision/resnet18 --rerun
-    .venv/bin/python -m tools.model_coverage --write-readme      # table from the cached results
+    .venv/bin/python -m tools.model_coverage --write-docs        # table from the cached results
 
 For each model of tools/model_zoo.py's populations (torchvision, torchvision segmentation, timm,
 Hugging Face, multimodal) two fresh subprocesses, one after the other (so one hang or crash
@@ -14,8 +14,8 @@ against a float64 torch reference, judged against torch fp32's own error) and
 simulated devices).
 Results are cached as JSON per model under `--cache-dir` (`.cache/model_coverage`, gitignored),
 so the matrix can run in pieces: a model with a cached result is skipped unless `--rerun`.
-Each result records the git commit it ran on. `--write-readme` rewrites the README's section
-between `<!-- coverage:begin -->` and `<!-- coverage:end -->` from the cache.
+Each result records the git commit it ran on. `--write-docs` rewrites the section of
+docs/coverage.md between `<!-- coverage:begin -->` and `<!-- coverage:end -->` from the cache.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+COVERAGE_PAGE = ROOT / "docs" / "coverage.md"
 POPULATIONS = {
     "torchvision": "torchvision classification (every model of `list_models`)",
     "torchvision-seg": "torchvision segmentation (every model)",
@@ -226,7 +227,7 @@ def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
         BEGIN,
         "",
         "Regenerate with `make coverage` (`tools/model_coverage.py`; `--family`, `--only`, `--jobs`,",
-        "`--write-readme`). Columns: *converts* (`zerojax.convert` captures and runs it); *forward*",
+        "`--write-docs`). Columns: *converts* (`zerojax.convert` captures and runs it); *forward*",
         "and *gradient*: relative error of zerojax / of torch fp32, each against float64 torch at",
         "that run's own ReLU/max-pool branches (`tools/float64_judge.py`: a pre-activation within",
         "fp32 rounding of a kink takes either branch by luck, which moves a gradient by ~1e-2)",
@@ -288,17 +289,21 @@ def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(section: str, readme: pathlib.Path = ROOT / "README.md") -> None:
-    text = readme.read_text()
+def write_page(section: str, page: pathlib.Path = COVERAGE_PAGE) -> None:
+    """Replace the text between BEGIN and END in `page` (the docs' coverage page) by `section`;
+    a page without the markers gets a "Model coverage" section at its end."""
+    text = page.read_text()
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         tail = rest.split(END, 1)[1]
         text = head + section + tail
     else:
-        anchor = "\n## Checkpoints"
-        block = f"\n## Model coverage\n\n{section}\n"
-        text = text.replace(anchor, block + anchor, 1) if anchor in text else text + block
-    readme.write_text(text)
+        text = text.rstrip("\n") + f"\n\n## Model coverage\n\n{section}\n"
+    page.write_text(text)
+
+
+# The name the table's writer had while the table lived in README.md (tests/tools use it).
+write_readme = write_page
 
 
 def load_results(cache_dir: pathlib.Path, names: list[str]) -> dict[str, dict]:
@@ -317,7 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="models run in parallel")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per model")
     parser.add_argument("--rerun", action="store_true", help="ignore cached results")
-    parser.add_argument("--write-readme", action="store_true", help="write the table into README")
+    parser.add_argument(
+        "--write-docs", action="store_true", help="write the table into docs/coverage.md"
+    )
     parser.add_argument("--no-run", action="store_true", help="only report cached results")
     parser.add_argument("--cache-dir", type=pathlib.Path, default=ROOT / ".cache/model_coverage")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -366,12 +373,12 @@ def main(argv: list[str] | None = None) -> None:
     for family, members in expected.items():
         ran = [results[n] for n in members if n in results]
         print(f"{family}: {sum(map(passed, ran))}/{len(members)} pass ({len(ran)} run)")
-    if args.write_readme:
-        # The README table always covers every population, from whatever is cached.
+    if args.write_docs:
+        # The page's table always covers every population, from whatever is cached.
         every = model_zoo.cases(list(POPULATIONS))
         expected_all = {f: [n for n, c in every.items() if c.family == f] for f in POPULATIONS}
-        write_readme(render(load_results(args.cache_dir, list(every)), expected_all))
-        print("README.md coverage section written")
+        write_page(render(load_results(args.cache_dir, list(every)), expected_all))
+        print(f"{COVERAGE_PAGE.relative_to(ROOT)} coverage section written")
 
 
 if __name__ == "__main__":

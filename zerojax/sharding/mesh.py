@@ -4,7 +4,7 @@
 operation): `devices.num_cpu_devices` becomes `jax_num_cpu_devices`, which JAX reads only once.
 `zerojax.initialize` applies it itself.
 Meshes use `AxisType.Auto` axes: GSPMD propagates the shardings we place on the arrays;
-Explicit axes fail for converted torch programs (DESIGN.md).
+Explicit axes fail for converted torch programs (docs/design.md, "Meshes with automatic axes").
 """
 
 from __future__ import annotations
