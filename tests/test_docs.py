@@ -161,6 +161,16 @@ def test_repository_paths_exist():
     assert not missing, f"paths that do not exist: {sorted(missing)}"
 
 
+def test_readme_links_resolve():
+    """README's links into docs/ must work on a repository browser, where the site is not built."""
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if "://" not in t]
+    assert local, "README links to none of the docs pages"
+    broken = [t for t in local if not (ROOT / t).exists()]
+    assert not broken, f"README links to files that are not in the repository: {broken}"
+
+
 def test_nav_pages_exist():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python", "#"))
     files = [next(iter(entry.values())) for entry in config["nav"]]

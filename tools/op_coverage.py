@@ -1,7 +1,7 @@
 """Op coverage: torch's core-ATen opset against zerojax's lowering table.
 
     .venv/bin/python tools/op_coverage.py              # report
-    .venv/bin/python tools/op_coverage.py --markdown   # the README's gap table
+    .venv/bin/python tools/op_coverage.py --markdown   # the gap table of docs/coverage.md
 
 Prints (a) the gap list: every core-ATen overload of the installed torch (those tagged
 `torch.Tag.core`) that zerojax.bridge.supported_ops() lacks, with the reason from
@@ -98,7 +98,9 @@ def report(markdown: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true", help="print the README gap table")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the gap table of docs/coverage.md"
+    )
     report(parser.parse_args(argv).markdown)
 
 
