@@ -274,8 +274,11 @@ def render(results: dict[str, dict], expected: dict[str, list[str]]) -> str:
     for family, names in expected.items():
         ran = [results[n] for n in names if n in results]
         summary = f"{POPULATIONS[family]}: {sum(map(passed, ran))}/{len(names)} pass"
+        # HTML, not Markdown, inside <summary>; markdown="1" lets the docs site (md_in_html)
+        # render the table inside <details>, as GitHub does.
+        summary = re.sub(r"`([^`]+)`", r"<code>\1</code>", summary)
         lines += [
-            f"<details><summary>{summary}</summary>",
+            f'<details markdown="1"><summary>{summary}</summary>',
             "",
             TABLE_HEADER,
             "|---|---|---|---|---|---|---|---|",
