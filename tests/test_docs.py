@@ -109,11 +109,15 @@ def test_parse_schema_reads_attribute_docstrings():
     source = (
         "@dataclass(frozen=True)\nclass Config:\n    a: int = 1\n    '''The a.'''\n\n"
         "    b: str | None = None\n\n    def f(self):\n        '''not a field'''\n"
+        "    c: str = field(metadata=NOT_IN_FILE)\n    '''Set by the loader.'''\n"
+        "    d: float = field(default=LIMIT, metadata=NOT_IN_FILE)\n    '''Limit.'''\n"
     )
-    classes = config_reference.parse_schema(source)
-    a, b = classes["Config"][1]
-    assert (a.name, a.type, a.default, a.doc) == ("a", "int", "1", "The a.")
+    classes = config_reference.parse_schema("LIMIT = 0.5\n" + source)
+    a, b, c, d = classes["Config"][1]
+    assert (a.name, a.type, a.default, a.doc, a.in_file) == ("a", "int", "1", "The a.", True)
     assert (b.name, b.type, b.default, b.doc) == ("b", "str | None", "None", None)
+    assert (c.name, c.default, c.doc, c.in_file) == ("c", None, "Set by the loader.", False)
+    assert (d.name, d.default, d.in_file) == ("d", "0.5", False)
     assert config_reference.undocumented(classes) == ["Config.b"]
 
 

@@ -40,6 +40,9 @@ class Field:
     """Source text of the default; None for a required field."""
     doc: str | None
     """The attribute docstring; None when the field has none."""
+    in_file: bool = True
+    """False for a field marked `metadata=NOT_IN_FILE`: set by the loader or by code, never a
+    key of the config file."""
 
 
 def _default(node: ast.expr | None, constants: dict[str, str]) -> str | None:
@@ -47,14 +50,31 @@ def _default(node: ast.expr | None, constants: dict[str, str]) -> str | None:
         return None
     if isinstance(node, ast.Name) and node.id in constants:
         return constants[node.id]
-    # field(default_factory=MeshConfig) -> "MeshConfig()"
-    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "field":
+    # field(default_factory=MeshConfig) -> "MeshConfig()"; field(metadata=...) -> required
+    if _is_field_call(node):
         for keyword in node.keywords:
             if keyword.arg == "default_factory":
                 return f"{ast.unparse(keyword.value)}()"
             if keyword.arg == "default":
-                return ast.unparse(keyword.value)
+                return _default(keyword.value, constants)
+        return None
     return ast.unparse(node)
+
+
+def _is_field_call(node: ast.expr | None) -> bool:
+    return isinstance(node, ast.Call) and getattr(node.func, "id", None) == "field"
+
+
+def _in_file(node: ast.expr | None) -> bool:
+    """False for `field(..., metadata=NOT_IN_FILE)` (or metadata saying `"in_file": False`)."""
+    if not _is_field_call(node):
+        return True
+    for keyword in node.keywords:
+        if keyword.arg == "metadata":
+            text = ast.unparse(keyword.value)
+            if text == "NOT_IN_FILE" or "'in_file': False" in text:
+                return False
+    return True
 
 
 def parse_schema(source: str) -> dict[str, tuple[str | None, list[Field]]]:
@@ -93,6 +113,7 @@ def parse_schema(source: str) -> dict[str, tuple[str | None, list[Field]]]:
                     type=ast.unparse(stmt.annotation),
                     default=_default(stmt.value, constants),
                     doc=doc or None,
+                    in_file=_in_file(stmt.value),
                 )
             )
         classes[node.name] = (ast.get_docstring(node), fields)
@@ -120,14 +141,16 @@ def _table(fields: list[Field]) -> list[str]:
     for f in fields:
         default = "required" if f.default is None else f"`{_cell(f.default)}`"
         doc = _cell(f.doc) if f.doc else "**undocumented**"
+        if not f.in_file:
+            doc = f"*Not a file key.* {doc}"
         lines.append(f"| `{f.name}` | `{_cell(f.type)}` | {default} | {doc} |")
     return lines
 
 
 def render_sections(classes: dict[str, tuple[str | None, list[Field]]]) -> str:
     """The generated part of the page: the top-level keys, then one table per section."""
-    _, top = classes[TOP]
-    lines = [f"## Top level (`{TOP}`)", "", *_table(top), ""]
+    top_doc, top = classes[TOP]
+    lines = [f"## Top level (`{TOP}`)", "", *_about(top_doc), *_table(top), ""]
     done = {TOP}
     queue = [(_path("", f), c) for f in top for c in _referenced(f.type, classes)]
     while queue:
@@ -135,12 +158,19 @@ def render_sections(classes: dict[str, tuple[str | None, list[Field]]]) -> str:
         if name in done:
             continue
         done.add(name)
-        _, fields = classes[name]
-        lines += [f"## `{path}` (`{name}`)", "", *_table(fields), ""]
+        doc, fields = classes[name]
+        lines += [f"## `{path}` (`{name}`)", "", *_about(doc), *_table(fields), ""]
         queue += [(_path(path, f), c) for f in fields for c in _referenced(f.type, classes)]
     orphans = [name for name in classes if name not in done]
     assert not orphans, f"schema dataclasses no config section reaches: {orphans}"
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _about(doc: str | None) -> list[str]:
+    """A section's class docstring, its first paragraph, above its table."""
+    if not doc:
+        return []
+    return [" ".join(doc.split("\n\n")[0].split()), ""]
 
 
 def _path(parent: str, f: Field) -> str:
