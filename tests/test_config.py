@@ -632,8 +632,9 @@ DEEPSPEED_BAD = [
     (
         {"train_batch_size": 8, "zerojax": {"zero_stage": 3}},
         (
-            "zerojax.zero_stage: unknown key; allowed keys: mesh, activation_checkpointing, rules, "
-            "inputs, kernels, checkpoint, devices, runtime, train, offload"
+            "zerojax.zero_stage: unknown key; allowed keys: mesh, rules, inputs, kernels, moe, "
+            "sequence_parallel, offload, checkpoint, activation_checkpointing, train, devices, "
+            "runtime"
         ),
     ),
 ]

@@ -1,15 +1,21 @@
-"""Value checks shared by every section parser: each returns the checked value or raises a
-`ConfigError` that names the key path, the bad value and what is allowed."""
+"""Value checks shared by every config dataclass and the loader: each returns the checked value
+or raises a `ConfigError` that names the key path, the bad value and what is allowed.
+
+A path is the field's dotted name (`zero.stage`); while `load_config` builds a config it names
+the key the file wrote instead, where that differs (`zero_stage`, DeepSpeed's
+`train_batch_size`): see `keys_written_as`.
+"""
 
 from __future__ import annotations
 
 import difflib
 import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
-
-from zerojax.config.schema import MESH_AXES
 
 
 class ConfigError(ValueError):
@@ -25,9 +31,31 @@ def _fmt(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, default=str)
 
 
+_WRITTEN: ContextVar[Mapping[str, str] | None] = ContextVar(
+    "zerojax_config_keys_written", default=None
+)
+
+
+@contextmanager
+def keys_written_as(names: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, messages name each field path in `names` by the key the user wrote
+    for it (`{"zero.stage": "zero_stage"}`): the loader builds the dataclasses, which check
+    themselves, and the message must point at the file's key."""
+    token = _WRITTEN.set({**(_WRITTEN.get() or {}), **names})
+    try:
+        yield
+    finally:
+        _WRITTEN.reset(token)
+
+
+def written(path: str) -> str:
+    """The key the user wrote for field path `path` (see `keys_written_as`); else `path`."""
+    return (_WRITTEN.get() or {}).get(path, path)
+
+
 def error(path: str, value: Any, problem: str) -> ConfigError:
     """`ConfigError("<path>=<value>: <problem>")`, the value as the user wrote it (JSON)."""
-    return ConfigError(f"{path}={_fmt(value)}: {problem}")
+    return ConfigError(f"{written(path)}={_fmt(value)}: {problem}")
 
 
 def check_keys(path: str, mapping: Mapping, allowed: tuple[str, ...]) -> None:
@@ -83,15 +111,43 @@ def as_choice(path: str, value: Any, allowed: tuple, *, optional: bool = False) 
     return value
 
 
-def as_axes(path: str, value: Any) -> tuple[str, ...]:
+def as_axes(path: str, value: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """An axis name or a list of them, each in `allowed`, none twice -> a tuple."""
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(a, str) for a in items):
         raise error(path, value, "expected a mesh axis name or a list of them")
     for i, axis in enumerate(items):
-        as_choice(f"{path}[{i}]", axis, MESH_AXES)
+        as_choice(f"{path}[{i}]", axis, allowed)
     if len(set(items)) != len(items):
         raise error(path, value, "an axis may appear only once")
     return tuple(items)
+
+
+def as_unit_interval(path: str, value: Any) -> float:
+    value = as_float(path, value)
+    if not 0 <= value < 1:
+        raise error(path, value, "expected a number in [0, 1)")
+    return value
+
+
+def as_path(path: str, value: Any, *, optional: bool = False) -> str | None:
+    """A non-empty path string (or, if `optional`, None)."""
+    if optional and value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise error(path, value, "expected a path string" + (" or null" if optional else ""))
+    return value
+
+
+def as_regex(path: str, value: Any, what: str = "regex", *, show: bool = True) -> str:
+    """A string `re.compile` accepts; the message names `what` it is, the value (unless `path`
+    already shows it: `show=False`) and re's complaint."""
+    try:
+        re.compile(value)
+    except (re.error, TypeError) as exc:
+        shown = f" {value!r}" if show else ""
+        raise ConfigError(f"{written(path)}: invalid {what}{shown}: {exc}") from exc
+    return value
 
 
 def as_stage(path: str, value: Any) -> int:

@@ -17,8 +17,10 @@ like any other. Understood:
     optimizer           type, params (Adam means AdamW unless params.adam_w_mode is false)
     activation_checkpointing
                         cpu_checkpointing (the model's checkpoint calls save to host memory)
-    zerojax             native sections: mesh, activation_checkpointing, rules, inputs,
-                        kernels, checkpoint, devices, runtime, train
+    zerojax             native sections: every zerojax section but those the DeepSpeed
+                        keys give (zero, precision, optimizer): mesh, rules, inputs,
+                        kernels, moe, sequence_parallel, offload, checkpoint,
+                        activation_checkpointing, train, devices, runtime
 
 Every other key, at any level, is named in a `ConfigWarning` saying it is ignored, and why
 where there is a reason to give. The mesh defaults to {data: -1}: DeepSpeed data parallelism
@@ -43,9 +45,10 @@ from zerojax.config.checks import (
     check_keys,
     error,
 )
-from zerojax.config.schema import FLOAT_DTYPES
+from zerojax.config.schema import FLOAT_DTYPES, Config, TrainConfig, file_keys
 
 __all__ = [
+    "DEEPSPEED_KEYS_WRITTEN",
     "DEEPSPEED_ONLY_KEYS",
     "TRAINER_AUTOS",
     "auto_paths",
@@ -71,19 +74,28 @@ DEEPSPEED_ONLY_KEYS = (
 """Top-level keys that mark a config as DeepSpeed's (none is a zerojax key; `optimizer` and
 `activation_checkpointing` are both, and DeepSpeed's forms are translated)."""
 
-NATIVE_SECTIONS = (
-    "mesh",
-    "activation_checkpointing",
-    "rules",
-    "inputs",
-    "kernels",
-    "checkpoint",
-    "devices",
-    "runtime",
-    "train",
-    "offload",
-)
+_GIVEN_BY_DEEPSPEED = ("zero", "precision", "optimizer")
+"""zerojax sections the DeepSpeed keys give (zero_optimization, bf16/fp16/data_types,
+optimizer), so a DeepSpeed config's `zerojax` key may not carry them."""
+
+NATIVE_SECTIONS = tuple(name for name in file_keys(Config) if name not in _GIVEN_BY_DEEPSPEED)
 """zerojax sections a DeepSpeed config may carry under its `zerojax` key."""
+
+TRAIN_KEYS = {
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "gradient_clipping",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "train_batch_size": "global_batch_size",
+}
+"""DeepSpeed's top-level batch and step keys -> the `TrainConfig` field each sets."""
+assert set(TRAIN_KEYS.values()) <= set(file_keys(TrainConfig)), TRAIN_KEYS
+
+DEEPSPEED_KEYS_WRITTEN = {
+    **{f"train.{name}": key for key, name in TRAIN_KEYS.items()},
+    "train.patch_clip_grad_norm": "zerojax.train.patch_clip_grad_norm",
+}
+"""Field path -> the DeepSpeed key a ds_config.json wrote it as, for messages (see
+`checks.keys_written_as`)."""
 
 _DS_DTYPES = {
     "fp32": "float32",
@@ -437,15 +449,10 @@ def _precision(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
 
 def _train(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     train: dict[str, Any] = {}
-    for ds_key, key in (
-        ("gradient_accumulation_steps", "gradient_accumulation_steps"),
-        ("train_micro_batch_size_per_gpu", "micro_batch_size"),
-        ("train_batch_size", "global_batch_size"),
-    ):
-        if ds.get(ds_key) is not None:
+    for ds_key, key in TRAIN_KEYS.items():
+        disabled = (None, 0, 0.0) if ds_key == "gradient_clipping" else (None,)
+        if ds.get(ds_key) not in disabled:  # DeepSpeed: gradient_clipping 0 disables clipping
             train[key] = ds[ds_key]
-    if ds.get("gradient_clipping") not in (None, 0, 0.0):  # DeepSpeed: 0 disables clipping
-        train["gradient_clipping"] = ds["gradient_clipping"]
     if train:
         raw["train"] = train
 
@@ -504,12 +511,7 @@ def _native(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
 _SECTIONS: dict[tuple[str, ...], Callable[[Mapping[str, Any], dict[str, Any]], None]] = {
     ("zero_optimization",): _zero_optimization,
     ("bf16", "fp16", "data_types", "communication_data_type"): _precision,
-    (
-        "gradient_accumulation_steps",
-        "gradient_clipping",
-        "train_micro_batch_size_per_gpu",
-        "train_batch_size",
-    ): _train,
+    tuple(TRAIN_KEYS): _train,
     ("optimizer",): _optimizer,
     ("activation_checkpointing",): _activation_checkpointing,
     ("zerojax",): _native,

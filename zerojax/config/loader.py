@@ -7,58 +7,39 @@ hand the `Config` down: everything below takes a `Config`, never a path.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
-from zerojax.config.checks import ConfigError, as_int, check_keys, error
+from zerojax.config.checks import (
+    ConfigError,
+    ConfigWarning,
+    as_int,
+    check_keys,
+    error,
+    keys_written_as,
+    written,
+)
 from zerojax.config.deepspeed import (
+    DEEPSPEED_KEYS_WRITTEN,
     DEEPSPEED_ONLY_KEYS,
     deepspeed_to_zerojax,
     split_trainer_autos,
 )
 from zerojax.config.devices import apply_devices
 from zerojax.config.files import read_config_file
-from zerojax.config.schema import Config, DevicesConfig
-from zerojax.config.sections import (
-    parse_activation_checkpointing,
-    parse_checkpoint,
-    parse_devices,
-    parse_inputs,
-    parse_kernels,
-    parse_mesh,
-    parse_moe,
-    parse_offload,
-    parse_optimizer,
-    parse_precision_section,
-    parse_rules,
-    parse_runtime,
-    parse_sequence_parallel,
-    parse_train,
-    parse_zero,
-)
+from zerojax.config.schema import Config, DevicesConfig, file_keys
+from zerojax.config.sections import parse_mesh, parse_section, parse_zero
 from zerojax.distributed.launcher import read_launcher_env
 
 __all__ = ["TOP_LEVEL_KEYS", "load_config"]
 
-TOP_LEVEL_KEYS = (
-    "mesh",
-    "zero_stage",
-    "zero",
-    "rules",
-    "inputs",
-    "precision",
-    "kernels",
-    "moe",
-    "sequence_parallel",
-    "offload",
-    "checkpoint",
-    "activation_checkpointing",
-    "train",
-    "devices",
-    "runtime",
-    "optimizer",
+TOP_LEVEL_KEYS = tuple(
+    key
+    for name in file_keys(Config)
+    for key in (("zero_stage", name) if name == "zero" else (name,))
 )
+"""The keys of a zerojax config file: `Config`'s sections, and `zero_stage` (`zero.stage`)."""
 
 
 def _device_count(devices: DevicesConfig, num_devices: int | None) -> int:
@@ -78,37 +59,43 @@ def _device_count(devices: DevicesConfig, num_devices: int | None) -> int:
         ) from exc
 
 
-def _build(raw: Mapping, *, num_devices: int | None, source: str | None, fmt: str) -> Config:
+def _build(
+    raw: Mapping,
+    *,
+    num_devices: int | None,
+    source: str | None,
+    fmt: str,
+    trainer_autos: tuple[str, ...] = (),
+) -> Config:
+    """Each section's dataclass, built from its keys (checking itself), then the `Config`
+    (checking the rules across sections); messages name the keys as the file wrote them."""
     check_keys("", raw, TOP_LEVEL_KEYS)
-    devices = parse_devices(raw.get("devices"))
-    mesh = parse_mesh(raw.get("mesh"), _device_count(devices, num_devices))
-    zero = parse_zero(raw.get("zero_stage"), raw.get("zero"))
-    config = Config(mesh=mesh, zero=zero, devices=devices, source=source, format=fmt)
-    sequence_parallel, inputs = parse_sequence_parallel(
-        raw.get("sequence_parallel"),
-        mesh.axis_names,
-        parse_inputs(raw.get("inputs"), mesh.axis_names),
-    )
-    precision = parse_precision_section(raw.get("precision"))
-    return replace(
-        config,
-        rules=parse_rules(raw.get("rules"), mesh.axis_names),
-        inputs=inputs,
-        sequence_parallel=sequence_parallel,
-        precision=precision,
-        offload=parse_offload(raw.get("offload"), zero.stage, precision),
-        kernels=parse_kernels(raw.get("kernels")),
-        moe=parse_moe(raw.get("moe")),
-        checkpoint=parse_checkpoint(raw.get("checkpoint")),
-        activation_checkpointing=parse_activation_checkpointing(
-            raw.get("activation_checkpointing")
-        ),
-        train=parse_train(
-            raw.get("train"), config.data_parallel_size, deepspeed=fmt == "deepspeed"
-        ),
-        runtime=parse_runtime(raw.get("runtime")),
-        optimizer=parse_optimizer(raw.get("optimizer")),
-    )
+    with keys_written_as(DEEPSPEED_KEYS_WRITTEN if fmt == "deepspeed" else {}):
+        devices = parse_section("devices", raw.get("devices"))
+        sections = {
+            "devices": devices,
+            "mesh": parse_mesh(raw.get("mesh"), _device_count(devices, num_devices)),
+            "zero": parse_zero(raw.get("zero_stage"), raw.get("zero")),
+        }
+        for name in file_keys(Config):
+            if name not in sections:
+                sections[name] = parse_section(name, raw.get(name))
+        config = Config(**sections, source=source, format=fmt, trainer_autos=trainer_autos)
+        train = raw.get("train") or {}  # a mapping: its section parsed
+        given = [
+            written(f"train.{key}")
+            for key in ("micro_batch_size", "global_batch_size")
+            if train.get(key) is not None
+        ]
+    if given:
+        warnings.warn(
+            f"{' and '.join(given)}: checked to multiply out with gradient accumulation and the "
+            "data-parallel size, and otherwise without effect: zerojax does not load your data, "
+            "so the batch your loader yields is the batch that trains",
+            ConfigWarning,
+            stacklevel=3,
+        )
+    return config
 
 
 def load_config(
@@ -145,10 +132,13 @@ def load_config(
         )
     if is_deepspeed(raw):
         ds, autos = split_trainer_autos(raw, in_trainer=trainer_autos)
-        config = _build(
-            deepspeed_to_zerojax(ds), num_devices=num_devices, source=where, fmt="deepspeed"
+        return _build(
+            deepspeed_to_zerojax(ds),
+            num_devices=num_devices,
+            source=where,
+            fmt="deepspeed",
+            trainer_autos=autos,
         )
-        return replace(config, trainer_autos=autos)
     return _build(raw, num_devices=num_devices, source=where, fmt="zerojax")
 
 

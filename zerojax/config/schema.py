@@ -1,15 +1,40 @@
 """The config schema: one frozen dataclass per section, a docstring under every field.
 
-Nothing here reads files or validates raw values (`sections` does); these classes are what
-the rest of zerojax receives, always through a `Config` that `load_config` built once.
+This is the one source of the config: each section checks its own values when it is built
+(`__post_init__`), and `Config` checks the rules that span sections, so a config built in code
+is held to the same rules, with the same messages, as one read from a file. `load_config` only
+turns the file's mapping into these constructor calls (`sections`); the keys a file section
+allows are the fields here (`file_keys`). Constructors normalise as the file form does (lists
+become tuples, a float16 policy gets dynamic loss scaling), so a config built in code equals
+the one loaded from the same values, and `dataclasses.replace` re-checks what it changes.
+
+Nothing here reads files; these classes are what the rest of zerojax receives, always through
+a `Config` (usually one `load_config` built once).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+from zerojax.config.checks import (
+    ConfigError,
+    as_axes,
+    as_bool,
+    as_choice,
+    as_float,
+    as_int,
+    as_path,
+    as_regex,
+    as_stage,
+    as_unit_interval,
+    check_keys,
+    error,
+    written,
+)
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "sequence")
 """The mesh axis names zerojax knows; any other name is a typo until proven otherwise."""
@@ -43,15 +68,72 @@ OFFLOAD_PLACES = ("device", "host")
 # Default 0.1: past that, the per-device memory the ZeRO stage promises is off by more than 10%.
 DEFAULT_MAX_REPLICATED_FRACTION = 0.1
 
+NOT_IN_FILE = {"in_file": False}
+"""Field metadata: the field is set by the loader or by code, never a key of the config file."""
+
+
+def file_keys(cls: type) -> tuple[str, ...]:
+    """The keys a config file's section for dataclass `cls` may have: its fields, in order,
+    but those marked NOT_IN_FILE."""
+    return tuple(f.name for f in fields(cls) if f.metadata.get("in_file", True))
+
+
+def _set(instance: Any, name: str, value: Any) -> None:
+    """Normalise a field of a frozen dataclass in its `__post_init__`."""
+    object.__setattr__(instance, name, value)
+
+
+def _optional(check, path: str, value: Any, **kwargs: Any) -> Any:
+    return None if value is None else check(path, value, **kwargs)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MeshConfig:
+    """The device mesh (`mesh:`): named axes, outermost first, resolved against a device count."""
+
     axes: tuple[tuple[str, int], ...] = (("data", -1),)
     """Mesh axes in order (outermost first), as written: name -> size, where -1 fills the
     devices the other axes leave."""
 
     num_devices: int = 1
-    """Device count the mesh was resolved against at load time."""
+    """Device count the mesh is resolved against (the -1 axis fills it, the sizes must
+    multiply to it): `load_config` sets it from `num_devices=`, `devices.num_cpu_devices` or
+    the running JAX; an integer >= 1. Not a file key: the file's mesh section is the axes."""
+
+    def __post_init__(self) -> None:
+        num_devices = as_int("num_devices", self.num_devices, minimum=1)
+        if not isinstance(self.axes, (list, tuple)) or not all(
+            isinstance(axis, (list, tuple)) and len(axis) == 2 for axis in self.axes
+        ):
+            raise error("mesh.axes", self.axes, "expected (axis name, size) pairs")
+        axes = tuple(tuple(axis) for axis in self.axes) or (("data", -1),)
+        names = [name for name, _ in axes]
+        check_keys("mesh", dict(axes), MESH_AXES)
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError(f"mesh.{name}: the axis is given twice; give each axis once")
+        for name, size in axes:
+            if size != -1:
+                as_int(f"mesh.{name}", size, minimum=1)
+        fill = [name for name, size in axes if size == -1]
+        if len(fill) > 1:
+            raise ConfigError(
+                f"{' and '.join(f'mesh.{n}=-1' for n in fill)}: at most one axis may be -1"
+            )
+        known = 1
+        for name, size in axes:
+            if size == -1:
+                continue
+            known *= size
+            if num_devices % known:
+                raise ConfigError(f"mesh.{name}={size} does not divide {num_devices} devices")
+        if not fill and known != num_devices:
+            product = " x ".join(f"{n}={s}" for n, s in axes)
+            raise ConfigError(
+                f"mesh: {product} = {known} devices, but there are {num_devices}; make the "
+                f"product {num_devices} or set one axis to -1 to fill the remaining devices"
+            )
+        _set(self, "axes", axes)
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -71,9 +153,12 @@ class MeshConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
+    """ZeRO partitioning (`zero:`, or the top-level `zero_stage`): the stage and the axes it shards over."""
+
     stage: int = 0
-    """ZeRO stage: 0 replicates everything over the data-parallel axes; 1 shards optimizer state
-    and master weights; 2 also gradients; 3 also parameters (gathered for compute)."""
+    """ZeRO stage, 0, 1, 2 or 3: 0 (the default) replicates everything over the data-parallel
+    axes; 1 shards optimizer state and master weights; 2 also gradients; 3 also parameters
+    (gathered for compute). A file may give it as the top-level `zero_stage`."""
 
     data_parallel_axes: tuple[str, ...] = ("data", "fsdp", "expert")
     """Mesh axes that count as data-parallel: ZeRO shards over their product and the batch is
@@ -84,64 +169,149 @@ class ZeroConfig:
 
     max_replicated_fraction: float = DEFAULT_MAX_REPLICATED_FRACTION
     """Largest fraction of parameter bytes allowed to stay replicated because no dim divides
-    evenly; more fails the plan, listing the five largest offenders. 1.0 disables the guard."""
+    evenly; more fails the plan, listing the five largest offenders. A number between 0 and
+    1.0; 1.0 disables the guard; the default 0.1 keeps the memory the stage promises within
+    10%."""
+
+    def __post_init__(self) -> None:
+        _set(self, "stage", as_stage("zero.stage", self.stage))
+        _set(
+            self,
+            "data_parallel_axes",
+            as_axes("zero.data_parallel_axes", self.data_parallel_axes, MESH_AXES),
+        )
+        _set(
+            self,
+            "max_replicated_fraction",
+            as_float("zero.max_replicated_fraction", self.max_replicated_fraction, at_most=1.0),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Rule:
+    """One sharding rule (`rules[i]`): parameters whose name matches get this PartitionSpec."""
+
     pattern: str
     """Regex searched (`re.search`) in the parameter's state_dict name; anchor with ^/$."""
 
     spec: tuple[str | tuple[str, ...] | None, ...]
-    """Per-dimension mesh axes (a PartitionSpec): None, an axis, or a tuple of axes."""
+    """Per-dimension mesh axes (a PartitionSpec), one entry per dim: None (not split), an
+    axis, or a tuple of axes; no axis twice. A user rule's axes must be in the mesh (checked by
+    `Config`)."""
 
-    origin: str
+    origin: str = field(metadata=NOT_IN_FILE)
     """Where the rule came from, for messages: "rules[2]" or "rules[0] (preset 'gpt2')"."""
 
-    preset: str | None = None
-    """The preset this rule was expanded from. Preset rules drop axes the mesh does not have
-    (a gpt2 preset on a mesh without `tensor` does no tensor parallelism); user rules may not
-    name such axes."""
+    preset: str | None = field(default=None, metadata=NOT_IN_FILE)
+    """The preset this rule was expanded from; None for a rule written out. Preset rules drop
+    axes the mesh does not have (a gpt2 preset on a mesh without `tensor` does no tensor
+    parallelism); user rules may not name such axes."""
+
+    def __post_init__(self) -> None:
+        where = self.origin
+        if not isinstance(self.pattern, str):
+            raise error(f"{where}.pattern", self.pattern, "expected a regex string")
+        as_regex(f"{where}.pattern", self.pattern)
+        path = f"{where}.spec"
+        if not isinstance(self.spec, (list, tuple)):
+            raise error(
+                path,
+                self.spec,
+                "expected a list with one entry per dim: null, an axis, or a list of axes",
+            )
+        spec, used = [], set()
+        for i, entry in enumerate(self.spec):
+            if entry is None:
+                spec.append(None)
+                continue
+            axes = as_axes(f"{path}[{i}]", entry, MESH_AXES)
+            for axis in axes:
+                if axis in used:
+                    raise error(path, list(self.spec), f"axis {axis!r} is used by two dims")
+                used.add(axis)
+            spec.append(axes[0] if isinstance(entry, str) else axes)
+        _set(self, "spec", tuple(spec))
+
+    def user_axes(self) -> tuple[tuple[str, str | tuple[str, ...]], ...]:
+        """(path, entry) of each spec entry naming an axis (a user rule's must be in the mesh)."""
+        return tuple(
+            (f"{self.origin}.spec[{i}]", entry)
+            for i, entry in enumerate(self.spec)
+            if entry is not None
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InputsConfig:
+    """How batch inputs are split over the mesh (`inputs:`)."""
+
     batch_axes: tuple[str, ...] | None = None
-    """Mesh axes the batch dim is split over; None means the data-parallel axes of the mesh."""
+    """Mesh axes the batch dim is split over (each in the mesh, none twice); None means the
+    data-parallel axes of the mesh."""
 
     sequence_axis: str | None = None
-    """Mesh axis the sequence dim is split over (sequence parallelism); None keeps it whole."""
+    """Mesh axis the sequence dim is split over (sequence parallelism), one of the mesh's axes
+    and not a batch axis; None keeps it whole. `sequence_parallel.axis` sets it."""
 
     batch_dim: int = 0
-    """Which input dim is the batch."""
+    """Which input dim is the batch: an integer >= 0, by default 0."""
 
     sequence_dim: int = 1
-    """Which input dim is the sequence (used only with `sequence_axis`)."""
+    """Which input dim is the sequence (used only with `sequence_axis`): an integer >= 0 other
+    than `batch_dim`, by default 1."""
+
+    def __post_init__(self) -> None:
+        batch_axes = _optional(as_axes, "inputs.batch_axes", self.batch_axes, allowed=MESH_AXES)
+        _set(self, "batch_axes", batch_axes)
+        # Whether `sequence_axis` names a mesh axis is `Config`'s check: it knows the mesh.
+        if self.sequence_axis is not None and self.sequence_axis in (batch_axes or ()):
+            raise error(
+                "inputs.sequence_axis", self.sequence_axis, "already used by inputs.batch_axes"
+            )
+        for name in ("batch_dim", "sequence_dim"):
+            as_int(f"inputs.{name}", getattr(self, name), minimum=0)
+        if self.sequence_axis and self.batch_dim == self.sequence_dim:
+            raise error("inputs.sequence_dim", self.sequence_dim, "must differ from batch_dim")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LossScaleConfig:
+    """float16 loss scaling (`precision.loss_scale`)."""
+
     dynamic: bool = True
     """Dynamic loss scaling: grow the scale after `window` clean steps, halve it on overflow
     (the overflowing step is skipped). False keeps `initial_scale` fixed."""
 
     initial_scale: float = 2.0**16
-    """Starting (or, if not dynamic, fixed) loss scale."""
+    """Starting (or, if not dynamic, fixed) loss scale: a number > 0, by default 2**16."""
 
     window: int = 1000
-    """Clean steps before the dynamic scale doubles."""
+    """Clean steps before the dynamic scale doubles: an integer >= 1, by default 1000."""
 
     hysteresis: int = 2
-    """Overflows tolerated before the scale is lowered (DeepSpeed's `hysteresis`)."""
+    """Overflows tolerated before the scale is lowered (DeepSpeed's `hysteresis`): an integer
+    >= 1, by default 2."""
 
     min_scale: float = 1.0
-    """The dynamic scale never goes below this."""
+    """The dynamic scale never goes below this: a number > 0, by default 1.0."""
+
+    def __post_init__(self) -> None:
+        path = "precision.loss_scale"
+        as_bool(f"{path}.dynamic", self.dynamic)
+        for name in ("initial_scale", "min_scale"):
+            _set(self, name, as_float(f"{path}.{name}", getattr(self, name), positive=True))
+        for name in ("window", "hysteresis"):
+            as_int(f"{path}.{name}", getattr(self, name), minimum=1)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionConfig:
+    """The dtype policy (`precision:`, or one string such as
+    "params=bfloat16,compute=bfloat16,master=float32")."""
+
     param_dtype: str = "float32"
-    """Dtype parameters are stored in between steps."""
+    """Dtype parameters are stored in between steps: float32 (the default), bfloat16 or
+    float16 (FLOAT_DTYPES), as every dtype of the policy."""
 
     compute_dtype: str = "float32"
     """Dtype of forward/backward arithmetic (matmuls accumulate in float32 regardless)."""
@@ -150,8 +320,9 @@ class PrecisionConfig:
     """Dtype of the model outputs handed back to torch (the loss, logits)."""
 
     master_dtype: str | None = None
-    """float32 keeps a float32 master copy of low-precision params for the update; None updates
-    the params in their own dtype."""
+    """float32 keeps a float32 master copy of 16-bit params for the update (not allowed with
+    float32 params, which are their own masters); None (the default) updates the params in
+    their own dtype."""
 
     optimizer_state_dtype: str = "float32"
     """Dtype of optimizer moments (Adam m and v)."""
@@ -160,26 +331,64 @@ class PrecisionConfig:
     """Dtype gradients are reduced (all-reduce / reduce-scatter) and accumulated in."""
 
     loss_scale: LossScaleConfig | None = None
-    """float16 loss scaling; set automatically (dynamic) when any dtype is float16."""
+    """float16 loss scaling, only where the param, compute or grad_reduce dtype is float16;
+    None there becomes dynamic scaling (`LossScaleConfig()`). A file may give "dynamic", a
+    number (a fixed scale) or the section's keys."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "master_dtype":
+                as_choice("precision.master_dtype", self.master_dtype, ("float32",), optional=True)
+            elif f.name.endswith("_dtype"):
+                as_choice(f"precision.{f.name}", getattr(self, f.name), FLOAT_DTYPES)
+        if self.loss_scale is not None and not isinstance(self.loss_scale, LossScaleConfig):
+            raise error(
+                "precision.loss_scale", self.loss_scale, "expected a LossScaleConfig or null"
+            )
+        uses_fp16 = "float16" in (self.param_dtype, self.compute_dtype, self.grad_reduce_dtype)
+        if self.loss_scale is None and uses_fp16:
+            _set(self, "loss_scale", LossScaleConfig())
+        if self.loss_scale is not None and not uses_fp16:
+            raise ConfigError(
+                "precision.loss_scale is set but no param/compute/grad_reduce dtype is float16; "
+                "loss scaling is only for float16 (remove it, or use float16)"
+            )
+        if self.master_dtype == "float32" and self.param_dtype == "float32":
+            raise ConfigError(
+                "precision.master_dtype='float32' with param_dtype='float32': the params "
+                "already are float32 masters; set master_dtype to null or use a 16-bit "
+                "param_dtype"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KernelsConfig:
+    """Which Pallas kernels the bridge substitutes for hot ops (`kernels:`)."""
+
     attention: str = "auto"
-    """Scaled-dot-product attention: auto (the Pallas kernel on GPU, its XLA reference
-    elsewhere), pallas, xla, or off (no substitution: the bridge's plain lowering)."""
+    """Scaled-dot-product attention, one of KERNEL_IMPLEMENTATIONS: auto (the default: the
+    Pallas kernel on GPU, its XLA reference elsewhere), pallas, xla, or off (no substitution:
+    the bridge's plain lowering)."""
 
     norm: str = "auto"
-    """LayerNorm and the RMSNorm pattern (same choices)."""
+    """LayerNorm and the RMSNorm pattern (same choices and default)."""
 
     optimizer: str = "auto"
-    """Fused AdamW update on each shard (same choices)."""
+    """Fused AdamW update on each shard (same choices and default)."""
 
     loss: str = "auto"
-    """Fused linear + cross-entropy, vocabulary-chunked (same choices)."""
+    """Fused linear + cross-entropy, vocabulary-chunked (same choices and default)."""
 
     interpret: bool = False
-    """Run Pallas kernels in interpret mode (for CPU tests)."""
+    """Run Pallas kernels in interpret mode (for CPU tests); false (the default) compiles
+    them."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "interpret":
+                as_bool("kernels.interpret", self.interpret)
+            else:
+                as_choice(f"kernels.{f.name}", getattr(self, f.name), KERNEL_IMPLEMENTATIONS)
 
     def choice(self, family: str) -> tuple[str, bool] | None:
         """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",
@@ -190,23 +399,34 @@ class KernelsConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoeConfig:
+    """Mixture-of-experts dispatch under expert parallelism (`moe:`)."""
+
     capacity_factor: float | None = None
     """Expert-parallel dispatch (mesh axis `expert` > 1): None is dropless, every routed token
     reaches its expert. A number f > 0 caps what one device sends one expert-axis peer at
     f x its balanced share; tokens past the cap are dropped (their expert output is zero) and
     counted (`zerojax.bridge.expert_parallel`)."""
 
+    def __post_init__(self) -> None:
+        factor = _optional(as_float, "moe.capacity_factor", self.capacity_factor, positive=True)
+        _set(self, "capacity_factor", factor)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SequenceParallelConfig:
+    """Sequence parallelism (`sequence_parallel:`): the split axis, the attention
+    algorithm, the modules it applies to."""
+
     axis: str | None = None
-    """Mesh axis the sequence is split over; None: no sequence parallelism. Setting it also
-    splits the inputs' sequence dim over it (`inputs.sequence_axis`) and adds it to the axes
-    ZeRO shards over (DeepSpeed-Ulysses' data x sequence group); the batch is not split on it."""
+    """Mesh axis the sequence is split over, one of the mesh's axes; None (the default): no
+    sequence parallelism (a file's section, once written, defaults it to `sequence`). Setting
+    it also splits the inputs' sequence dim over it (`inputs.sequence_axis`) and adds it to the
+    axes ZeRO shards over (DeepSpeed-Ulysses' data x sequence group); the batch is not split on
+    it."""
 
     attention: str = "auto"
-    """ulysses, ring or auto (SEQUENCE_PARALLEL_ATTENTION): how attention crosses the split
-    (`zerojax.bridge.sequence_parallel`)."""
+    """ulysses, ring or auto (SEQUENCE_PARALLEL_ATTENTION; auto is the default): how attention
+    crosses the split (`zerojax.bridge.sequence_parallel`)."""
 
     modules: tuple[str, ...] = ()
     """Module path regexes (full match against a path as in `named_modules()`, e.g.
@@ -215,17 +435,50 @@ class SequenceParallelConfig:
     tensor-parallel language model). Empty: every attention, and the inputs' sequence dim is
     split; with modules the inputs are not split (the split starts inside those modules)."""
 
+    def __post_init__(self) -> None:
+        # Whether `axis` is a mesh axis is `Config`'s check: it knows the mesh.
+        as_choice("sequence_parallel.attention", self.attention, SEQUENCE_PARALLEL_ATTENTION)
+        modules = self.modules
+        if isinstance(modules, str) or not isinstance(modules, (list, tuple)):
+            raise error(
+                "sequence_parallel.modules", modules, "expected a list of module path regexes"
+            )
+        for i, pattern in enumerate(modules):
+            as_regex(f"sequence_parallel.modules[{i}]", pattern, "module path regex")
+        _set(self, "modules", tuple(modules))
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ActivationCheckpointingConfig:
+    """Which activations are recomputed in the backward pass
+    (`activation_checkpointing:`)."""
+
     modules: tuple[tuple[str, str], ...] = ()
-    """(module path regex, policy) in the order written: each submodule whose path (as in
-    `named_modules()`, e.g. `transformer.h.3`) fully matches a regex has its forward
-    rematerialised with that policy (the first matching rule, outermost module first)."""
+    """(module path regex, policy) in the order written (a mapping is taken in its order): each
+    submodule whose path (as in `named_modules()`, e.g. `transformer.h.3`) fully matches a regex
+    has its forward rematerialised with that policy (REMAT_POLICIES; the first matching rule,
+    outermost module first). Empty (the default): only the model's own checkpoint calls."""
 
     torch_checkpoint: str = "full"
-    """Policy for the model's own `torch.utils.checkpoint.checkpoint` calls (and Hugging Face's
-    `gradient_checkpointing_enable()`, which makes them): full is torch's semantics."""
+    """Policy (REMAT_POLICIES) for the model's own `torch.utils.checkpoint.checkpoint` calls
+    (and Hugging Face's `gradient_checkpointing_enable()`, which makes them): full, the
+    default, is torch's semantics; offload is DeepSpeed's `cpu_checkpointing`."""
+
+    def __post_init__(self) -> None:
+        path = "activation_checkpointing.modules"
+        modules = self.modules.items() if isinstance(self.modules, Mapping) else self.modules
+        if isinstance(modules, str) or not all(
+            isinstance(rule, (list, tuple)) and len(rule) == 2 for rule in modules
+        ):
+            raise error(path, self.modules, "expected (module path regex, policy) pairs")
+        for pattern, policy in modules:
+            where = f"{path}[{pattern!r}]"
+            as_regex(where, pattern, "module path regex", show=False)
+            as_choice(where, policy, REMAT_POLICIES)
+        _set(self, "modules", tuple(tuple(rule) for rule in modules))
+        as_choice(
+            "activation_checkpointing.torch_checkpoint", self.torch_checkpoint, REMAT_POLICIES
+        )
 
     def policy_for(self, module_path: str) -> str | None:
         """The policy of the first rule matching `module_path`, None if none matches."""
@@ -237,9 +490,12 @@ class ActivationCheckpointingConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OffloadConfig:
+    """Which model states live in host memory between steps (`offload:`); the rules
+    tying them to the ZeRO stage and the precision are `Config`'s."""
+
     optimizer: str = "device"
-    """Where the optimizer state (Adam's moments, SGD's momentum, step counts) lives: device, or
-    host (ZeRO-Offload; needs ZeRO stage >= 1). Host state stays on its ZeRO shard, in the host
+    """Where the optimizer state (Adam's moments, SGD's momentum, step counts) lives: device
+    (the default, as for every state here), or host (ZeRO-Offload; needs ZeRO stage >= 1). Host state stays on its ZeRO shard, in the host
     memory of the device that owns the shard; the update program moves it in and back out."""
 
     master: str = "device"
@@ -257,81 +513,192 @@ class OffloadConfig:
     host`): each gradient leaves the device as the backward pass produces it, accumulation
     adds on the host, and the update computes there."""
 
+    def __post_init__(self) -> None:
+        # Which placements go together (and with the ZeRO stage, the precision) is `Config`'s
+        # check: the rules span sections.
+        for f in fields(self):
+            as_choice(f"offload.{f.name}", getattr(self, f.name), OFFLOAD_PLACES)
+
     @property
     def host_states(self) -> tuple[str, ...]:
         """The states placed in host memory, in field order."""
-        return tuple(
-            name
-            for name in ("optimizer", "master", "params", "grads")
-            if getattr(self, name) == "host"
-        )
+        return tuple(f.name for f in fields(self) if getattr(self, f.name) == "host")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointConfig:
+    """Orbax checkpointing (`checkpoint:`)."""
+
     directory: str | None = None
-    """Where Orbax writes checkpoints; None disables checkpointing."""
+    """Where Orbax writes checkpoints (a non-empty path); None (the default) disables
+    checkpointing."""
 
     save_interval_steps: int = 0
-    """Save every N optimizer steps; 0 saves only when asked."""
+    """Save every N optimizer steps (an integer >= 0); 0, the default, saves only when asked."""
 
     max_to_keep: int | None = 3
-    """Checkpoints kept on disk (oldest deleted first); None keeps all."""
+    """Checkpoints kept on disk (oldest deleted first), an integer >= 1, by default 3; None
+    keeps all."""
 
     async_save: bool = True
-    """Write in the background; the step blocks only to copy arrays off the device."""
+    """Write in the background (the default); the step blocks only to copy arrays off the
+    device. False writes before the save call returns."""
+
+    def __post_init__(self) -> None:
+        as_path("checkpoint.directory", self.directory, optional=True)
+        as_int("checkpoint.save_interval_steps", self.save_interval_steps, minimum=0)
+        _optional(as_int, "checkpoint.max_to_keep", self.max_to_keep, minimum=1)
+        as_bool("checkpoint.async_save", self.async_save)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RuntimeConfig:
+    """Compilation cache and effective-training-time reporting (`runtime:`)."""
+
     compilation_cache_dir: str | None = "~/.cache/zerojax/jax"
-    """JAX's persistent compilation cache, so a restarted job skips recompiling; None
-    disables it."""
+    """Directory of JAX's persistent compilation cache, so a restarted job skips recompiling
+    (by default ~/.cache/zerojax/jax); None disables it."""
 
     effective_time_log: str | None = None
     """Append effective-training-time events as JSON lines to this file; None: no file."""
 
     report_effective_time: bool = False
     """Print where the run's time went (init, compile, checkpoints, steps) at exit. Off by
-    default: only then does zerojax register an exit hook."""
+    default: only when on does zerojax register an exit hook."""
+
+    def __post_init__(self) -> None:
+        for name in ("compilation_cache_dir", "effective_time_log"):
+            as_path(f"runtime.{name}", getattr(self, name), optional=True)
+        as_bool("runtime.report_effective_time", self.report_effective_time)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
+    """Gradient accumulation, clipping and batch sizes (`train:`)."""
+
     gradient_accumulation_steps: int = 1
-    """Backward passes summed before each optimizer step."""
+    """Backward passes summed before each optimizer step: an integer >= 1, by default 1 (no
+    accumulation)."""
 
     gradient_clipping: float | None = None
-    """Clip the global gradient norm to this value before the update; None disables."""
+    """Clip the global gradient norm to this value (a number > 0) before the update; None (the
+    default) disables."""
 
     micro_batch_size: int | None = None
     """Examples per data-parallel rank per backward pass (DeepSpeed's
-    train_micro_batch_size_per_gpu)."""
+    train_micro_batch_size_per_gpu), an integer >= 1; None: derived from global_batch_size, or
+    unknown. Only checked (zerojax does not load data)."""
 
     global_batch_size: int | None = None
     """Examples per optimizer step over all ranks: micro_batch_size x
-    gradient_accumulation_steps x data-parallel size (DeepSpeed's train_batch_size)."""
+    gradient_accumulation_steps x data-parallel size (DeepSpeed's train_batch_size), an integer
+    >= 1; None: derived from micro_batch_size, or unknown. `Config` checks the product and
+    fills in the one left out."""
+
+    def __post_init__(self) -> None:
+        as_int("train.gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
+        clipping = _optional(
+            as_float, "train.gradient_clipping", self.gradient_clipping, positive=True
+        )
+        _set(self, "gradient_clipping", clipping)
+        for name in ("micro_batch_size", "global_batch_size"):
+            _optional(as_int, f"train.{name}", getattr(self, name), minimum=1)
+
+    def resolved(self, data_parallel_size: int) -> TrainConfig:
+        """Checks global = micro x accumulation x data-parallel size; derives the one left
+        out."""
+        micro, accum = self.micro_batch_size, self.gradient_accumulation_steps
+        total, dp = self.global_batch_size, data_parallel_size
+        g, m, a = (
+            written(f"train.{name}")
+            for name in ("global_batch_size", "micro_batch_size", "gradient_accumulation_steps")
+        )
+        if micro is not None and total is not None:
+            if micro * accum * dp != total:
+                raise ConfigError(
+                    f"{g}={total} != {m}={micro} x {a}={accum} x data-parallel size {dp} "
+                    f"(= {micro * accum * dp}); batch sizes must multiply out"
+                )
+            return self
+        if total is not None:
+            if total % (accum * dp):
+                raise ConfigError(
+                    f"{g}={total} is not divisible by {a}={accum} x data-parallel size {dp} "
+                    f"(= {accum * dp}); batch sizes must multiply out"
+                )
+            return replace(self, micro_batch_size=total // (accum * dp))
+        if micro is not None:
+            return replace(self, global_batch_size=micro * accum * dp)
+        return self
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DevicesConfig:
+    """Platform and simulated CPU devices (`devices:`), applied before JAX starts."""
+
     platform: str | None = None
-    """JAX platform (cpu, gpu, tpu); None lets JAX pick."""
+    """JAX platform (cpu, gpu, tpu); None (the default) lets JAX pick."""
 
     num_cpu_devices: int | None = None
-    """Simulated CPU devices (implies platform cpu); must be applied before JAX starts, see
-    `zerojax.sharding.configure_devices`."""
+    """Simulated CPU devices, an integer >= 1 (sets platform to cpu; any other platform is an
+    error); must be applied before JAX starts, see `zerojax.sharding.configure_devices`. None
+    (the default): the real devices."""
+
+    def __post_init__(self) -> None:
+        platform = as_choice("devices.platform", self.platform, PLATFORMS, optional=True)
+        num = _optional(as_int, "devices.num_cpu_devices", self.num_cpu_devices, minimum=1)
+        if num is not None:
+            if platform not in (None, "cpu"):
+                raise error(
+                    "devices.num_cpu_devices",
+                    num,
+                    f"only applies to platform 'cpu', not {platform!r}",
+                )
+            _set(self, "platform", "cpu")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerConfig:
+    """The optimizer the config names (`optimizer:`, DeepSpeed's `optimizer`)."""
+
     type: str
-    """Lower-case optimizer name, one of OPTIMIZER_TYPES: `zerojax.initialize` builds the torch
-    optimizer from it when given none, and checks a given one against it."""
+    """Optimizer name, one of OPTIMIZER_TYPES in any case (stored lower-case): `zerojax.initialize`
+    builds the torch optimizer from it when given none, and checks a given one against it."""
 
     params: tuple[tuple[str, Any], ...] = ()
-    """torch constructor keyword arguments as (name, value) pairs, in the order given (lists
-    become tuples); the keys OPTIMIZER_PARAMS allows for `type`."""
+    """torch constructor keyword arguments as (name, value) pairs (or a mapping), in the order
+    given (lists become tuples); the keys OPTIMIZER_PARAMS allows for `type`: numbers >= 0,
+    betas two numbers in [0, 1), flags true or false. Empty (the default): torch's defaults."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, str):
+            raise error("optimizer.type", self.type, f"allowed: {', '.join(OPTIMIZER_TYPES)}")
+        kind = as_choice("optimizer.type", self.type.lower(), OPTIMIZER_TYPES)
+        params = self.params
+        if not isinstance(params, Mapping):
+            if isinstance(params, str) or not all(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in params
+            ):
+                raise error("optimizer.params", params, "expected (name, value) pairs")
+            params = dict(params)
+        check_keys("optimizer.params", params, OPTIMIZER_PARAMS[kind])
+        checked = {}
+        for key, value in params.items():
+            where = f"optimizer.params.{key}"
+            if key in ("amsgrad", "maximize", "nesterov"):
+                checked[key] = as_bool(where, value)
+            elif key == "betas":
+                if not isinstance(value, (list, tuple)) or len(value) != 2:
+                    raise error(where, value, "expected [beta1, beta2], each in [0, 1)")
+                checked[key] = tuple(
+                    as_unit_interval(f"{where}[{i}]", beta) for i, beta in enumerate(value)
+                )
+            else:  # lr, eps, weight_decay, momentum, dampening
+                checked[key] = as_float(where, value)
+                if checked[key] < 0:
+                    raise error(where, value, "expected a number >= 0")
+        _set(self, "type", kind)
+        _set(self, "params", tuple(checked.items()))
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -341,6 +708,9 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
+    """A whole zerojax config: one field per section (each a key of the config file), and
+    what the loader records. Building one checks the rules that span sections."""
+
     mesh: MeshConfig = field(default_factory=MeshConfig)
     """Device mesh: named axes and their sizes."""
 
@@ -389,17 +759,138 @@ class Config:
     """Optimizer named by the config (DeepSpeed `optimizer`): built when `initialize` gets
     none, checked against the torch optimizer when it gets one; None: the torch optimizer."""
 
-    trainer_autos: tuple[str, ...] = ()
+    trainer_autos: tuple[str, ...] = field(default=(), metadata=NOT_IN_FILE)
     """DeepSpeed keys the config left "auto" for the Hugging Face Trainer to fill
     (`zerojax.config.deepspeed.TRAINER_AUTOS`): the Trainer training the model does those
     things itself (`zerojax.integrations.hf_trainer`); a model trained without one refuses to
     run, naming them."""
 
-    source: str | None = None
-    """File the config was read from, for messages."""
+    source: str | None = field(default=None, metadata=NOT_IN_FILE)
+    """File the config was read from, for messages; None for a dict or a config built in
+    code."""
 
-    format: str = "zerojax"
-    """"zerojax" or "deepspeed": which schema the source was written in."""
+    format: str = field(default="zerojax", metadata=NOT_IN_FILE)
+    """"zerojax" (the default) or "deepspeed": which schema the source was written in."""
+
+    def __post_init__(self) -> None:
+        """The rules that span sections; each section checked its own values when built."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = f.default_factory if isinstance(f.default_factory, type) else None
+            if expected is not None and not isinstance(value, expected):
+                raise ConfigError(
+                    f"Config.{f.name}: expected a {expected.__name__}, got {type(value).__name__}"
+                )
+        if self.optimizer is not None and not isinstance(self.optimizer, OptimizerConfig):
+            raise ConfigError(
+                f"Config.optimizer: expected an OptimizerConfig or None, got "
+                f"{type(self.optimizer).__name__}"
+            )
+        as_choice("format", self.format, ("zerojax", "deepspeed"))
+        _set(self, "rules", tuple(self.rules))
+        _set(self, "trainer_autos", tuple(self.trainer_autos))
+        mesh_axes = self.mesh.axis_names
+        self._check_rules(mesh_axes)
+        self._check_inputs(mesh_axes)
+        self._check_sequence_parallel(mesh_axes)
+        self._check_offload()
+        _set(self, "train", self.train.resolved(self.data_parallel_size))
+
+    def _check_rules(self, mesh_axes: tuple[str, ...]) -> None:
+        for rule in self.rules:
+            if not isinstance(rule, Rule):
+                raise ConfigError(f"Config.rules: expected Rules, got {type(rule).__name__}")
+            if rule.preset is not None:  # presets drop the axes the mesh lacks
+                continue
+            for where, entry in rule.user_axes():
+                for axis in (entry,) if isinstance(entry, str) else entry:
+                    if axis not in mesh_axes:
+                        raise error(
+                            where,
+                            entry,
+                            f"axis {axis!r} is not in the mesh; mesh axes: {', '.join(mesh_axes)}",
+                        )
+
+    def _check_inputs(self, mesh_axes: tuple[str, ...]) -> None:
+        inputs = self.inputs
+        for axis in inputs.batch_axes or ():
+            if axis not in mesh_axes:
+                raise error(
+                    "inputs.batch_axes",
+                    inputs.batch_axes,
+                    f"axis {axis!r} is not in the mesh; mesh axes: {', '.join(mesh_axes)}",
+                )
+        as_choice("inputs.sequence_axis", inputs.sequence_axis, mesh_axes, optional=True)
+
+    def _check_sequence_parallel(self, mesh_axes: tuple[str, ...]) -> None:
+        """The section's axis is a mesh axis, agrees with the inputs' split, and (without
+        `modules`) splits the inputs' sequence dim."""
+        axis, inputs = self.sequence_parallel.axis, self.inputs
+        if axis is None:
+            return
+        if axis not in mesh_axes:
+            raise error(
+                "sequence_parallel.axis",
+                axis,
+                f"not in the mesh; mesh axes: {', '.join(mesh_axes)} (add it to mesh:, e.g. "
+                "mesh: {data: 2, sequence: 4})",
+            )
+        if inputs.sequence_axis not in (None, axis):
+            raise error(
+                "inputs.sequence_axis",
+                inputs.sequence_axis,
+                f"differs from sequence_parallel.axis={axis!r}; drop it (the section sets it)",
+            )
+        if inputs.batch_axes is not None and axis in inputs.batch_axes:
+            raise error(
+                "inputs.batch_axes",
+                list(inputs.batch_axes),
+                f"contains the sequence-parallel axis {axis!r}; it splits the sequence, not "
+                "the batch",
+            )
+        if not self.sequence_parallel.modules:  # with modules the split starts inside them
+            _set(self, "inputs", replace(inputs, sequence_axis=axis))
+
+    def _check_offload(self) -> None:
+        """Host placement needs ZeRO stage >= 1 (as DeepSpeed's offload_optimizer does: what
+        moves to the host is each rank's ZeRO shard) and master weights to move; host gradients
+        feed the host update (so need the optimizer state there), host parameters need stage 3
+        and host gradients."""
+        offload, stage = self.offload, self.zero.stage
+        if offload.host_states and stage == 0:
+            raise error(
+                f"offload.{offload.host_states[0]}",
+                "host",
+                "needs ZeRO stage 1, 2 or 3 (as DeepSpeed's offload_optimizer does: each rank "
+                "offloads its own shard of the state); set zero_stage to 1 or more",
+            )
+        keeps_master = self.precision.master_dtype is not None
+        if offload.grads == "host" and (
+            offload.optimizer != "host" or (keeps_master and offload.master != "host")
+        ):
+            raise error(
+                "offload.grads",
+                "host",
+                "gradients go to the host for the host-side update (ZeRO-Offload): it needs "
+                "offload.optimizer: host (and master: host where the precision keeps masters)",
+            )
+        if offload.params == "host" and (stage < 3 or offload.grads != "host"):
+            raise error(
+                "offload.params",
+                "host",
+                "parameter offload (ZeRO-Infinity's CPU tier) keeps ZeRO-3's parameter shards "
+                "on the host and brings each in where an op reads it; it needs zero_stage 3 and "
+                "the update on the host: offload.optimizer, offload.grads (and offload.master "
+                "where the precision keeps masters) set to host",
+            )
+        if offload.master == "host" and not keeps_master:
+            raise error(
+                "offload.master",
+                "host",
+                "the precision policy keeps no master weights (precision.master_dtype is null: "
+                "the params are what the optimizer updates); remove the key, or keep float32 "
+                "masters (precision master=float32 with 16-bit params)",
+            )
 
     @property
     def zero_stage(self) -> int:
