@@ -48,7 +48,7 @@ from transformers.integrations import moe as hf_moe  # defines transformers::gro
 
 import zerojax
 from zerojax.bridge.dtypes import from_torch
-from zerojax.bridge.expert_parallel import ExpertParallel
+from zerojax.parallel import ExpertParallel, ParallelPlan
 from zerojax.sharding.collective_traffic import all_to_all_bytes_per_axis
 
 WARMUP_STEPS = 3
@@ -187,6 +187,7 @@ def dispatch_traffic(hierarchical: bool, quick: bool = False):
     placement = ExpertParallel(
         mesh=mesh, expert_axes=both, row_axes=both, hierarchical=hierarchical
     )
+    parallel = ParallelPlan(mesh=mesh, experts=placement)
     sharding = jax.sharding.NamedSharding
     split = jax.sharding.PartitionSpec(both)
     params = {
@@ -201,7 +202,7 @@ def dispatch_traffic(hierarchical: bool, quick: bool = False):
     )
 
     def loss(params, tokens, targets):
-        logits, _ = converted.apply(params, converted.buffers, tokens, expert_parallel=placement)
+        logits, _ = converted.apply(params, converted.buffers, tokens, parallel=parallel)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
         return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 

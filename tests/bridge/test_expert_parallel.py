@@ -3,7 +3,7 @@
 Run: `.venv/bin/python -m pytest -q tests/bridge/test_expert_parallel.py` (8 simulated devices
 from tests/conftest.py; add `-m slow` for Qwen2-MoE)
 
-`zerojax.bridge.expert_parallel` splits the experts over the mesh's `expert` axis and moves each
+`zerojax.parallel.expert_parallel` splits the experts over the mesh's `expert` axis and moves each
 routed row to its expert's device and back with all-to-alls. These tests check the sharded
 grouped GEMM equals `ragged_dot` on one device (values and both gradients), that capacity mode
 drops exactly the rows it counts, that a bad expert count is refused by name, and that HF
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from tests.bridge.test_models import relative_error
 from tests.bridge.test_moe import EXPERTS, SEQ, VOCAB, mixtral, qwen2_moe, qwen3_moe
-from zerojax.bridge.expert_parallel import (
+from zerojax.parallel.expert_parallel import (
     ExpertParallel,
     expert_parallel_ragged_dot,
     expert_parallel_ragged_dot_and_drops,

@@ -3,7 +3,7 @@
 Run: `.venv/bin/python -m pytest -q tests/bridge/test_sequence_parallel.py` (8 simulated devices
 from tests/conftest.py; about 2 minutes on 2 cores, mostly compiling)
 
-`zerojax.bridge.sequence_parallel` runs SDPA with the sequence split over a `sequence` mesh
+`zerojax.parallel.sequence_parallel` runs SDPA with the sequence split over a `sequence` mesh
 axis: Ulysses trades the split for a head split with all-to-alls, ring attention passes K/V
 blocks around the axis with collective-permutes and merges them with an online softmax in
 zig-zag order. These tests check the zig-zag relayout, the attention values and all three
@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 import zerojax
 from tests.bridge.test_models import GRAD_FLOOR, relative_error
 from zerojax.bridge.lowerings.attention import attention_reference
-from zerojax.bridge.sequence_parallel import (
+from zerojax.parallel.sequence_parallel import (
     SequenceParallel,
     from_zigzag,
     sequence_parallel_attention,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,9 @@ from zerojax.bridge.value_inputs import (
     input_key,
     reads_values_on_host,
 )
+
+if TYPE_CHECKING:
+    from zerojax.parallel.plan import ParallelPlan
 
 log = logging.getLogger("zerojax")
 
@@ -114,9 +117,7 @@ class Converted:
         rng=None,
         float_dtype=None,
         kernels=None,
-        batch_mesh=None,
-        expert_parallel=None,
-        sequence_parallel=None,
+        parallel: ParallelPlan | None = None,
         remat=None,
         param_use=None,
         regather_params=frozenset(),
@@ -126,12 +127,10 @@ class Converted:
 
         `kernels` (a `zerojax.config.KernelsConfig`) picks the fused kernels the bridge
         substitutes; None uses the defaults (Pallas on GPU, their XLA references elsewhere).
-        `batch_mesh=(mesh, batch_axes)` says the batch dim is sharded over those mesh axes, so
-        Pallas kernels run per shard instead of on gathered arrays. `expert_parallel` (a
-        `zerojax.bridge.expert_parallel.ExpertParallel`) runs the MoE grouped GEMMs with the
-        experts split over its mesh's expert axis. `sequence_parallel` (a
-        `zerojax.bridge.sequence_parallel.SequenceParallel`) runs attention sequence-parallel
-        (Ulysses or ring) over its mesh's sequence axis. `remat` (a
+        `parallel` (a `zerojax.parallel.ParallelPlan`) is how the run is parallelised: Pallas
+        kernels run per batch shard (`kernel_batch`) instead of on gathered arrays, the MoE
+        grouped GEMMs expert-parallel (`experts`), attention sequence-parallel (`sequence`,
+        Ulysses or ring); None runs every op whole. `remat` (a
         `zerojax.config.ActivationCheckpointingConfig`) picks the modules whose activations are
         recomputed in the backward pass; None honours the model's own torch.utils.checkpoint
         calls only (bridge/remat.py). `param_use(name, value)` is applied to a parameter at
@@ -154,9 +153,7 @@ class Converted:
             rng,
             float_dtype=float_dtype,
             kernels=kernels,
-            batch_mesh=batch_mesh,
-            expert_parallel=expert_parallel,
-            sequence_parallel=sequence_parallel,
+            parallel=parallel,
             remat=remat,
             param_use=param_use,
             regather_params=regather_params,

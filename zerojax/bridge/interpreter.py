@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,9 @@ from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.registry import LoweringContext, get_lowering
 from zerojax.config import ActivationCheckpointingConfig, KernelsConfig
+
+if TYPE_CHECKING:
+    from zerojax.parallel.plan import ParallelPlan
 
 # Placement and layout arguments mean nothing to a JAX value (no per-op device, no strides).
 _LAYOUT_KWARGS = ("device", "layout", "pin_memory", "memory_format", "non_blocking")
@@ -179,9 +183,7 @@ class GraphFunction:
         rng: jax.Array | None,
         float_dtype=None,
         kernels: KernelsConfig | None = None,
-        batch_mesh: tuple | None = None,
-        expert_parallel=None,
-        sequence_parallel=None,
+        parallel: ParallelPlan | None = None,
         remat: ActivationCheckpointingConfig | None = None,
         param_use: Callable[[str, jax.Array, list[jax.Array]], jax.Array] | None = None,
         regather_params: frozenset[str] = frozenset(),
@@ -245,9 +247,7 @@ class GraphFunction:
                 rng_for_site=_site_rng(rng, site_counter, node, self.model_name),
                 float_dtype=float_dtype,
                 kernels=kernels,
-                batch_mesh=batch_mesh,
-                expert_parallel=expert_parallel,
-                sequence_parallel=sequence_parallel,
+                parallel=parallel,
             )
 
         regions = self.regions_for(graph, remat)

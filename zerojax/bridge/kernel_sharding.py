@@ -3,7 +3,7 @@
 XLA's SPMD partitioner cannot split a Pallas call (an opaque custom call): inside the engine's
 sharded program it would gather the whole batch onto every device around each kernel. The
 lowerings therefore run a kernel per batch shard under `jax.shard_map` when the engine says
-how the batch is split (`LoweringContext.batch_mesh`). The kernels are per-example (attention,
+how the batch is split (`ParallelPlan.kernel_batch`, as `LoweringContext.parallel`). The kernels are per-example (attention,
 norms, per-token loss), so the shards need no communication; gradients of the replicated
 inputs (norm weights, the projection) are summed over the shards by shard_map's transpose.
 The XLA references stay outside shard_map: XLA partitions them itself.
@@ -43,7 +43,7 @@ def per_batch_shard(
     for per-shard random streams.
     """
     implementation, interpret = ctx.kernel(family)
-    placement = ctx.batch_mesh
+    placement = None if ctx.parallel is None else ctx.parallel.kernel_batch
     if placement is None or not uses_pallas(implementation, interpret):
         return kernel(*operands, axis_index=None)
     mesh, axes = placement

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -30,6 +30,9 @@ import torch
 
 from zerojax.bridge.dtypes import to_jax_dtype
 from zerojax.config import KernelsConfig
+
+if TYPE_CHECKING:
+    from zerojax.parallel.plan import ParallelPlan
 
 Lowering = Callable[..., Any]
 
@@ -233,22 +236,18 @@ def _load_lowerings() -> None:
 
 @dataclasses.dataclass
 class LoweringContext:
-    """What a lowering may need beyond its arguments: output metadata, RNG, train flag."""
+    """What a lowering may need beyond its arguments: output metadata, RNG, train flag, the
+    kernels the config picks and the parallelism the run uses."""
 
     node: torch.fx.Node
     train: bool
     rng_for_site: Callable[[], jax.Array]
     float_dtype: np.dtype | None = None  # compute-dtype override for float results (policy)
     kernels: KernelsConfig | None = None  # which fused kernels to use; None: the defaults
-    # (mesh, batch axes) when the caller shards the batch: Pallas kernels then run per shard
-    # (see kernel_sharding.py); None runs them on whole arrays.
-    batch_mesh: tuple[Any, tuple[str, ...]] | None = None
-    # An `ExpertParallel` (bridge/expert_parallel.py) when the mesh has an expert axis: grouped
-    # GEMMs then run expert-parallel (dispatch, local experts, combine); None runs them whole.
-    expert_parallel: Any = None
-    # A `SequenceParallel` (bridge/sequence_parallel.py) when the config splits the sequence:
-    # attention then runs as Ulysses or ring attention over that axis; None runs it whole.
-    sequence_parallel: Any = None
+    # How the run is parallelised (zerojax/parallel/plan.py): Pallas kernels per batch shard
+    # (`kernel_batch`, kernel_sharding.py), grouped GEMMs expert-parallel (`experts`),
+    # attention sequence-parallel (`sequence`). None runs every op whole.
+    parallel: ParallelPlan | None = None
 
     def kernel(self, family: str) -> tuple[str, bool] | None:
         """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",

@@ -17,8 +17,9 @@ memory kind: each device's shard lives in the host memory next to it, and the pr
 in and out (`zerojax.train.programs`); `on_device` gives the device-memory twin of such a
 sharding. Compute params are never offloaded: they are where ops read the parameters.
 
-`zero` adds the data-parallel axes to the largest dim that no rule uses and
-that their product divides. A parameter with no such dim, or a rule dim its axes do not divide,
+`zero` adds the ZeRO axes (`ParallelPlan.zero_axes`: the data-parallel axes, and the sequence
+axis under sequence parallelism; `zerojax.parallel.plan` decides them) to the largest dim that
+no rule uses and that their product divides. A parameter with no such dim, or a rule dim its axes do not divide,
 stays replicated and is reported by name in `plan.replicated`; if the replicated bytes exceed
 `zero.max_replicated_fraction`, planning fails listing the five largest offenders (MaxText's
 guard), because a ZeRO stage that silently shards nothing is the bug users hit elsewhere.
@@ -38,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zerojax.config import Config, ConfigError, ConfigWarning
+from zerojax.parallel.plan import ParallelPlan, make_parallel_plan
 from zerojax.sharding.rules import match_rules, rule_partition_spec, to_partition_spec
 
 __all__ = ["HOST_MEMORY_KIND", "ReplicatedParam", "ShardingPlan", "make_sharding_plan", "zero_dims"]
@@ -47,14 +49,6 @@ COMPONENTS = ("params", "compute_params", "grads", "opt_state", "master_weights"
 HOST_MEMORY_KIND = "pinned_host"
 """The JAX memory kind offloaded state lives in: pinned host memory, which XLA transfers to and
 from inside a program (an `unpinned_host` output of a program comes back in device memory)."""
-
-# Plan component -> the `offload` config field that can move it to host memory.
-_OFFLOADABLE = {
-    "params": "params",
-    "grads": "grads",
-    "opt_state": "optimizer",
-    "master_weights": "master",
-}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,11 +71,12 @@ class ReplicatedParam:
 class ShardingPlan:
     """Where every piece of training state lives. Each component maps parameter name ->
     NamedSharding; optimizer-state arrays shaped like a parameter use `opt_state[name]`
-    (see `optimizer_state_shardings`)."""
+    (see `optimizer_state_shardings`). `parallel` is the run's `ParallelPlan`: the axes the
+    stage shards over, the batch placement and the offloaded components are its."""
 
     mesh: Mesh
     stage: int
-    data_parallel_axes: tuple[str, ...]
+    parallel: ParallelPlan
     params: Mapping[str, NamedSharding]
     """Parameter storage between steps (ZeRO-sharded at stage 3)."""
     compute_params: Mapping[str, NamedSharding]
@@ -95,13 +90,26 @@ class ShardingPlan:
     nbytes: Mapping[str, int]
     replicated: tuple[ReplicatedParam, ...]
     """Parameters not split as intended, largest first."""
-    batch_axes: tuple[str, ...]
-    sequence_axis: str | None
-    batch_dim: int = 0
-    sequence_dim: int = 1
-    offloaded: tuple[str, ...] = ()
-    """Components (`params`, `grads`, `opt_state`, `master_weights`) whose shardings are in
-    host memory (`HOST_MEMORY_KIND`); `compute_params`, where ops read the params, never are."""
+
+    @property
+    def data_parallel_axes(self) -> tuple[str, ...]:
+        """The axes ZeRO shards over (`ParallelPlan.zero_axes`)."""
+        return self.parallel.zero_axes
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return self.parallel.batch_axes
+
+    @property
+    def batch_dim(self) -> int:
+        return self.parallel.batch_dim
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        """Components (`params`, `grads`, `opt_state`, `master_weights`) whose shardings are in
+        host memory (`HOST_MEMORY_KIND`); `compute_params`, where ops read the params, never
+        are (`ParallelPlan.offloaded`)."""
+        return self.parallel.offloaded
 
     @property
     def total_bytes(self) -> int:
@@ -116,14 +124,9 @@ class ShardingPlan:
 
     def input_sharding(self, ndim: int) -> NamedSharding:
         """Sharding for a batch input of rank `ndim`: batch dim over the batch axes, sequence
-        dim over the sequence axis (if configured and the input has that dim)."""
-        entries: list[Any] = [None] * ndim
-        if ndim > self.batch_dim and self.batch_axes:
-            axes = self.batch_axes
-            entries[self.batch_dim] = axes[0] if len(axes) == 1 else axes
-        if self.sequence_axis and ndim > self.sequence_dim:
-            entries[self.sequence_dim] = self.sequence_axis
-        return NamedSharding(self.mesh, PartitionSpec(*entries))
+        dim over the sequence axis (if configured and the input has that dim): the parallel
+        plan's `input_sharding`."""
+        return self.parallel.input_sharding(ndim)
 
     def optimizer_state_shardings(self, state: Any) -> Any:
         """Shardings for an optax-style state pytree: a leaf found under a parameter's name with
@@ -219,11 +222,15 @@ def make_sharding_plan(
     params: Mapping[str, Any],
     config: Config,
     mesh: Mesh | None = None,
+    *,
+    parallel: ParallelPlan | None = None,
 ) -> ShardingPlan:
     """Plan where each parameter, gradient, optimizer-state array and master weight lives.
 
     `params` maps state_dict names to anything with `.shape` and `.dtype` (no data is read).
-    `mesh` defaults to `zerojax.sharding.make_mesh(config)`; its axes must match the config's.
+    `mesh` defaults to `parallel.mesh`, else `zerojax.sharding.make_mesh(config)`; its axes
+    must match the config's. `parallel` (default: `make_parallel_plan(config, mesh)`) says
+    which axes ZeRO shards over and which components are offloaded.
     Warns (`ConfigWarning`) for each user rule, or whole preset, that matches no parameter;
     raises `ConfigError` when a rule's spec has more dims than a parameter it matches, or when
     more than `zero.max_replicated_fraction` of parameter bytes stays replicated.
@@ -236,6 +243,8 @@ def make_sharding_plan(
             f"make_sharding_plan takes a Config, got {type(config).__name__}; load it once "
             "with zerojax.load_config(path_or_dict) and pass the result"
         )
+    if mesh is None and parallel is not None:
+        mesh = parallel.mesh
     if mesh is None:
         from zerojax.sharding.mesh import make_mesh
 
@@ -246,18 +255,16 @@ def make_sharding_plan(
             f"mesh axes {tuple(mesh.axis_names)} differ from the config's mesh "
             f"{config.mesh.axis_names}; build the mesh with zerojax.sharding.make_mesh(config)"
         )
+    if parallel is None:
+        parallel = make_parallel_plan(config, mesh)
+    elif parallel.mesh != mesh:
+        raise ValueError(
+            f"make_sharding_plan: the parallel plan's mesh {dict(parallel.mesh.shape)} is not "
+            f"the mesh {dict(mesh.shape)}; make both from the same mesh"
+        )
     rules = config.rules
     chosen, unmatched = match_rules(params, rules)
     _warn_unmatched(rules, unmatched)
-
-    dp_axes = tuple(a for a in config.data_parallel_axes if axis_sizes[a] > 1)
-    batch_dp_axes = dp_axes
-    sequence_axis = config.sequence_parallel.axis
-    if sequence_axis is not None and axis_sizes[sequence_axis] > 1:
-        # Every device along the sequence axis holds the whole model and its own tokens, so
-        # like a data-parallel rank it can own a ZeRO shard (DeepSpeed-Ulysses partitions over
-        # data x sequence); gradients are summed over it anyway. The batch is not split on it.
-        dp_axes = tuple(a for a in mesh.axis_names if a in dp_axes or a == sequence_axis)
     specs: dict[str, dict[str, PartitionSpec]] = {c: {} for c in COMPONENTS}
     shapes, nbytes, rule_for, replicated = {}, {}, {}, []
     for name, value in params.items():
@@ -272,7 +279,7 @@ def make_sharding_plan(
             reasons += [reason] if reason else []
         dims = base
         if config.zero.stage > 0:
-            dims, reason = zero_dims(shape, base, dp_axes, axis_sizes)
+            dims, reason = zero_dims(shape, base, parallel.zero_axes, axis_sizes)
             reasons += [f"ZeRO-{config.zero.stage}: {reason}"] if reason else []
         if reasons:
             replicated.append(
@@ -293,31 +300,22 @@ def make_sharding_plan(
         specs["master_weights"][name] = zero_spec if stage >= 1 else base_spec
 
     report = tuple(sorted(replicated, key=lambda r: (-r.bytes, r.name)))
-    batch_axes = config.inputs.batch_axes
-    if batch_axes is None:
-        batch_axes = batch_dp_axes
-    offloaded = tuple(
-        c for c, key in _OFFLOADABLE.items() if getattr(config.offload, key) == "host"
-    )
 
     def placed(component: str, spec: PartitionSpec) -> NamedSharding:
         sharding = NamedSharding(mesh, spec)
-        return sharding.with_memory_kind(HOST_MEMORY_KIND) if component in offloaded else sharding
+        if component in parallel.offloaded:
+            return sharding.with_memory_kind(HOST_MEMORY_KIND)
+        return sharding
 
     plan = ShardingPlan(
         mesh=mesh,
         stage=config.zero.stage,
-        data_parallel_axes=dp_axes,
+        parallel=parallel,
         **{c: MappingProxyType({n: placed(c, s) for n, s in specs[c].items()}) for c in COMPONENTS},
         rule_for=MappingProxyType(rule_for),
         shapes=MappingProxyType(shapes),
         nbytes=MappingProxyType(nbytes),
         replicated=report,
-        batch_axes=tuple(batch_axes),
-        sequence_axis=config.inputs.sequence_axis,
-        batch_dim=config.inputs.batch_dim,
-        sequence_dim=config.inputs.sequence_dim,
-        offloaded=offloaded,
     )
     _check_replicated(plan, config.zero.max_replicated_fraction)
     return plan

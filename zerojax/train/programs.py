@@ -50,10 +50,9 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted
-from zerojax.bridge.expert_parallel import ExpertLoadLog, ExpertParallel
-from zerojax.bridge.sequence_parallel import SequenceParallel
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
+from zerojax.parallel import ExpertLoadLog
 from zerojax.sharding.zero import HOST_MEMORY_KIND, ShardingPlan
 from zerojax.train import optimizers
 from zerojax.train.precision import PrecisionPolicy, next_loss_scale_state
@@ -186,16 +185,24 @@ def _platform(leaves) -> str:
 
 class StepPrograms:
     """The programs of one engine: its plan, precision policy, kernels and clipping baked in.
-    Each builder returns a cached `Program`; see the module docstring."""
+    Each builder returns a cached `Program`; see the module docstring. The parallelism the
+    model runs under is the plan's (`plan.parallel`, a `zerojax.parallel.ParallelPlan`)."""
 
     def __init__(self, plan: ShardingPlan, policy: PrecisionPolicy, config: Config):
         self.plan = plan
+        self.parallel = plan.parallel
         self.policy = policy
         self.config = config
         self.mesh = plan.mesh
         self.replicated = NamedSharding(plan.mesh, PartitionSpec())
         self._programs: dict[tuple, Program] = {}
-        self.expert_load_log = ExpertLoadLog()
+        experts = self.parallel.experts
+        # Each step's routing per grouped GEMM, as `Engine.moe_stats()` reports it.
+        self.expert_load_log = (
+            experts.load_log
+            if experts is not None and experts.load_log is not None
+            else ExpertLoadLog()
+        )
 
     def compiled(self) -> dict[str, Any]:
         """Program name -> the compiled executable its latest call ran, in `PROGRAM_NAMES`
@@ -249,9 +256,7 @@ class StepPrograms:
             rng=rng,
             float_dtype=policy.compute_override,
             kernels=self.config.kernels,
-            batch_mesh=self.batch_mesh(),
-            expert_parallel=self.expert_parallel(),
-            sequence_parallel=self.sequence_parallel(),
+            parallel=self.parallel,
             remat=self.config.activation_checkpointing,
             param_use=param_use,
             # FSDP's reshard after forward (bridge/remat.py, find_gather_regions).
@@ -264,42 +269,6 @@ class StepPrograms:
             lambda x: x.astype(policy.output_dtype) if is_float(x) else x, outputs
         )
         return outputs, new_buffers
-
-    def batch_mesh(self) -> tuple | None:
-        """(mesh, batch axes) for the kernels: the axes inputs split dim 0 over."""
-        axes = self.plan.input_sharding(2).spec[0]
-        if axes is None:
-            return None
-        return self.mesh, tuple(np.atleast_1d(axes).tolist())
-
-    def expert_parallel(self) -> ExpertParallel | None:
-        """How the MoE grouped GEMMs split when the mesh has an `expert` axis larger than 1:
-        experts over it, routed rows over it and the batch axes (each device dispatches its
-        own tokens); None otherwise."""
-        if self.mesh.shape.get("expert", 1) == 1:
-            return None
-        axes = set(self.plan.batch_axes) | {"expert"}
-        return ExpertParallel(
-            mesh=self.mesh,
-            expert_axes=("expert",),
-            row_axes=tuple(a for a in self.mesh.axis_names if a in axes),
-            capacity_factor=self.config.moe.capacity_factor,
-            load_log=self.expert_load_log,
-        )
-
-    def sequence_parallel(self) -> SequenceParallel | None:
-        """How attention crosses the sequence split when the config sets `sequence_parallel`
-        on an axis larger than 1, per batch shard; None otherwise."""
-        section = self.config.sequence_parallel
-        if section.axis is None or self.mesh.shape[section.axis] == 1:
-            return None
-        return SequenceParallel(
-            mesh=self.mesh,
-            axis=section.axis,
-            attention=section.attention,
-            batch_axes=self.plan.batch_axes,
-            modules=section.modules,
-        )
 
     def as_grads(self, grads):
         """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards;

@@ -4,7 +4,7 @@ torch's decomposition of SDPA produces bad strides (pytorch#141107) and would sc
 into a dozen nodes; kept whole it is one call the bridge routes to the flash-attention kernel
 (zerojax.pallas_kernels.flash_attention) unless the config's `kernels.attention` is "off".
 On a mesh whose config sets `sequence_parallel`, it runs as Ulysses or ring attention over the
-sequence axis instead (zerojax.bridge.sequence_parallel).
+sequence axis instead (zerojax.parallel.sequence_parallel).
 """
 
 import math
@@ -16,8 +16,8 @@ import torch
 from zerojax.bridge.errors import node_location
 from zerojax.bridge.kernel_sharding import per_batch_shard
 from zerojax.bridge.registry import lowering
-from zerojax.bridge.sequence_parallel import sequence_parallel_attention
 from zerojax.pallas_kernels.flash_attention.reference import repeat_kv_heads
+from zerojax.parallel.sequence_parallel import sequence_parallel_attention
 
 aten = torch.ops.aten
 
@@ -94,7 +94,7 @@ def lower_scaled_dot_product_attention(
 ):
     """Sequence-parallel when the engine splits the sequence; else routed to the
     flash-attention kernel (config `kernels.attention`), else the reference."""
-    placement = ctx.sequence_parallel
+    placement = None if ctx.parallel is None else ctx.parallel.sequence
     stack = (ctx.node.meta.get("nn_module_stack") or {}).values()
     if (
         placement is not None

@@ -6,7 +6,7 @@ running sum (`cumsum`) as group offsets, and multiply each group of rows by its 
 (a grouped GEMM: `aten._grouped_mm`, or `transformers::grouped_mm_fallback`, the custom op
 transformers uses when torch's kernel is unavailable, e.g. fp32 under export). The grouped GEMM
 lowers to `jax.lax.ragged_dot`, JAX's native grouped matmul, which is also the form expert
-parallelism shards (on a mesh with an `expert` axis, `expert_parallel.py`). All shapes stay
+parallelism shards (on a mesh with an `expert` axis, `zerojax.parallel.expert_parallel`). All shapes stay
 static: groups have data-dependent *sizes*, not shapes.
 """
 
@@ -18,9 +18,9 @@ from jax import lax
 
 from zerojax.bridge.dtypes import is_floating, result_type
 from zerojax.bridge.errors import DataDependentShapeError, node_location
-from zerojax.bridge.expert_parallel import expert_parallel_ragged_dot
 from zerojax.bridge.lowerings.matmul import product_options
 from zerojax.bridge.registry import lowering, register_lowering
+from zerojax.parallel.expert_parallel import expert_parallel_ragged_dot
 
 aten = torch.ops.aten
 
@@ -50,10 +50,11 @@ def _ragged_rows(lhs, rhs, offs, ctx=None):
     """out[r] = lhs[r] @ rhs[g] for the rows r of group g; rows past offs[-1] are zero.
 
     lhs (M, K), rhs (G, K, N), offs (G,) cumulative row ends -> (M, N). Expert-parallel
-    (bridge/expert_parallel.py) when the context's mesh has an expert axis.
+    (zerojax/parallel/expert_parallel.py) when the run's parallel plan says so (`experts`).
     """
     lhs, rhs, options = _operands(lhs, rhs)
-    placement = getattr(ctx, "expert_parallel", None)
+    parallel = None if ctx is None else ctx.parallel
+    placement = None if parallel is None else parallel.experts
     if placement is not None:
         where = f"{ctx.node.target} in {node_location(ctx.node)}"
         stack = list((ctx.node.meta.get("nn_module_stack") or {}).values())

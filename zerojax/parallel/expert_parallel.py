@@ -1,9 +1,9 @@
 """Expert parallelism: the grouped GEMM run with each expert's weights on one slice of the mesh.
 
 An MoE layer converted from torch reaches the bridge as routing (top-k, sort by expert, histc,
-cumsum) followed by grouped GEMMs over rows sorted by expert (`moe.py`). Expert parallelism
-splits the stacked expert weights `[E, K, N]` over the mesh's expert axes, so device x of the
-X devices along them owns experts [x * E/X, (x + 1) * E/X). The grouped GEMM then runs under
+cumsum) followed by grouped GEMMs over rows sorted by expert (`bridge/lowerings/moe.py`). Expert
+parallelism splits the stacked expert weights `[E, K, N]` over the mesh's expert axes, so device x
+of the X devices along them owns experts [x * E/X, (x + 1) * E/X). The grouped GEMM then runs under
 `jax.shard_map` as three steps (the two operators Hybrid-EP / DeepEP name):
 
 - **dispatch**: every device takes its share of the sorted rows and sends the rows of each
@@ -87,8 +87,8 @@ class ExpertLoadLog:
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertParallel:
-    """Where the grouped GEMMs of a converted model run expert-parallel (the engine builds it
-    when the mesh has an `expert` axis larger than 1)."""
+    """Where the grouped GEMMs of a converted model run expert-parallel (`make_parallel_plan`
+    builds it when the mesh has an `expert` axis larger than 1, as `ParallelPlan.experts`)."""
 
     mesh: Mesh
     """The engine's mesh."""

@@ -60,8 +60,8 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class SequenceParallel:
-    """Where attention runs sequence-parallel (the engine builds it from the config's
-    `sequence_parallel` section)."""
+    """Where attention runs sequence-parallel (`make_parallel_plan` builds it from the
+    config's `sequence_parallel` section, as `ParallelPlan.sequence`)."""
 
     mesh: Mesh
     """The engine's mesh."""
