@@ -165,6 +165,25 @@ def test_repository_paths_exist():
     assert not missing, f"paths that do not exist: {sorted(missing)}"
 
 
+def test_package_layout_names_existing_modules():
+    """The design page's directory map names modules without their directory: each must be in
+    the directory its line group starts with (a module that moved must move there too)."""
+    layout = next(
+        b.code
+        for b in code_blocks("docs/design.md", pages()["docs/design.md"])
+        if b.lang == "text" and "zerojax/bridge/" in b.code
+    )
+    directory, missing = None, []
+    for line in layout.split("\n"):
+        head = line.split(" ", 1)[0]
+        if head:
+            directory = head if head.endswith("/") else head.rsplit("/", 1)[0] + "/"
+        for name in re.findall(r"(?<![\w/{,<.])(\w+\.py)\b", line.removeprefix(head)):
+            if not (ROOT / directory / name).exists():
+                missing.append(f"{directory}{name}")
+    assert not missing, f"docs/design.md's layout names modules that do not exist: {missing}"
+
+
 def test_readme_links_resolve():
     """README's links into docs/ must work on a repository browser, where the site is not built."""
     readme = (ROOT / "README.md").read_text()
