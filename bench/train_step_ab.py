@@ -6,7 +6,7 @@ table gives medians and each side's ratio to eager. The "before" paths are the f
 was before issue 14's step work, kept here only to measure against:
 
 - `copy`: every output leaf copied into torch (`to_torch`: host copy), instead of handed over
-  zero-copy (`zerojax.train.module.hand_over`);
+  zero-copy (`zerojax.parallel.placement.hand_over`);
 - `rescale`: `loss.backward()`'s cotangent of 1 multiplied into the fused gradients in a
   separate pass (`scale_grads`) before they are added to the accumulator.
 
@@ -33,9 +33,9 @@ jax.config.update("jax_platforms", "cpu")
 
 import jax.numpy as jnp
 
-import zerojax.train.module as front_end
 from bench.train_step import PRECISIONS, WARMUP_STEPS, torch_step, zerojax_step
 from zerojax.bridge.dtypes import to_torch
+from zerojax.parallel import placement
 from zerojax.train.engine import Engine
 from zerojax.train.programs import add_grads, scale_grads
 
@@ -58,7 +58,7 @@ def _accumulate_with_rescale(self, grads, weight=None):
 
 
 BEFORE = {
-    "copy": (front_end, "hand_over", _copy_every_output),
+    "copy": (placement, "hand_over", _copy_every_output),
     "rescale": (Engine, "accumulate", _accumulate_with_rescale),
 }
 

@@ -115,8 +115,8 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
     import torch
 
     from zerojax.config import ConfigError
+    from zerojax.parallel.placement import abstract_state
     from zerojax.sharding import make_sharding_plan
-    from zerojax.train.engine import abstract_state
     from zerojax.train.memory_plan import memory_report
 
     abstract = opts.devices is not None

@@ -2,7 +2,7 @@
 
 Run: `.venv/bin/python -m pytest -q tests/train/test_output_handover.py -p no:cacheprovider`.
 Why: on one CPU device the front end hands each output buffer to torch through DLPack instead
-of copying it (`zerojax.train.module.hand_over`), so logits a loop never reads cost nothing.
+of copying it (`zerojax.parallel.placement.hand_over`), so logits a loop never reads cost nothing.
 These tests check that such outputs behave as ordinary torch tensors for what loops do with
 them, that an in-place change to one reaches no array the engine keeps (state, pullback
 residuals), that shared or sharded buffers are still copied, and that the fused path's
@@ -24,9 +24,10 @@ from torch import nn
 from bench.architectures import MLP
 from tests.train.test_backward_patterns import tiny_hf_gpt2
 from zerojax.config import load_config
+from zerojax.parallel.placement import hand_over
 from zerojax.sharding import make_mesh
 from zerojax.train.engine import Engine
-from zerojax.train.module import ZeroModule, hand_over, zero_module
+from zerojax.train.module import ZeroModule, zero_module
 from zerojax.train.optimizer_shim import ZeroOptimizer
 from zerojax.train.parameters import release_parameters
 from zerojax.train.programs import Program

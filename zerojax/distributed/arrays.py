@@ -109,23 +109,16 @@ def host_copy(array: jax.Array) -> np.ndarray:
 
 def place_same_everywhere(arrays: dict[str, np.ndarray], shardings: dict) -> dict[str, jax.Array]:
     """Host values that every process holds alike (a model's initial state, built from one seed)
-    as global arrays laid out by `shardings` (same keys).
+    as global arrays laid out by `shardings` (same keys), in a job of several processes (one
+    process places its values with `jax.device_put`: `zerojax.parallel.placement`).
 
-    With several processes they are checked equal across processes first, all at once: one
-    all-gather of each array's fingerprint. (`jax.device_put` of a host array checks it on its
-    own, with a compiled all-gather per array: 0.9 s for the 18 arrays of a 5-layer MLP, paid by
-    every restart of a job.) Each process then fills its devices' shards from its own copy.
-    Raises ValueError naming the first array that differs between processes.
+    They are checked equal across processes first, all at once: one all-gather of each array's
+    fingerprint. (`jax.device_put` of a host array checks it on its own, with a compiled
+    all-gather per array: 0.9 s for the 18 arrays of a 5-layer MLP, paid by every restart of a
+    job.) Each process then fills its devices' shards from its own copy. Raises ValueError
+    naming the first array that differs between processes.
     """
     names = list(arrays)
-    if jax.process_count() == 1:
-        return dict(
-            zip(
-                names,
-                jax.device_put([arrays[n] for n in names], [shardings[n] for n in names]),
-                strict=True,
-            )
-        )
     fingerprints = np.array(
         [np.frombuffer(_fingerprint(arrays[n]), np.uint32) for n in names], np.uint32
     ).reshape(len(names), 2)

@@ -17,7 +17,7 @@ accelerate only ever sees torch objects, and the model's tensors are live views 
   (torchrun), `Accelerator.prepare_model` wraps every trainable model in
   `DistributedDataParallel`, and so does the HF Trainer, which prepares through it. zerojax
   already *is* the data parallelism (DDP's semantics: each process feeds its rows, the engine
-  averages gradients over processes, `zerojax.train.data_parallel`), so a DDP wrap is at best
+  averages gradients over processes, `zerojax.parallel.placement`), so a DDP wrap is at best
   dead weight and at worst wrong: the engine's gradients never reach torch autograd's
   accumulators, so DDP's reducer sits idle while its buckets hold a host copy the size of
   every gradient (undoing ZeRO's memory split), it broadcasts rank 0's buffers before every

@@ -8,7 +8,7 @@ Most of the Trainer needs nothing: the model stays itself (its class, `config`, 
 the forward's signature), its tensors are live views of the engine's state, and the Trainer's
 optimizer, clipping and schedule run on them; under torchrun the accelerate hook keeps the
 model out of DDP (`zerojax.integrations.accelerate`), and a loss normalised by the Trainer's
-`num_items_in_batch` is handed back as each process's share (`zerojax.train.data_parallel`).
+`num_items_in_batch` is handed back as each process's share (`zerojax.parallel.placement`).
 
 Constructing a Trainer on a zerojax model (`Trainer.__init__` is wrapped) hands it the loop:
 its gradient accumulation and clipping are the Trainer's, so a zerojax config that would also
@@ -123,7 +123,7 @@ def _gathering_first(method):
 @contextlib.contextmanager
 def _held_on_every_process(trainer):
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
-    if not isinstance(model, ZeroModule) or model.engine.process_local is None:
+    if not isinstance(model, ZeroModule) or model.engine.placement.num_processes == 1:
         yield  # one process holds every shard: nothing to gather first
         return
     with contextlib.ExitStack() as stack:

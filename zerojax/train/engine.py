@@ -13,11 +13,13 @@ fields directly.
 The programs themselves are pure functions in `zerojax.train.programs`; this class only feeds
 them the state's arrays and stores what they return.
 
-An *abstract* engine (`abstract=True`, for planning: `zerojax plan --devices N`) holds
-`jax.ShapeDtypeStruct`s with their shardings instead of arrays, built from the module's tensor
-shapes (a model on the `meta` device has no values): its programs are compiled, never run, and
-return the shapes and shardings of their results, so a step of a model that does not fit in
-memory can be compiled and measured.
+Where the arrays live and how torch's values cross into them is the engine's `placement`
+(`zerojax.parallel.placement`), chosen once here: one process, several processes (torchrun:
+DDP's per-process batches), or *abstract* (`abstract=True`, for planning: `zerojax plan
+--devices N`), which holds `jax.ShapeDtypeStruct`s with their shardings instead of arrays, built
+from the module's tensor shapes (a model on the `meta` device has no values): its programs are
+compiled, never run, and return the shapes and shardings of their results, so a step of a
+model that does not fit in memory can be compiled and measured.
 
 Gradient accumulation (`train.gradient_accumulation_steps` = gas) follows DeepSpeed: each
 backward's gradients are multiplied by 1/gas (DeepSpeed divides the loss by gas) and summed;
@@ -41,14 +43,13 @@ import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zerojax.bridge.convert import Converted, state_arrays
-from zerojax.bridge.dtypes import to_jax_dtype
+from zerojax.bridge.convert import Converted
 from zerojax.config import Config
-from zerojax.distributed.arrays import host_copy, place_same_everywhere
+from zerojax.distributed.arrays import host_copy
+from zerojax.parallel.placement import placement_kind
 from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import optimizers
-from zerojax.train.data_parallel import ProcessLocalBatches, rank0_seed
 from zerojax.train.parameters import plain_parameters
 from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
 from zerojax.train.programs import (
@@ -94,7 +95,6 @@ class Engine:
         abstract: bool = False,
     ):
         self.module = module
-        self.abstract = abstract
         self.config = config
         # A Hugging Face Trainer took the model (zerojax.integrations.hf_trainer): it fills the
         # DeepSpeed "auto" values in `config.trainer_autos` by doing those things itself.
@@ -103,59 +103,33 @@ class Engine:
         self.fused = fused
         self.policy = PrecisionPolicy.from_config(config.precision)
         self.mesh = make_mesh(config) if mesh is None else mesh
-        if abstract:
-            params, buffers, self.alias = abstract_state(module)
-        else:
-            params, buffers, self.alias = state_arrays(module)
+        # The one choice of placement (one process, several, or abstract): the rest of the
+        # engine and the front end call its methods.
+        kind = placement_kind(abstract=abstract)
+        params, buffers, self.alias = kind.module_state(module)
         self.plan = make_sharding_plan(params, config, self.mesh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.programs = StepPrograms(self.plan, self.policy, config)
-        # Several processes (torchrun/SLURM): DDP's per-process batches (train/data_parallel.py).
-        self.process_local = ProcessLocalBatches(self.plan) if jax.process_count() > 1 else None
+        self.placement = kind(self.plan)
         self.optimizer_spec: optimizers.OptimizerSpec | None = None
         policy = self.policy
-
-        def host(arrays, dtype=None):
-            """What is placed, in `dtype` (floats only): host copies, so placing never reuses
-            the converted module's buffers (a replicated device_put could, and the first
-            update's donation would then invalidate them); shapes for an abstract engine."""
-            if abstract:
-                return {
-                    n: jax.ShapeDtypeStruct(
-                        a.shape, dtype if dtype is not None and is_float(a) else a.dtype
-                    )
-                    for n, a in arrays.items()
-                }
-            return {
-                n: np.asarray(a.astype(dtype) if dtype is not None and is_float(a) else a)
-                for n, a in arrays.items()
-            }
 
         master_dtype = policy.master_dtype
         has_master = master_dtype is not None and master_dtype != policy.param_dtype
         float_params = {n: a for n, a in params.items() if is_float(a)}
+        # (field, arrays, dtype, shardings) of each placed part of the state.
+        parts = [
+            ("params", params, policy.param_dtype, self.plan.params),
+            ("buffers", buffers, None, {n: self.replicated for n in buffers}),
+        ]
+        if has_master:
+            parts.append(("master", float_params, master_dtype, self.plan.master_weights))
         # One call for the whole state: with several processes it is checked equal on every
-        # process in one collective (place_same_everywhere).
-        place = place_abstract if abstract else place_same_everywhere
-        placed = place(
-            {
-                **{("params", n): a for n, a in host(params, policy.param_dtype).items()},
-                **{("buffers", n): a for n, a in host(buffers).items()},
-                **(
-                    {("master", n): a for n, a in host(float_params, master_dtype).items()}
-                    if has_master
-                    else {}
-                ),
-            },
-            {
-                **{("params", n): self.plan.params[n] for n in params},
-                **{("buffers", n): self.replicated for n in buffers},
-                **(
-                    {("master", n): self.plan.master_weights[n] for n in float_params}
-                    if has_master
-                    else {}
-                ),
-            },
+        # process in one collective.
+        placed = self.placement.place_state(
+            {(f, n): a for f, arrays, _, _ in parts for n, a in arrays.items()},
+            {(f, n): shardings[n] for f, arrays, _, shardings in parts for n in arrays},
+            {(f, n): dtype for f, arrays, dtype, _ in parts for n in arrays},
         )
 
         def field(name):
@@ -166,9 +140,8 @@ class Engine:
             # initialize (data order, its sampling) stay those of the same script without us.
             with torch.random.fork_rng(devices=[]):
                 seed = int(torch.randint(0, 2**31 - 1, ()).item())
-        if self.process_local is not None:
-            seed = rank0_seed(seed)  # one dropout stream for the job
-        rng = self._placed_rng(jax.random.key(seed))
+        seed = self.placement.job_seed(seed)  # one dropout stream for the job
+        rng = self.placement.place_rng(jax.random.key(seed))
         self._state = TrainState(
             params=field("params"),
             master=field("master") if has_master else None,
@@ -186,7 +159,6 @@ class Engine:
             ),
         )
         self._converted: dict[bool, Converted] = {}
-        self._warned_uneven: set[tuple] = set()
         self._before_donation: list[Callable[[], None]] = []
         self._torch_optimizer: torch.optim.Optimizer | None = None
         self._update_prepared = False
@@ -245,7 +217,7 @@ class Engine:
             is_int = np.ndim(value) == 0 and np.issubdtype(np.asarray(value).dtype, np.integer)
             if not is_int or value < 0:
                 raise ValueError(f"state.{counter} must be a non-negative int, got {value!r}")
-        plan, put = self.plan, _put
+        plan, put = self.plan, self.placement.put
         self._state = state.replace(
             params={n: put(a, plan.params[n]) for n, a in state.params.items()},
             master=(
@@ -271,21 +243,11 @@ class Engine:
                 if state.loss_scale is None
                 else {k: put(v, self.replicated) for k, v in state.loss_scale.items()}
             ),
-            rng=self._placed_rng(state.rng),
+            rng=self.placement.place_rng(state.rng),
             num_calls=int(state.num_calls),
             micro_step=int(state.micro_step),
             step=int(state.step),
             skipped_steps=int(state.skipped_steps),
-        )
-
-    def _placed_rng(self, rng: jax.Array) -> jax.Array:
-        """With several processes the key is a global (replicated) array, which Orbax can save;
-        with one it stays as it is."""
-        if self.process_local is None or not rng.is_fully_addressable:
-            return rng
-        key_data = np.asarray(jax.random.key_data(rng))
-        return jax.random.wrap_key_data(
-            jax.device_put(key_data, self.replicated), impl=jax.random.key_impl(rng)
         )
 
     # Read-only views of the state's fields (tests and reports read them; nothing writes them).
@@ -319,7 +281,7 @@ class Engine:
         shardings = self.plan.optimizer_state_shardings(jax.eval_shape(fresh, self._state.weights))
         make = jax.jit(fresh, out_shardings=shardings)
         weights = self._state.weights
-        state = jax.eval_shape(make, weights) if self.abstract else make(weights)
+        state = self.placement.make_state(make, weights)
         self._state = self._state.replace(opt_state=state)
 
     def optimizer_state_from_torch(self, state_dict) -> Any:
@@ -342,8 +304,7 @@ class Engine:
             args, kwargs = torch_pytree.tree_map_only(
                 torch.Tensor, torch.Tensor.detach, (args, kwargs)
             )
-            if self.process_local is not None:  # traced at the global batch's shapes
-                args, kwargs = self.process_local.global_example(args, kwargs)
+            args, kwargs = self.placement.trace_example(args, kwargs)
             with effective_time.LEDGER.measure("trace_compile", source="torch.export"):
                 self._converted[train] = Converted(
                     self.traced_module, args, kwargs, train=train, read_values=False
@@ -373,37 +334,11 @@ class Engine:
         return self._state.rng, np.uint32(num_calls)
 
     def shard_input(self, array: jax.Array) -> jax.Array:
-        """Batch inputs are split over the data axes when their batch dim divides evenly.
-
-        An uneven batch (the last one of an epoch, say) is replicated instead: every device
-        computes it whole, with the same result, at data-parallel-size times the work. It is
-        logged once per shape, since every such batch compiles its own programs.
-
-        With several processes `array` is this process's rows, and the result the global batch
-        (`zerojax.train.data_parallel`)."""
-        if self.process_local is not None:
-            return self.process_local.global_input(array)
-        sharding = self.plan.input_sharding(array.ndim)
-        for dim, axes in enumerate(sharding.spec):
-            if axes is None:
-                continue
-            size = int(np.prod([self.mesh.shape[a] for a in np.atleast_1d(axes)]))
-            if array.shape[dim] % size:
-                if array.shape not in self._warned_uneven:
-                    self._warned_uneven.add(array.shape)
-                    log.warning(
-                        "zerojax: input of shape %s: dim %d (size %d) does not split over %s=%d; "
-                        "it is replicated (every device computes the whole batch). Use a batch "
-                        "size that is a multiple of %d to keep data parallelism.",
-                        array.shape,
-                        dim,
-                        array.shape[dim],
-                        "x".join(np.atleast_1d(axes).tolist()),
-                        size,
-                        size,
-                    )
-                return jax.device_put(array, self.replicated)
-        return jax.device_put(array, sharding)
+        """One model input placed for the program: split over the data axes when its batch dim
+        divides evenly, else replicated (logged once per shape); with several processes
+        `array` is this process's rows and the result the global batch
+        (`zerojax.parallel.placement`)."""
+        return self.placement.shard_input(array)
 
     # --- what the front end calls ----------------------------------------------------------
 
@@ -455,7 +390,7 @@ class Engine:
         the signature is predicted (shapes, dtypes, shardings: `Program.prepare`); should the
         step's call differ (a parameter frozen before it, say), the update compiles then, as
         it always did."""
-        if self._update_prepared or self.abstract or self.optimizer_spec is None:
+        if self._update_prepared or self.optimizer_spec is None:
             return
         self._update_prepared = True
         state, frozen = self._state, self.frozen_names()
@@ -571,7 +506,9 @@ class Engine:
         if self._state.loss_scale is not None:
             value = value.astype(jnp.float32) * self.scale
         dtype = self.policy.grad_dtype
-        grad = _put(value if value.dtype == dtype else value.astype(dtype), self.plan.grads[name])
+        grad = self.placement.put(
+            value if value.dtype == dtype else value.astype(dtype), self.plan.grads[name]
+        )
         self._state = self._state.replace(grads={**(self._state.grads or {}), name: grad})
 
     def weight_value(self, name: str, dtype) -> jax.Array:
@@ -588,7 +525,7 @@ class Engine:
 
     def write_buffer(self, name: str, value: jax.Array) -> None:
         current = self._state.buffers[name]
-        buffer = _put(value.astype(current.dtype), self.replicated)
+        buffer = self.placement.put(value.astype(current.dtype), self.replicated)
         self._state = self._state.replace(buffers={**self._state.buffers, name: buffer})
 
     def write_weight(self, name: str, value: jax.Array) -> None:
@@ -596,10 +533,11 @@ class Engine:
         keeps one: what the optimizer update does), on the plan's shardings."""
         state = self._state.with_weights({name: value})
         plan = self.plan
-        params = {**state.params, name: _put(state.params[name], plan.params[name])}
+        put = self.placement.put
+        params = {**state.params, name: put(state.params[name], plan.params[name])}
         master = state.master
         if master is not None and name in master:
-            master = {**master, name: _put(master[name], plan.master_weights[name])}
+            master = {**master, name: put(master[name], plan.master_weights[name])}
         self._state = state.replace(params=params, master=master)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> jax.Array:
@@ -654,8 +592,8 @@ class Engine:
             state.params, state.master, state.opt_state, state.grads, hyper, state.loss_scale
         )
         skipped = state.skipped_steps
-        # bool(finite) is a host sync: only with fp16 loss scaling (and values).
-        if state.loss_scale is not None and not self.abstract and not bool(finite):
+        # Reading `finite` is a host sync: only with fp16 loss scaling (and values).
+        if state.loss_scale is not None and not self.placement.all_finite(finite):
             skipped += 1
             log.warning(
                 "zerojax: fp16 gradients overflowed; optimizer step skipped, loss scale %g -> %g",
@@ -709,33 +647,9 @@ class Engine:
         self.load(state.with_weights(weights).replace(buffers=buffers))
 
 
-def abstract_state(module: torch.nn.Module):
-    """`state_arrays` as shapes: (params, buffers, alias) with `jax.ShapeDtypeStruct` values,
-    read off the module's tensors' shapes and dtypes (no values: `meta` tensors do)."""
-    _, _, alias = state_arrays(module, read_values=False)
-
-    def shapes(named):
-        return {
-            n: jax.ShapeDtypeStruct(tuple(t.shape), to_jax_dtype(t.dtype))
-            for n, t in named
-            if t is not None and alias.get(n) == n
-        }
-
-    params = shapes(module.named_parameters(remove_duplicate=False))
-    return params, shapes(module.named_buffers(remove_duplicate=False)), alias
-
-
 @functools.partial(jax.jit, static_argnames="dtype")
 def _unscaled(grad, scale, dtype):
     return (grad.astype(jnp.float32) / scale).astype(dtype)
-
-
-def place_abstract(structs: dict, shardings: dict) -> dict:
-    """`place_same_everywhere` for an abstract engine: each shape with its sharding."""
-    return {
-        key: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=shardings[key])
-        for key, s in structs.items()
-    }
 
 
 def _in_device_memory(array: jax.Array, plan) -> jax.Array:
@@ -743,21 +657,6 @@ def _in_device_memory(array: jax.Array, plan) -> jax.Array:
     if array.sharding.memory_kind in (None, "device"):
         return array
     return jax.device_put(array, plan.on_device(array.sharding))
-
-
-def _put(array, sharding):
-    if isinstance(array, jax.Array) and array.sharding == sharding:
-        return array
-    if (
-        isinstance(array, jax.Array)
-        and array.is_fully_addressable
-        and not sharding.is_fully_addressable
-    ):
-        # Several processes: a host-local array (a loaded state_dict) is this process's copy of
-        # the global value; device_put takes that from host memory (and checks the processes
-        # agree), not from a device array.
-        array = np.asarray(array)
-    return jax.device_put(array, sharding)
 
 
 def _check_same_layout(field: str, current: Any, new: Any) -> None:

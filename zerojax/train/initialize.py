@@ -59,7 +59,7 @@ def initialize(
     Under torchrun or SLURM with several processes this joins the job first
     (`zerojax.distributed.initialize`), `devices.num_cpu_devices` counts each process's devices,
     and the semantics are DDP's: each process feeds its own rows, `model(x)` returns them, and the
-    update uses the gradient averaged over processes (see `zerojax.train.data_parallel`).
+    update uses the gradient averaged over processes (see `zerojax.parallel.placement`).
 
     Hugging Face accelerate works before or after this call (`zerojax.integrations.accelerate`):
     a model `accelerator.prepare` wrapped comes back unwrapped, and an `AcceleratedOptimizer`

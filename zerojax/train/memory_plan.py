@@ -19,12 +19,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 
 from zerojax.bridge.convert import Converted, Static
-from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.config import Config, load_config
 from zerojax.sharding.memory import MemoryReport, measure_memory
 from zerojax.train import optimizers
@@ -90,9 +88,7 @@ def memory_report(
     else:
         shardings, dtype = engine.plan.grads, engine.policy.grad_dtype
         grads = {
-            n: jax.ShapeDtypeStruct(p.shape, dtype, sharding=shardings[n])
-            if abstract
-            else jax.device_put(np.zeros(p.shape, dtype), shardings[n])
+            n: engine.placement.filled(jax.ShapeDtypeStruct(p.shape, dtype), 0, shardings[n])
             for n, p in engine.state.params.items()
             if is_float(p)
         }
@@ -116,10 +112,9 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
     args = _even_batch(args, engine, notes)
     converted = engine.converted(module.training, args, {})
     # As ZeroModule.forward feeds them: tensors batch-sharded, other arguments Static.
+    placement = engine.placement
     jax_args = tuple(
-        _abstract_input(engine, a)
-        if engine.abstract and isinstance(a, torch.Tensor)
-        else engine.shard_input(from_torch(a))
+        engine.shard_input(placement.value_of(a))
         if isinstance(a, torch.Tensor)
         else a
         if isinstance(a, np.ndarray | jax.Array)
@@ -143,16 +138,9 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
         differentiable = (False,) * len(jax_args)
         outputs, pullback = engine.forward(converted, jax_args, {}, differentiable=differentiable)
         # torch's loss.backward() feeds the backward program one cotangent per output; ones
-        # stand in for them (the values do not change any array's bytes).
-        if engine.abstract:
-            cotangents = outputs  # their shapes, dtypes and shardings are all the program uses
-        else:
-            cotangents = jax.tree.map(
-                lambda x: (
-                    jnp.ones(x.shape, x.dtype) if is_float(x) else jnp.zeros(x.shape, x.dtype)
-                ),
-                outputs,
-            )
+        # stand in for them (the values do not change any array's bytes; abstract: the
+        # outputs' shapes, dtypes and shardings, all the program uses).
+        cotangents = jax.tree.map(lambda x: placement.filled(x, 1 if is_float(x) else 0), outputs)
         engine.backward(converted, pullback, cotangents)
         notes.append(
             "the model returns no loss of its own: forward_vjp + backward, as under a torch loss"
@@ -160,14 +148,6 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
     grads = engine.state.grads
     engine.update(optimizers.hyper_from_torch(optimizer, engine.optimizer_spec))
     return grads
-
-
-def _abstract_input(engine: Engine, tensor: torch.Tensor) -> jax.ShapeDtypeStruct:
-    """A torch input (a meta tensor, say) as the shape the engine would feed: batch-sharded."""
-    shape = tuple(tensor.shape)
-    return jax.ShapeDtypeStruct(
-        shape, to_jax_dtype(tensor.dtype), sharding=engine.plan.input_sharding(len(shape))
-    )
 
 
 def _even_batch(args: tuple, engine: Engine, notes: list[str]) -> tuple:

@@ -3,9 +3,10 @@
 its class (as FSDP2's `fully_shard` does), so only its forward and its tensors change.
 
 The forward converts the torch inputs to (batch-sharded) JAX arrays, runs the engine's
-forward program and hands back torch tensors (`hand_over`: on one CPU device the output buffers
-themselves, through DLPack, so outputs a loop never reads -- the logits next to the loss -- cost
-no copy; elsewhere host copies). When autograd is recording, those tensors come
+forward program and hands back torch tensors (the engine's placement does both ways,
+`zerojax.parallel.placement`: in one process on one CPU device the output buffers themselves,
+through DLPack, so outputs a loop never reads -- the logits next to the loss -- cost no copy;
+elsewhere host copies; with several processes this process's rows). When autograd is recording, those tensors come
 out of `_JaxCall`, a `torch.autograd.Function` whose backward calls the JAX pullback: the
 parameter gradients go into the engine's sharded accumulator, input gradients go back to torch
 (so a wrapped model can feed another one, or a torch loss, as in GANs and distillation).
@@ -145,8 +146,7 @@ class ZeroModule(torch.nn.Module):
             jax_flat[i] = engine.shard_input(from_torch(flat[i]))
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
         # Several processes: outputs with the batch's rows go back as this process's rows.
-        local = engine.process_local
-        self._zerojax_global_rows = local.global_rows(jax_flat) if local is not None else None
+        self._zerojax_global_rows = engine.placement.global_rows(jax_flat)
         inputs_require_grad = any(flat[i].requires_grad for i in tensor_positions)
         recording = torch.is_grad_enabled() and (
             inputs_require_grad or any(p.requires_grad for p in self.parameters())
@@ -155,7 +155,7 @@ class ZeroModule(torch.nn.Module):
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
             leaves, treedef = jax.tree.flatten(outputs)
             kept = (engine.state.params, engine.state.buffers, jax_args, jax_kwargs)
-            share = _LossShare.of(outputs, local, kwargs)
+            share = _LossShare.of(outputs, engine.placement.loss_share(kwargs))
             return jax.tree.unflatten(treedef, share.value(self._zerojax_hand_over(leaves, kept)))
 
         tensor_inputs = [flat[i] for i in tensor_positions]
@@ -188,7 +188,7 @@ class ZeroModule(torch.nn.Module):
         leaves, treedef = jax.tree.flatten(outputs)
         loss_leaf = _loss_leaf_index(outputs, loss_path)
         global_rows = self._zerojax_global_rows
-        share = _LossShare.of(outputs, engine.process_local, jax_kwargs)
+        share = _LossShare.of(outputs, engine.placement.loss_share(jax_kwargs))
 
         def backward(grad_leaves):
             grad_leaves = share.cotangents(grad_leaves)
@@ -251,7 +251,7 @@ class ZeroModule(torch.nn.Module):
         through = _backward_through(
             engine, converted, pullback, specs, treedef, self._zerojax_global_rows
         )
-        share = _LossShare.of(outputs, engine.process_local, jax_kwargs)
+        share = _LossShare.of(outputs, engine.placement.loss_share(jax_kwargs))
         kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _JaxCall.apply(
             lambda: share.value(self._zerojax_hand_over(leaves, kept)),
@@ -271,12 +271,10 @@ class ZeroModule(torch.nn.Module):
             _engine_call.pending = False
 
     def _zerojax_hand_over(self, leaves: list, kept) -> list[torch.Tensor]:
-        """The outputs as torch tensors: `hand_over` in one process; with several, this
-        process's rows of each (`zerojax.train.data_parallel`)."""
-        local = self._zerojax_engine.process_local
-        if local is None:
-            return hand_over(leaves, kept)
-        return [to_torch(local.local_output(x, self._zerojax_global_rows)) for x in leaves]
+        """The outputs as torch tensors, by the engine's placement (one process: `hand_over`;
+        several: this process's rows of each)."""
+        placement = self._zerojax_engine.placement
+        return placement.outputs_to_torch(leaves, kept, self._zerojax_global_rows)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients. nn.Module's version would read (gather) every
@@ -350,8 +348,9 @@ class ZeroModule(torch.nn.Module):
 
 class _LossShare:
     """This process's share of a loss the model computed over the global batch, where the
-    caller adds the processes' losses up: see "loss kwargs" in `zerojax.train.data_parallel`.
-    `value` scales the handed-over loss by 1/P, `cotangents` its gradient alike."""
+    caller adds the processes' losses up: see "loss kwargs" in `zerojax.parallel.placement`.
+    `value` scales the handed-over loss by `factor` (`Placement.loss_share`: 1/P there, else
+    1), `cotangents` its gradient alike."""
 
     __slots__ = ("factor", "index")
 
@@ -359,12 +358,12 @@ class _LossShare:
         self.index, self.factor = index, factor
 
     @classmethod
-    def of(cls, outputs, local, kwargs) -> _LossShare:
-        if local is None or local.num_processes == 1 or "num_items_in_batch" not in kwargs:
+    def of(cls, outputs, factor: float) -> _LossShare:
+        if factor == 1.0:
             return cls(None, 1.0)
         path = find_scalar_loss(outputs)
         index = None if path is None else _loss_leaf_index(outputs, path)
-        return cls(index, 1.0 / local.num_processes)
+        return cls(index, factor)
 
     def value(self, torch_leaves: list) -> list:
         if self.index is not None:
@@ -384,28 +383,13 @@ def _backward_through(engine: Engine, converted, pullback, specs, treedef, globa
     gradients."""
 
     def backward(grad_leaves):
-        local = engine.process_local
-        if local is not None:
-            cotangents = [
-                local.global_cotangent(
-                    spec, None if grad is None else np.asarray(from_torch(grad)), global_rows
-                )
-                for spec, grad in zip(specs, grad_leaves, strict=True)
-            ]
-            input_grads = engine.backward(
-                converted, pullback, jax.tree.unflatten(treedef, cotangents)
-            )
-            return [to_torch(local.local_input_grad(g, global_rows)) for g in input_grads]
+        placement = engine.placement
         cotangents = [
-            jnp.zeros(spec.shape, spec.dtype)
-            if grad is None or not jnp.issubdtype(spec.dtype, jnp.floating)
-            else from_torch(grad).astype(spec.dtype)
+            placement.cotangent(spec, grad, global_rows)
             for spec, grad in zip(specs, grad_leaves, strict=True)
         ]
-        cotangents = jax.tree.unflatten(treedef, cotangents)
-        input_grads = engine.backward(converted, pullback, cotangents)
-        # Fresh outputs of the backward program: handed over like the forward's.
-        return hand_over(list(input_grads), kept=())
+        input_grads = engine.backward(converted, pullback, jax.tree.unflatten(treedef, cotangents))
+        return placement.input_grads_to_torch(input_grads, global_rows)
 
     return backward
 
@@ -520,49 +504,3 @@ def _loss_leaf_index(outputs, loss_path) -> int:
     else:
         marked.loss = True
     return jax.tree.leaves(marked).index(True)
-
-
-# dtypes DLPack carries between JAX and torch as they are (others, e.g. float8, are copied).
-_DLPACK_DTYPES = frozenset(
-    np.dtype(d)
-    for d in (
-        np.float16, np.float32, np.float64, jnp.bfloat16, np.int8, np.int16, np.int32,
-        np.int64, np.uint8, np.bool_, np.complex64, np.complex128,
-    )
-)  # fmt: skip
-
-
-def hand_over(leaves: list, kept) -> list[torch.Tensor]:
-    """The program's output arrays as torch tensors, zero-copy where that is safe.
-
-    A single-device CPU output whose buffer is its own is handed to torch through DLPack: the
-    tensor *is* the buffer, so an output the loop never reads (the logits next to the loss)
-    costs nothing, and one it reads costs no copy. Nothing in JAX reads that buffer again, so
-    torch may also change it in place. Its own: XLA gives every output of an executable a
-    distinct, fresh buffer (no donation on the forward programs), so the only way an output can
-    share one is to *be* an array the engine keeps -- one of `kept` (state, inputs, residuals),
-    were JAX ever to forward an input to an output -- or to appear twice among the outputs;
-    those, like sharded or replicated outputs (a host array must be assembled anyway), are
-    copied (`to_torch`). Identity, not buffer addresses, is checked against `kept`: it costs
-    microseconds for the ~200 residual arrays of a GPT-2 pullback where addresses cost ms.
-    """
-    zero_copy = [_single_cpu_buffer(x) for x in leaves]
-    if any(zero_copy):
-        kept_ids = {id(x) for x in jax.tree.leaves(kept)}
-        seen: set[int] = set()
-        for i, leaf in enumerate(leaves):
-            if zero_copy[i]:
-                address = leaf.unsafe_buffer_pointer()
-                zero_copy[i] = id(leaf) not in kept_ids and address not in seen
-                seen.add(address)
-    return [torch.from_dlpack(x) if z else to_torch(x) for x, z in zip(leaves, zero_copy)]
-
-
-def _single_cpu_buffer(x) -> bool:
-    return (
-        isinstance(x, jax.Array)
-        and x.size > 0
-        and x.dtype in _DLPACK_DTYPES
-        and len(x.sharding.device_set) == 1
-        and next(iter(x.sharding.device_set)).platform == "cpu"
-    )
