@@ -135,7 +135,7 @@ def real(name: str) -> dict:
         peaks.append(resident + status("VmHWM") - before)
         return result
 
-    for step in range(STEPS):
+    for _step in range(STEPS):
         loss = phase(lambda: model(*args), lambda: engine.state.grads or engine.state.params)
         phase(lambda loss=loss: (loss.backward(), optimizer.step()), lambda: engine.state.params)
         optimizer.zero_grad()

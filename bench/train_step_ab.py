@@ -112,7 +112,7 @@ def main() -> None:
                 cpu[key].append(time.process_time() - start_cpu)
 
     for _ in range(WARMUP_STEPS):
-        for name, step in contenders.items():
+        for step in contenders.values():
             timed(step, names=before)
             timed(step)
         timed(eager)

@@ -66,7 +66,7 @@ def test_patched_forward_runs_in_the_engine_and_trains_like_torch():
         (m(x, scale=3.0).square().mean() + m(x).mean()).backward()
     expected = reference(x, scale=3.0)
     torch.testing.assert_close(model(x, scale=3.0), expected, rtol=0, atol=close(expected))
-    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=close(theirs.grad))
     assert "forward_vjp" in model.engine.compiled_programs()
 

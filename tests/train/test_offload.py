@@ -60,7 +60,7 @@ def config_for(
         config["offload"] = {
             "optimizer": "host",
             **({"master": "host"} if precision and "master" in precision else {}),
-            **{state: "host" for state in hosted[1:]},
+            **dict.fromkeys(hosted[1:], "host"),
         }
     if train:
         config["train"] = train

@@ -622,7 +622,7 @@ def load_state_dict_into_jax(
         )
     saved_state = state_dict["state"]
     fresh = init_state(spec, params, state_dtype)
-    state: dict[str, Any] = {k: v for k, v in fresh.items()}
+    state: dict[str, Any] = dict(fresh)
     steps = []
     for gi, (saved, group) in enumerate(zip(saved_groups, spec.groups)):
         for option, value in _static_options(spec.name, saved).items():
