@@ -148,8 +148,8 @@ def _cmd_plan(opts: argparse.Namespace) -> int:
             if stage == config.zero.stage:
                 reports[stage] = report
                 continue
-            staged = replace(config, zero=replace(config.zero, stage=stage))
-            try:
+            try:  # a config checks itself: offload needs stage >= 1, say
+                staged = replace(config, zero=replace(config.zero, stage=stage))
                 reports[stage] = memory_report(
                     module, args, staged, loss_fn=loss_fn, run_step=False, abstract=abstract
                 )
