@@ -2,7 +2,7 @@
 lowering table (`zerojax.bridge.supported_ops()`).
 
 Read by the OpInfo parity suite (an OpInfo sample that needs an unlowered overload not listed
-here fails it, so a gap is never silent) and by tools/op_coverage.py (the README gap table).
+here fails it, so a gap is never silent) and by tools/op_coverage.py (the gap table in docs/coverage.md).
 Lowering one of these ops must delete its line (tests/bridge/test_opinfo.py checks).
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 __all__ = ["ATEN_GAPS"]
 
-_NOT_LOWERED = "not lowered, see README gap list"
+_NOT_LOWERED = "not lowered, see the gap list in docs/coverage.md"
 
 _LINALG = (
-    "linear-algebra factorization/solver (LAPACK in torch): not lowered, see README gap list "
+    "linear-algebra factorization/solver (LAPACK in torch): not lowered, see the gap list in docs/coverage.md "
     "(jax.numpy.linalg / jax.scipy.linalg have equivalents)"
 )
-_SPECIAL = "special function with no jax.scipy.special equivalent: not lowered, see README gap list"
+_SPECIAL = "special function with no jax.scipy.special equivalent: not lowered, see the gap list in docs/coverage.md"
 _DATA_DEPENDENT_OP = (
     "output shape depends on tensor values; a jitted XLA program needs static shapes"
 )

@@ -170,8 +170,8 @@ class GraphFunction:
             )
             raise MissingLoweringError(
                 f"zerojax has no lowering for {len(missing)} op(s) in {self.model_name}:\n"
-                f"{lines}\nzerojax.bridge.supported_ops() lists what is supported; README.md "
-                f"('Op coverage') lists the known gaps and why.",
+                f"{lines}\nzerojax.bridge.supported_ops() lists what is supported; the docs' "
+                f"coverage page (docs/coverage.md, 'Op coverage') lists the known gaps and why.",
                 ops=tuple(sorted(missing)),
             )
 

@@ -405,7 +405,7 @@ class MoeConfig:
     """Expert-parallel dispatch (mesh axis `expert` > 1): None is dropless, every routed token
     reaches its expert. A number f > 0 caps what one device sends one expert-axis peer at
     f x its balanced share; tokens past the cap are dropped (their expert output is zero) and
-    counted (`zerojax.bridge.expert_parallel`)."""
+    counted (`zerojax.parallel.expert_parallel`)."""
 
     def __post_init__(self) -> None:
         factor = _optional(as_float, "moe.capacity_factor", self.capacity_factor, positive=True)
@@ -426,7 +426,7 @@ class SequenceParallelConfig:
 
     attention: str = "auto"
     """ulysses, ring or auto (SEQUENCE_PARALLEL_ATTENTION; auto is the default): how attention
-    crosses the split (`zerojax.bridge.sequence_parallel`)."""
+    crosses the split (`zerojax.parallel.sequence_parallel`)."""
 
     modules: tuple[str, ...] = ()
     """Module path regexes (full match against a path as in `named_modules()`, e.g.
