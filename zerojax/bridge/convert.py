@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -26,6 +27,7 @@ from zerojax.bridge.value_inputs import (
 )
 
 if TYPE_CHECKING:
+    from zerojax.config import ActivationCheckpointingConfig, KernelsConfig
     from zerojax.parallel.plan import ParallelPlan
 
 log = logging.getLogger("zerojax")
@@ -111,18 +113,18 @@ class Converted:
 
     def apply(
         self,
-        params,
-        buffers,
-        *args,
-        rng=None,
-        float_dtype=None,
-        kernels=None,
+        params: Mapping[str, jax.Array],
+        buffers: Mapping[str, jax.Array],
+        *args: Any,
+        rng: jax.Array | None = None,
+        float_dtype: Any = None,
+        kernels: KernelsConfig | None = None,
         parallel: ParallelPlan | None = None,
-        remat=None,
-        param_use=None,
-        regather_params=frozenset(),
-        **kwargs,
-    ):
+        remat: ActivationCheckpointingConfig | None = None,
+        param_use: Callable[..., jax.Array] | None = None,
+        regather_params: frozenset[str] = frozenset(),
+        **kwargs: Any,
+    ) -> tuple[Any, dict[str, jax.Array]]:
         """Run the module as JAX: (outputs, new_buffers); see the class docstring.
 
         `kernels` (a `zerojax.config.KernelsConfig`) picks the fused kernels the bridge
@@ -295,7 +297,9 @@ def state_arrays(module: torch.nn.Module, *, read_values: bool = True):
 
 def _named_arrays(named_tensors, read_values: bool = True):
     """{canonical name: jax array} and {every name: canonical name} (tied tensors share one)."""
-    arrays, alias, first_name = {}, {}, {}
+    arrays: dict[str, Any] = {}
+    alias: dict[str, str] = {}
+    first_name: dict[int, str] = {}
     for name, tensor in named_tensors:
         if tensor is None:
             continue
