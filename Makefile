@@ -131,8 +131,11 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m '' tests/test_docs.py
 
+# ruff with the rule set in pyproject.toml, the formatter's check, mypy over the public API.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check zerojax tests bench examples
+	$(VENV)/bin/ruff check zerojax tests bench tools examples
+	$(VENV)/bin/ruff format --check zerojax tests bench tools examples
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) .venv-torch-* build *.egg-info site docs/configuration.md

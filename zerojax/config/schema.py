@@ -106,7 +106,7 @@ class MeshConfig:
             isinstance(axis, (list, tuple)) and len(axis) == 2 for axis in self.axes
         ):
             raise error("mesh.axes", self.axes, "expected (axis name, size) pairs")
-        axes = tuple(tuple(axis) for axis in self.axes) or (("data", -1),)
+        axes = tuple((name, size) for name, size in self.axes) or (("data", -1),)
         names = [name for name, _ in axes]
         check_keys("mesh", dict(axes), MESH_AXES)
         for name in names:
@@ -219,7 +219,8 @@ class Rule:
                 self.spec,
                 "expected a list with one entry per dim: null, an axis, or a list of axes",
             )
-        spec, used = [], set()
+        spec: list[Any] = []
+        used: set[str] = set()
         for i, entry in enumerate(self.spec):
             if entry is None:
                 spec.append(None)
@@ -674,7 +675,7 @@ class OptimizerConfig:
         if not isinstance(self.type, str):
             raise error("optimizer.type", self.type, f"allowed: {', '.join(OPTIMIZER_TYPES)}")
         kind = as_choice("optimizer.type", self.type.lower(), OPTIMIZER_TYPES)
-        params = self.params
+        params: Any = self.params
         if not isinstance(params, Mapping):
             if isinstance(params, str) or not all(
                 isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in params
@@ -682,7 +683,7 @@ class OptimizerConfig:
                 raise error("optimizer.params", params, "expected (name, value) pairs")
             params = dict(params)
         check_keys("optimizer.params", params, OPTIMIZER_PARAMS[kind])
-        checked = {}
+        checked: dict[str, Any] = {}
         for key, value in params.items():
             where = f"optimizer.params.{key}"
             if key in ("amsgrad", "maximize", "nesterov"):

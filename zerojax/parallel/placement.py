@@ -499,5 +499,5 @@ def _single_cpu_buffer(x) -> bool:
         and x.size > 0
         and x.dtype in _DLPACK_DTYPES
         and len(x.sharding.device_set) == 1
-        and next(iter(x.sharding.device_set)).platform == "cpu"
+        and next(iter(x.sharding.device_set)).platform == "cpu"  # type: ignore[attr-defined]
     )

@@ -136,7 +136,7 @@ def make_parallel_plan(
     batch_axes = tuple(batch_axes)
 
     sequence = None
-    if sequence_split:
+    if sequence_split and section.axis is not None:
         sequence = SequenceParallel(
             mesh=mesh,
             axis=section.axis,

@@ -154,7 +154,9 @@ class ShardingPlan:
 
     def describe(self) -> str:
         """One line per parameter: shape, stored / compute / optimizer-state specs, rule."""
-        rows = [("name", "shape", "params", "compute", "grads", "opt_state", "rule")]
+        rows: list[tuple[str, ...]] = [
+            ("name", "shape", "params", "compute", "grads", "opt_state", "rule")
+        ]
         for name in self.params:
             rows.append(
                 (
@@ -273,7 +275,8 @@ def make_sharding_plan(
         index = chosen[name]
         rule = rules[index] if index is not None else None
         rule_for[name] = rule.origin if rule else None
-        base, reasons = tuple(() for _ in shape), []
+        base: tuple[tuple[str, ...], ...] = tuple(() for _ in shape)
+        reasons: list[str] = []
         if rule is not None:
             base, reason = _rule_dims(name, shape, rule, axis_sizes)
             reasons += [reason] if reason else []

@@ -120,7 +120,7 @@ class Engine:
         # (field, arrays, dtype, shardings) of each placed part of the state.
         parts = [
             ("params", params, policy.param_dtype, self.plan.params),
-            ("buffers", buffers, None, {n: self.replicated for n in buffers}),
+            ("buffers", buffers, None, dict.fromkeys(buffers, self.replicated)),
         ]
         if has_master:
             parts.append(("master", float_params, master_dtype, self.plan.master_weights))
@@ -269,7 +269,7 @@ class Engine:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self._torch_optimizer = optimizer
-        names = {}
+        names: dict[int, str] = {}
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), self.alias[name])
         spec = self.optimizer_spec = optimizers.optimizer_spec_from_torch(optimizer, names)
@@ -286,6 +286,8 @@ class Engine:
 
     def optimizer_state_from_torch(self, state_dict) -> Any:
         """torch's `optimizer.state_dict()` as this engine's optimizer-state tree (unplaced)."""
+        if self.optimizer_spec is None:
+            raise RuntimeError("zerojax: no optimizer attached; pass one to zerojax.initialize")
         return optimizers.load_state_dict_into_jax(
             self.optimizer_spec,
             state_dict,
@@ -390,7 +392,7 @@ class Engine:
         the signature is predicted (shapes, dtypes, shardings: `Program.prepare`); should the
         step's call differ (a parameter frozen before it, say), the update compiles then, as
         it always did."""
-        if self._update_prepared or self.optimizer_spec is None:
+        if self._update_prepared or self.optimizer_spec is None or self._torch_optimizer is None:
             return
         self._update_prepared = True
         state, frozen = self._state, self.frozen_names()
@@ -663,7 +665,7 @@ def _check_same_layout(field: str, current: Any, new: Any) -> None:
     """Raise ValueError unless `new` has `current`'s tree structure, shapes and dtypes."""
     current_leaves, current_tree = jax.tree_util.tree_flatten_with_path(current)
     new_leaves, new_tree = jax.tree_util.tree_flatten_with_path(new)
-    if current_tree != new_tree:
+    if current_tree != new_tree:  # type: ignore[operator]  # PyTreeDefs compare
         missing = {jax.tree_util.keystr(p) for p, _ in current_leaves} - {
             jax.tree_util.keystr(p) for p, _ in new_leaves
         }

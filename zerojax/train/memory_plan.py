@@ -74,17 +74,20 @@ def memory_report(
     if not isinstance(config, Config):
         config = load_config(config)
     engine = Engine(module, config, loss_fn=loss_fn, seed=0, mesh=mesh, abstract=abstract)
+    torch_optimizer: torch.optim.Optimizer
     if optimizer is None and config.optimizer is not None:
-        optimizer = build_optimizer(config.optimizer, module)  # as initialize builds it
+        torch_optimizer = build_optimizer(config.optimizer, module)  # as initialize builds it
     elif optimizer is None:
-        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    elif not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(module.parameters())
-    engine.attach_optimizer(optimizer)
+        torch_optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        torch_optimizer = optimizer
+    else:
+        torch_optimizer = optimizer(module.parameters())
+    engine.attach_optimizer(torch_optimizer)
 
     notes: list[str] = []
     if run_step:
-        grads = _run_one_step(engine, module, optimizer, tuple(args), notes)
+        grads = _run_one_step(engine, module, torch_optimizer, tuple(args), notes)
     else:
         shardings, dtype = engine.plan.grads, engine.policy.grad_dtype
         grads = {

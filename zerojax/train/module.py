@@ -299,7 +299,7 @@ class ZeroModule(torch.nn.Module):
         if keep_vars:
             return _module_state_dict(self, destination=destination, prefix=prefix, keep_vars=True)
         destination = OrderedDict() if destination is None else destination
-        held = self._zerojax_held_state
+        held: dict[str, torch.Tensor] | None = self._zerojax_held_state  # type: ignore[assignment]
         if held is not None:
             for name, tensor in held.items():
                 destination[prefix + name] = tensor
@@ -402,7 +402,7 @@ def _module_state_dict(module: torch.nn.Module, **kwargs):
 _CLASSES: dict[type, type] = {}
 
 
-def zero_module(module: torch.nn.Module, engine: Engine) -> torch.nn.Module:
+def zero_module(module: torch.nn.Module, engine: Engine) -> ZeroModule:
     """Make `module` (the same object) run through `engine`: its class becomes a subclass of
     `ZeroModule` and its own class (see ZeroModule). Returns `module`."""
     base = type(module)
@@ -421,6 +421,7 @@ def zero_module(module: torch.nn.Module, engine: Engine) -> torch.nn.Module:
     object.__setattr__(module, "_zerojax_held_state", None)
     object.__setattr__(module, "_zerojax_outputs_differentiated", False)
     object.__setattr__(module, "_zerojax_instance_forward", module.__dict__.pop("forward", None))
+    assert isinstance(module, ZeroModule)  # its class is now one
     return module
 
 
@@ -469,7 +470,7 @@ class _EngineForward:
         self.__set__(module, None)
 
 
-def _forward_of(base: type):
+def _forward_of(base: type[torch.nn.Module]):
     """The class's forward, with its signature (the HF Trainer keeps only the dataset columns
     the forward names): the engine's program, or the class's own code while torch.export
     traces the model (`plain_parameters`)."""
