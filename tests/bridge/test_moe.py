@@ -445,6 +445,7 @@ STEPS = 4
 
 
 @pytest.mark.slow  # ~20 s each: export, then compiling the sharded train step
+@pytest.mark.multidevice
 @pytest.mark.parametrize("stage", [0, 3])
 def test_mixtral_trains_like_torch_through_initialize(stage):
     torch.manual_seed(0)
