@@ -48,19 +48,14 @@ CONFIGS = {
 }
 
 
-def gpt_6_86b():
-    """The factory `zerojax plan` calls (under torch.device("meta")): GPT-2 with DeepSpeed's
-    dims, returning its own loss. BENCH_SEQUENCE / BENCH_LAYERS change the size."""
+def gpt2_with_loss(*, hidden: int, layers: int, heads: int, sequence: int):
+    """(module, example args) for `zerojax plan`: Hugging Face GPT-2 (vocabulary 50,257) at
+    these dims, returning its own loss, batch 1 x `sequence` tokens."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    sequence = int(os.environ.get("BENCH_SEQUENCE", "512"))
     config = GPT2Config(
-        n_embd=4096,
-        n_layer=int(os.environ.get("BENCH_LAYERS", "32")),
-        n_head=32,
-        n_positions=sequence,
-        vocab_size=50257,
+        n_embd=hidden, n_layer=layers, n_head=heads, n_positions=sequence, vocab_size=50257
     )
 
     class WithLoss(torch.nn.Module):
@@ -72,6 +67,17 @@ def gpt_6_86b():
             return self.model(input_ids=tokens, labels=tokens).loss
 
     return WithLoss(), (torch.randint(0, config.vocab_size, (1, sequence)),)
+
+
+def gpt_6_86b():
+    """The factory `zerojax plan` calls (under torch.device("meta")): GPT-2 with DeepSpeed's
+    dims, returning its own loss. BENCH_SEQUENCE / BENCH_LAYERS change the size."""
+    return gpt2_with_loss(
+        hidden=4096,
+        layers=int(os.environ.get("BENCH_LAYERS", "32")),
+        heads=32,
+        sequence=int(os.environ.get("BENCH_SEQUENCE", "512")),
+    )
 
 
 def plan(config: dict, workdir: Path, env: dict) -> tuple[dict, float]:

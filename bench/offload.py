@@ -60,26 +60,10 @@ SETTINGS = {
 def gpt_13b():
     """The factory `zerojax plan` calls (under torch.device("meta")): GPT-2 at ZeRO-Offload's
     13B dims, returning its own loss. BENCH_LAYERS changes the depth."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from bench.memory import gpt2_with_loss
 
-    config = GPT2Config(
-        n_embd=5120,
-        n_layer=int(os.environ.get("BENCH_LAYERS", "40")),
-        n_head=40,
-        n_positions=512,
-        vocab_size=50257,
-    )
-
-    class WithLoss(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = GPT2LMHeadModel(config).train()
-
-        def forward(self, tokens):
-            return self.model(input_ids=tokens, labels=tokens).loss
-
-    return WithLoss(), (torch.randint(0, config.vocab_size, (1, 512)),)
+    layers = int(os.environ.get("BENCH_LAYERS", "40"))
+    return gpt2_with_loss(hidden=5120, layers=layers, heads=40, sequence=512)
 
 
 def plan(zero: dict, layers: int, workdir: Path) -> tuple[dict, float]:
