@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from tests import tolerances
 from zerojax.train.optimizers import (
     apply_update,
+    for_hyper,
     hyper_from_torch,
     init_state,
     load_state_dict_into_jax,
@@ -181,6 +182,49 @@ def test_spec_is_static_and_hashable_across_lr_changes():
     assert spec_a == spec_b and hash(spec_a) == hash(spec_b)
     assert spec_a.groups[1].param_names == ("b",)
     assert spec_a.param_names == ("w", "w2", "b")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0),
+    ],
+    ids=["sgd_momentum", "adam", "adamw"],
+)
+def test_zero_weight_decay_is_skipped_as_torch_skips_it_and_can_be_switched_on(make):
+    """torch skips the decay when weight_decay == 0, so a parameter holding inf keeps finite
+    gradients (`g + 0 * inf` would be NaN); the update must too. A decay switched on later
+    (a schedule starting at 0) selects the decaying update from that step's hyperparameters."""
+    params = make_params()
+    with torch.no_grad():
+        params["w"][3, 5] = float("inf")
+    opt = make(list(params.values()))
+    spec = optimizer_spec_from_torch(opt, names_of(params))
+    jparams, jstate = to_jax(params), init_state(spec, to_jax(params))
+    for step in range(4):
+        if step == 2:
+            opt.param_groups[0]["weight_decay"] = 0.05
+        grads = {}
+        for n, p in params.items():
+            g = torch.randn_like(p)
+            p.grad = g.clone()
+            grads[n] = jnp.asarray(g.numpy())
+        opt.step()
+        hyper = hyper_from_torch(opt, spec)
+        step_spec = for_hyper(spec, hyper)
+        assert step_spec.groups[0].has_weight_decay == (step >= 2)
+        jparams, jstate = update(step_spec, jparams, grads, jstate, hyper)
+        for n, p in params.items():
+            got, expected = np.asarray(jparams[n]), p.detach().numpy()
+            # The same non-finite values (inf stays inf without decay, where `0 * inf` would
+            # make it NaN; once the decay is on, torch's NaNs too) ...
+            finite = np.isfinite(expected)
+            np.testing.assert_array_equal(got[~finite], expected[~finite], err_msg=n)
+            # ... and the finite values within Adam's documented 1-ulp-per-step differences
+            # (SGD is bit-exact: module docstring of zerojax.train.optimizers).
+            np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-6, atol=1e-7)
 
 
 class _MyAdam(torch.optim.Adam):

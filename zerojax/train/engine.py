@@ -402,7 +402,7 @@ class Engine:
             hyper = optimizers.hyper_from_torch(self._torch_optimizer, self.optimizer_spec)
         except ValueError:  # the optimizer changed since attach: `step()` says how, not here
             return
-        self.programs.update(self.optimizer_spec).prepare(
+        self.programs.update(optimizers.for_hyper(self.optimizer_spec, hyper)).prepare(
             state.params,
             state.master,
             state.opt_state,
@@ -589,7 +589,7 @@ class Engine:
         waits, self._before_donation = self._before_donation, []
         for wait in waits:
             wait()
-        program = self.programs.update(self.optimizer_spec)
+        program = self.programs.update(optimizers.for_hyper(self.optimizer_spec, hyper))
         params, master, opt_state, loss_scale, finite = program(
             state.params, state.master, state.opt_state, state.grads, hyper, state.loss_scale
         )

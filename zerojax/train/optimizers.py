@@ -45,7 +45,7 @@ as in torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -63,6 +63,7 @@ __all__ = [
     "OptimizerSpec",
     "ParamGroupSpec",
     "apply_update",
+    "for_hyper",
     "hyper_from_torch",
     "init_state",
     "load_state_dict_into_jax",
@@ -110,6 +111,11 @@ class ParamGroupSpec:
     """Ascend instead of descend (the gradient is negated first)."""
     decoupled_weight_decay: bool = False
     """Adam family: decay the weights directly (AdamW) instead of adding `wd * p` to the grad."""
+    has_weight_decay: bool = True
+    """`weight_decay != 0`: torch skips the decay when it is 0, and so does the update (which then
+    reads no parameter to form the gradient). Not a torch option the state depends on: derived
+    from each step's hyperparameters (`for_hyper`), so a decay switched on or off later only
+    selects another compiled update."""
     has_momentum: bool = False
     """SGD: `momentum != 0`, so a momentum buffer exists."""
     nesterov: bool = False
@@ -273,6 +279,7 @@ def optimizer_spec_from_torch(
                 param_names=tuple(names),
                 frozen_names=tuple(frozen),
                 options=_plain_options(group),
+                has_weight_decay=_scalar(group["weight_decay"]) != 0,
                 **_static_options(name, group),
             )
         )
@@ -318,6 +325,18 @@ def hyper_from_torch(
         for key, value in _group_hyper(name, group).items():
             columns[key].append(value)
     return {k: np.asarray(v, dtype=np.float32) for k, v in columns.items()}
+
+
+def for_hyper(spec: OptimizerSpec, hyper: Mapping[str, np.ndarray]) -> OptimizerSpec:
+    """`spec` with each group's `has_weight_decay` read off this step's `hyper` (torch decides
+    per step, from the group's current `weight_decay`)."""
+    decays = [bool(wd != 0) for wd in np.asarray(hyper["weight_decay"])]
+    if all(g.has_weight_decay == d for g, d in zip(spec.groups, decays, strict=True)):
+        return spec
+    groups = tuple(
+        replace(g, has_weight_decay=d) for g, d in zip(spec.groups, decays, strict=True)
+    )
+    return replace(spec, groups=groups)
 
 
 def _group_hyper(name: str, group: Mapping[str, Any]) -> dict[str, float]:
@@ -418,9 +437,9 @@ def _lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
 def _adam_param(group: ParamGroupSpec, h, zero_bits, step_size_neg, bc2_sqrt, p, g, m, v, v_max):
     if group.maximize:
         g = -g
-    if group.decoupled_weight_decay:
+    if group.has_weight_decay and group.decoupled_weight_decay:
         p = _rounded(p * h["decay_factor"], zero_bits)
-    else:
+    elif group.has_weight_decay:
         g = g + h["weight_decay"] * p
     m = _lerp(m, g, h["one_minus_beta1"])
     # torch's addcmul is fma((1-beta2)*g, g, v*beta2); XLA contracts the *first* product of
@@ -438,7 +457,8 @@ def _adam_param(group: ParamGroupSpec, h, zero_bits, step_size_neg, bc2_sqrt, p,
 def _sgd_param(group: ParamGroupSpec, h, first_step, p, g, buf):
     if group.maximize:
         g = -g
-    g = g + h["weight_decay"] * p
+    if group.has_weight_decay:
+        g = g + h["weight_decay"] * p
     if group.has_momentum:
         # torch initialises the buffer to the gradient on the first step: select the scalars,
         # not the arrays (1*g + 0*0 == g exactly; buf starts at zero), which keeps the
