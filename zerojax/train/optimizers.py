@@ -333,9 +333,7 @@ def for_hyper(spec: OptimizerSpec, hyper: Mapping[str, np.ndarray]) -> Optimizer
     decays = [bool(wd != 0) for wd in np.asarray(hyper["weight_decay"])]
     if all(g.has_weight_decay == d for g, d in zip(spec.groups, decays, strict=True)):
         return spec
-    groups = tuple(
-        replace(g, has_weight_decay=d) for g, d in zip(spec.groups, decays, strict=True)
-    )
+    groups = tuple(replace(g, has_weight_decay=d) for g, d in zip(spec.groups, decays, strict=True))
     return replace(spec, groups=groups)
 
 

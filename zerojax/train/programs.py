@@ -59,7 +59,14 @@ from zerojax.train.precision import PrecisionPolicy, next_loss_scale_state
 from zerojax.train.state import weights_of
 from zerojax.train.xla_options import compiler_options
 
-PROGRAM_NAMES = ("forward", "forward_vjp", "loss_and_grads", "backward", "update")
+PROGRAM_NAMES = (
+    "forward",
+    "forward_vjp",
+    "loss_and_grads",
+    "update+loss_and_grads",
+    "backward",
+    "update",
+)
 
 
 def is_float(x) -> bool:
@@ -121,6 +128,7 @@ class Program:
 
     def __init__(self, name: str, fn: Callable, **jit_options):
         self.name = name
+        self.fn = fn
         self._jitted = jax.jit(fn, **jit_options)
         self._compiled: dict[Any, Any] = {}
         self.last = None
@@ -410,6 +418,26 @@ class StepPrograms:
             return new_params, new_master, new_state, new_loss_scale, finite
 
         return Program("update", update, donate_argnums=(0, 1, 2))
+
+    def update_then(
+        self, spec: optimizers.OptimizerSpec, program: Program, converted: Converted
+    ) -> Program:
+        """(params, master, opt_state, grads, hyper, *program's other arguments) ->
+        ((params, master, opt_state), program's results): a deferred optimizer update and the
+        model program after it (`loss_and_grads`) as one program, on the updated parameters.
+        The state and the gradients are donated (`Engine._foldable_update` says when)."""
+        update = self.update(spec)
+
+        def folded(params, master, opt_state, grads, hyper, *rest):
+            params, master, opt_state, _, _ = update.fn(
+                params, master, opt_state, grads, hyper, None
+            )
+            return (params, master, opt_state), program.fn(params, *rest)
+
+        return self._cached(
+            (f"update+{program.name}", id(converted), spec, program.name),
+            lambda: Program(f"update+{program.name}", folded, donate_argnums=(0, 1, 2, 3)),
+        )
 
     def updates_on_host(self, master) -> bool:
         """Whether the update's element-wise step runs on the host (ZeRO-Offload's CPU

@@ -102,7 +102,7 @@ def _batch_norm_train(input, weight, bias, eps):
     """Normalize with batch statistics: (out, mean, invstd, unbiased var), stats of shape (C,)."""
     x = input.astype(_compute_dtype(input))
     axes = (0, *range(2, input.ndim))
-    mean, var, centered = _moments(x, axes)
+    mean, var, _ = _moments(x, axes)
     invstd = lax.rsqrt(var + eps)
     # torch's CPU kernel form (batch_norm_cpu_transform_input): one per-channel scale and shift,
     # so the output is one multiply-add per element and so is its autodiff backward; the
