@@ -68,6 +68,33 @@ def test_folded_steps_compute_what_separate_programs_compute():
         np.testing.assert_array_equal(folded[name], separate[name], err_msg=name)
 
 
+def test_general_path_folds_the_update_into_its_forward():
+    """A loss computed in torch: the update runs at the start of the forward-with-vjp program,
+    and the steps compute what separate programs compute."""
+    data = batches(4)
+    runs = {}
+    for read_between in (False, True):
+        torch.manual_seed(0)
+        module = MLP()
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        model, optimizer = zerojax.initialize(module, optimizer, config=CONFIG, seed=0)
+        losses = []
+        for x, y in data:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if read_between:
+                _ = model.engine.state
+        programs = model.engine.compiled_programs()
+        assert ("update+forward_vjp" in programs) == (not read_between)
+        runs[read_between] = losses, weights(model)
+    assert runs[False][0] == runs[True][0]
+    for name, value in runs[False][1].items():
+        np.testing.assert_array_equal(value, runs[True][1][name], err_msg=name)
+
+
 def test_every_reader_after_step_sees_the_update():
     model, optimizer = build()
     x, y = batches(1)[0]

@@ -373,15 +373,33 @@ class Engine:
 
         `replay` (from `fused_forward`) runs that call again, with its random draws and the
         buffers it read, and leaves the buffers as they are (its call already updated them)."""
-        rng, buffers = replay if replay is not None else (self.next_rng(), self._state.buffers)
-        params = self._state.params
+        rng, buffers = replay if replay is not None else (self.next_rng(), self._raw.buffers)
         if differentiable is None:
             program = self.programs.forward(converted)
-            outputs, new_buffers = program(params, buffers, args, kwargs, rng)
+            outputs, new_buffers = program(self._state.params, buffers, args, kwargs, rng)
             pullback = None
         else:
             program = self.programs.forward_vjp(converted, differentiable)
-            outputs, new_buffers, pullback = program(params, buffers, args, kwargs, rng)
+            deferred = self._foldable_update() if replay is None else None
+            if deferred is None:
+                outputs, new_buffers, pullback = program(
+                    self._state.params, buffers, args, kwargs, rng
+                )
+            else:
+                state = self._raw
+                folded = self.programs.update_then(deferred.spec, program, converted)
+                (params, master, opt_state), (outputs, new_buffers, pullback) = folded(
+                    state.params,
+                    state.master,
+                    state.opt_state,
+                    deferred.grads,
+                    deferred.hyper,
+                    buffers,
+                    args,
+                    kwargs,
+                    rng,
+                )
+                self._raw = state.replace(params=params, master=master, opt_state=opt_state)
         if replay is None:
             self._state = self._state.replace(buffers=new_buffers)
         return outputs, pullback
@@ -618,12 +636,13 @@ class Engine:
         """One optimizer update from the accumulated gradients (skipped on fp16 overflow),
         whatever the micro-step.
 
-        On one process without loss scaling or offload the update is deferred: the next fused
-        model call runs it at the start of its own program (`StepPrograms.update_then`), where
-        XLA overlaps its memory-bound passes with the forward's compute instead of running them
-        as a program of their own (ResNet-18's step on CPU: -8 ms of ~105, bench/cnn_step.py).
-        Anything else that reads the state first applies it then (`_state`), so nothing can
-        see parameters or optimizer state without it."""
+        On one process without loss scaling or offload the update is deferred: the next training
+        call (fused, or forward-with-vjp) runs it at the start of its own program
+        (`StepPrograms.update_then`), where XLA overlaps its memory-bound passes with the
+        forward's compute instead of running them as a program of their own (ResNet-18's step
+        on CPU: -8 ms of ~105, bench/cnn_step.py). Anything else that reads the state first
+        applies it then (`_state`), so nothing can see parameters or optimizer state without
+        it."""
         state = self._state  # applies an earlier deferred update
         if state.grads is None:
             return  # torch skips parameters without .grad; with none, nothing happens

@@ -64,6 +64,7 @@ PROGRAM_NAMES = (
     "forward_vjp",
     "loss_and_grads",
     "update+loss_and_grads",
+    "update+forward_vjp",
     "backward",
     "update",
 )
@@ -424,7 +425,8 @@ class StepPrograms:
     ) -> Program:
         """(params, master, opt_state, grads, hyper, *program's other arguments) ->
         ((params, master, opt_state), program's results): a deferred optimizer update and the
-        model program after it (`loss_and_grads`) as one program, on the updated parameters.
+        model program after it (`loss_and_grads` or `forward_vjp`) as one program, on the updated
+        parameters.
         The state and the gradients are donated (`Engine._foldable_update` says when)."""
         update = self.update(spec)
 
@@ -435,7 +437,8 @@ class StepPrograms:
             return (params, master, opt_state), program.fn(params, *rest)
 
         return self._cached(
-            (f"update+{program.name}", id(converted), spec, program.name),
+            # The program's identity: forward_vjp programs differ by which inputs get gradients.
+            (f"update+{program.name}", id(converted), spec, id(program)),
             lambda: Program(f"update+{program.name}", folded, donate_argnums=(0, 1, 2, 3)),
         )
 
