@@ -426,9 +426,11 @@ class StepPrograms:
         """(params, master, opt_state, grads, hyper, *program's other arguments) ->
         ((params, master, opt_state), program's results): a deferred optimizer update and the
         model program after it (`loss_and_grads` or `forward_vjp`) as one program, on the updated
-        parameters.
-        The state and the gradients are donated (`Engine._foldable_update` says when)."""
+        parameters. The state is donated, and so are the gradients where the program makes new
+        ones to take their buffers (`Engine._foldable_update` says when that is safe); a
+        forward-with-vjp has no outputs of their shapes, and XLA frees no input early."""
         update = self.update(spec)
+        donated = (0, 1, 2, 3) if program.name == "loss_and_grads" else (0, 1, 2)
 
         def folded(params, master, opt_state, grads, hyper, *rest):
             params, master, opt_state, _, _ = update.fn(
@@ -439,7 +441,7 @@ class StepPrograms:
         return self._cached(
             # The program's identity: forward_vjp programs differ by which inputs get gradients.
             (f"update+{program.name}", id(converted), spec, id(program)),
-            lambda: Program(f"update+{program.name}", folded, donate_argnums=(0, 1, 2, 3)),
+            lambda: Program(f"update+{program.name}", folded, donate_argnums=donated),
         )
 
     def updates_on_host(self, master) -> bool:
