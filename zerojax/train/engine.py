@@ -672,10 +672,11 @@ class Engine:
 
     def _foldable_update(self) -> _DeferredUpdate | None:
         """The deferred update, taken to run inside the next program, when nothing but it holds
-        its gradients: that program donates them (as separate programs free them once
-        `zero_grad()` drops them), so its peak memory is the two programs' larger one. Gradients
-        still held (no `zero_grad()` yet, a graph kept by `retain_graph=True`, a `.grad` kept
-        by the script) apply the update as its own program first."""
+        its gradients: a loss-and-gradients program donates them to its new ones (as separate
+        programs free them once `zero_grad()` drops them), so its peak memory is the two
+        programs' larger one (bench/cnn_step.py's nets: the same temporaries as alone).
+        Gradients still held (no `zero_grad()` yet, a graph kept by `retain_graph=True`, a
+        `.grad` kept by the script) apply the update as its own program first."""
         deferred = self._deferred
         if deferred is None or self._raw.grads is not None:
             return None
