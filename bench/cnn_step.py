@@ -26,9 +26,7 @@ them alike), medians of --repeats rounds after untimed warm-up steps:
   at <1 GFLOP/s);
   --plain-conv adds the same nets with every conv a `lax.conv_general_dilated`.
 
-Every JAX timing ends when every program dispatched for the step has finished (zerojax:
-`Engine.synchronize()`; on the fused path the step's optimizer update runs at the start of the
-next step's program, `Engine.update`, so each timed step holds one update). The first
+Every JAX timing ends when the new parameters are ready (`jax.block_until_ready`). The first
 two losses of every contender (same initial weights, same batch) are printed as the fairness
 check: the second depends on the gradients and the update.
 On ResNet-18 the hand-written second loss differs from torch's by ~4e-3: one ReLU gate at
@@ -418,7 +416,7 @@ def zerojax_step(net, x, y, fused: bool):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        engine.synchronize()
+        jax.block_until_ready(engine.params)
         return loss
 
     return run, engine

@@ -7,9 +7,8 @@
      runs the JAX pullback;
    - PyTorch eager and torch.compile (the model compiled; AdamW is torch's default foreach);
    each in fp32 and bf16 (zerojax precision `BF16_POLICY`; torch `torch.autocast("cpu",
-   torch.bfloat16)` around forward and loss). A zerojax step ends when every program it
-   dispatched has finished (`Engine.synchronize()`; the fused path runs each update at the
-   start of the next step's program), so asynchronous dispatch does not flatter it.
+   torch.bfloat16)` around forward and loss). A zerojax step ends when its updated params are
+   ready (`jax.block_until_ready`), so asynchronous dispatch does not flatter it.
 2. First-step latency (trace + compile + run) of zerojax, each case in a fresh subprocess so
    that no in-process cache helps: without the persistent compilation cache, with an empty
    cache (it is written) and with the cache the previous run wrote.
@@ -93,7 +92,7 @@ def zerojax_step(quick: bool, precision: str, fused: bool, cache_dir: str | None
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        engine.synchronize()
+        jax.block_until_ready(engine.params)
         return loss
 
     return step

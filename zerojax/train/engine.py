@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from zerojax.bridge.convert import Converted
 from zerojax.config import Config
 from zerojax.distributed.arrays import host_copy
-from zerojax.parallel.placement import SingleProcess, placement_kind
+from zerojax.parallel.placement import placement_kind
 from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import optimizers
@@ -113,7 +112,6 @@ class Engine:
         self.programs = StepPrograms(self.plan, self.policy, config)
         self.placement = kind(self.plan)
         self.optimizer_spec: optimizers.OptimizerSpec | None = None
-        self._deferred: _DeferredUpdate | None = None
         policy = self.policy
 
         master_dtype = policy.master_dtype
@@ -182,17 +180,6 @@ class Engine:
         """The current training state. A snapshot: the next update donates its params, master
         weights and optimizer state, so read (or copy) its arrays before stepping again."""
         return self._state
-
-    @property
-    def _state(self) -> TrainState:
-        # Every read of the state sees a deferred optimizer update applied (see `update`); the
-        # few readers of fields that update leaves alone read `_raw`.
-        self._apply_deferred_update()
-        return self._raw
-
-    @_state.setter
-    def _state(self, state: TrainState) -> None:
-        self._raw = state
 
     def load(self, state: TrainState) -> None:
         """Replace the training state with `state`, which must have the current state's tree
@@ -275,11 +262,6 @@ class Engine:
     skipped_steps = property(lambda self: self._state.skipped_steps)
 
     @property
-    def optimizer_steps(self) -> int:
-        """Optimizer updates made, a deferred one included (reading it applies none)."""
-        return self._raw.step
-
-    @property
     def gradient_accumulation_steps(self) -> int:
         return self.config.train.gradient_accumulation_steps
 
@@ -349,9 +331,9 @@ class Engine:
         eager fold_in is a program of its own, and with several processes one on the global
         mesh, which cost 0.16 s per model call with 2 processes; inside the step it is free,
         and bitwise the same key (threefry is integer arithmetic)."""
-        num_calls = self._raw.num_calls + 1
-        self._raw = self._raw.replace(num_calls=num_calls)
-        return self._raw.rng, np.uint32(num_calls)
+        num_calls = self._state.num_calls + 1
+        self._state = self._state.replace(num_calls=num_calls)
+        return self._state.rng, np.uint32(num_calls)
 
     def shard_input(self, array: jax.Array) -> jax.Array:
         """One model input placed for the program: split over the data axes when its batch dim
@@ -364,7 +346,7 @@ class Engine:
 
     @property
     def scale(self) -> jax.Array:
-        loss_scale = self._raw.loss_scale  # never deferred with loss scaling (`update`)
+        loss_scale = self._state.loss_scale
         return loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
 
     @_capturing
@@ -373,33 +355,15 @@ class Engine:
 
         `replay` (from `fused_forward`) runs that call again, with its random draws and the
         buffers it read, and leaves the buffers as they are (its call already updated them)."""
-        rng, buffers = replay if replay is not None else (self.next_rng(), self._raw.buffers)
+        rng, buffers = replay if replay is not None else (self.next_rng(), self._state.buffers)
+        params = self._state.params
         if differentiable is None:
             program = self.programs.forward(converted)
-            outputs, new_buffers = program(self._state.params, buffers, args, kwargs, rng)
+            outputs, new_buffers = program(params, buffers, args, kwargs, rng)
             pullback = None
         else:
             program = self.programs.forward_vjp(converted, differentiable)
-            deferred = self._foldable_update() if replay is None else None
-            if deferred is None:
-                outputs, new_buffers, pullback = program(
-                    self._state.params, buffers, args, kwargs, rng
-                )
-            else:
-                state = self._raw
-                folded = self.programs.update_then(deferred.spec, program, converted)
-                (params, master, opt_state), (outputs, new_buffers, pullback) = folded(
-                    state.params,
-                    state.master,
-                    state.opt_state,
-                    deferred.grads,
-                    deferred.hyper,
-                    buffers,
-                    args,
-                    kwargs,
-                    rng,
-                )
-                self._raw = state.replace(params=params, master=master, opt_state=opt_state)
+            outputs, new_buffers, pullback = program(params, buffers, args, kwargs, rng)
         if replay is None:
             self._state = self._state.replace(buffers=new_buffers)
         return outputs, pullback
@@ -409,30 +373,12 @@ class Engine:
         """Outputs and the gradients of the model's own loss, in one program; and what
         `forward(..., replay=)` needs to run the same call again (random draws, buffers)."""
         rng = self.next_rng()
+        state = self._state
         program = self.programs.loss_and_grads(converted, loss_path)
-        deferred = self._foldable_update()
-        if deferred is None:
-            state = self._state
-            outputs, new_buffers, grads = program(
-                state.params, state.buffers, args, kwargs, rng, self.scale
-            )
-        else:
-            state = self._raw
-            folded = self.programs.update_then(deferred.spec, program, converted)
-            (params, master, opt_state), (outputs, new_buffers, grads) = folded(
-                state.params,
-                state.master,
-                state.opt_state,
-                deferred.grads,
-                deferred.hyper,
-                state.buffers,
-                args,
-                kwargs,
-                rng,
-                self.scale,
-            )
-            state = state.replace(params=params, master=master, opt_state=opt_state)
-        self._state = state.replace(buffers=new_buffers)
+        outputs, new_buffers, grads = program(
+            state.params, state.buffers, args, kwargs, rng, self.scale
+        )
+        self._state = self._state.replace(buffers=new_buffers)
         self._prepare_update(grads)
         return outputs, grads, (rng, state.buffers)
 
@@ -485,14 +431,14 @@ class Engine:
         # One pass over the gradients at most: `loss.backward()`'s cotangent is 1, which
         # needs no multiply (x * 1.0 == x exactly), and a weight is folded into the add.
         ops = HOST_GRADIENT_OPS if self.grads_offloaded else DEVICE_GRADIENT_OPS
-        current = self._raw.grads
+        current = self._state.grads
         if current is None:
             accumulated = grads if weight is None else ops.scale(grads, weight)
         elif weight is None:
             accumulated = ops.add(current, grads)
         else:
             accumulated = ops.add_scaled(current, grads, weight)
-        self._raw = self._raw.replace(grads=accumulated)
+        self._state = self._state.replace(grads=accumulated)
 
     @property
     def grads_offloaded(self) -> bool:
@@ -502,11 +448,11 @@ class Engine:
     def in_accumulation_window(self) -> bool:
         """True between the micro-steps of one accumulation (after a step() that did not reach
         the boundary): gradients must survive `zero_grad()` there."""
-        return self._raw.micro_step % self.gradient_accumulation_steps != 0
+        return self._state.micro_step % self.gradient_accumulation_steps != 0
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` applies the update (DeepSpeed's name and meaning)."""
-        return (self._raw.micro_step + 1) % self.gradient_accumulation_steps == 0
+        return (self._state.micro_step + 1) % self.gradient_accumulation_steps == 0
 
     def zero_grad(self, names: frozenset[str] | None = None) -> None:
         """Drop the accumulated gradients (of `names` only, when given: one of several
@@ -514,12 +460,12 @@ class Engine:
         boundary), where the boundary step clears them instead."""
         if self.in_accumulation_window():
             return
-        grads = self._raw.grads
+        grads = self._state.grads
         if names is not None and grads is not None:
             grads = {n: g for n, g in grads.items() if n not in names} or None
         else:
             grads = None
-        self._raw = self._raw.replace(grads=grads)
+        self._state = self._state.replace(grads=grads)
 
     def drop_grad(self, name: str) -> None:
         """`p.grad = None` for one parameter."""
@@ -620,12 +566,12 @@ class Engine:
         gradient_accumulation_steps-th call (every call without accumulation), after which
         the accumulated gradients are cleared when accumulating. Returns whether it applied."""
         boundary = self.is_gradient_accumulation_boundary()
-        self._raw = self._raw.replace(micro_step=self._raw.micro_step + 1)
+        self._state = self._state.replace(micro_step=self._state.micro_step + 1)
         if not boundary:
             return False
         update()
         if self.gradient_accumulation_steps > 1:  # DeepSpeed zeroes them after the boundary
-            self._raw = self._raw.replace(grads=None)
+            self._state = self._state.replace(grads=None)
         return True
 
     def count_update(self) -> None:
@@ -633,74 +579,19 @@ class Engine:
         self._state = self._state.replace(step=self._state.step + 1)
 
     def update(self, hyper) -> None:
-        """One optimizer update from the accumulated gradients (skipped on fp16 overflow),
-        whatever the micro-step.
-
-        On one process without loss scaling or offload the update is deferred: the next training
-        call (fused, or forward-with-vjp) runs it at the start of its own program
-        (`StepPrograms.update_then`), where XLA overlaps its memory-bound passes with the
-        forward's compute instead of running them as a program of their own (ResNet-18's step
-        on CPU: -8 ms of ~105, bench/cnn_step.py). Anything else that reads the state first
-        applies it then (`_state`), so nothing can see parameters or optimizer state without
-        it."""
-        state = self._state  # applies an earlier deferred update
+        """One optimizer update from the accumulated gradients now (skipped on fp16 overflow),
+        whatever the micro-step."""
+        state = self._state
         if state.grads is None:
             return  # torch skips parameters without .grad; with none, nothing happens
         if self.optimizer_spec is None:
             raise RuntimeError("zerojax: no optimizer attached; pass one to zerojax.initialize")
-        spec = optimizers.for_hyper(self.optimizer_spec, hyper)
-        if (
-            isinstance(self.placement, SingleProcess)
-            and state.loss_scale is None
-            and not self.plan.offloaded
-        ):
-            self._deferred = _DeferredUpdate(spec, state.grads, hyper)
-            self._raw = state.replace(step=state.step + 1)
-            return
-        self._run_update(spec, state.grads, hyper)
-        self._raw = self._raw.replace(step=state.step + 1)
-
-    def synchronize(self) -> None:
-        """Wait until every program dispatched so far has finished; a deferred update stays
-        deferred (timing a step this way counts its own work, not the next one's)."""
-        jax.block_until_ready((self._raw, self._deferred))
-
-    def _apply_deferred_update(self) -> None:
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._run_update(*deferred)
-
-    def _foldable_update(self) -> _DeferredUpdate | None:
-        """The deferred update, taken to run inside the next program, when nothing but it holds
-        its gradients: a loss-and-gradients program donates them to its new ones (as separate
-        programs free them once `zero_grad()` drops them), so its peak memory is the two
-        programs' larger one (bench/cnn_step.py's nets: the same temporaries as alone).
-        Gradients still held (no `zero_grad()` yet, a graph kept by `retain_graph=True`, a
-        `.grad` kept by the script) apply the update as its own program first."""
-        deferred = self._deferred
-        if deferred is None or self._raw.grads is not None:
-            return None
-        # References: the deferred tuple's field, this call's argument; each array: the dict,
-        # the loop variable, the argument (CPython counts are exact).
-        if sys.getrefcount(deferred.grads) > 2 or any(
-            sys.getrefcount(g) > 3 for g in deferred.grads.values()
-        ):
-            return None
-        self._deferred = None
         waits, self._before_donation = self._before_donation, []
         for wait in waits:
             wait()
-        return deferred
-
-    def _run_update(self, spec, grads, hyper) -> None:
-        """The update as a program of its own, on the current parameters and state."""
-        state = self._raw
-        waits, self._before_donation = self._before_donation, []
-        for wait in waits:
-            wait()
-        program = self.programs.update(spec)
+        program = self.programs.update(optimizers.for_hyper(self.optimizer_spec, hyper))
         params, master, opt_state, loss_scale, finite = program(
-            state.params, state.master, state.opt_state, grads, hyper, state.loss_scale
+            state.params, state.master, state.opt_state, state.grads, hyper, state.loss_scale
         )
         skipped = state.skipped_steps
         # Reading `finite` is a host sync: only with fp16 loss scaling (and values).
@@ -711,11 +602,12 @@ class Engine:
                 float(state.loss_scale["scale"]),
                 float(loss_scale["scale"]),
             )
-        self._raw = self._raw.replace(
+        self._state = self._state.replace(
             params=params,
             master=master,
             opt_state=opt_state,
             loss_scale=loss_scale,
+            step=state.step + 1,
             skipped_steps=skipped,
         )
 
@@ -793,15 +685,6 @@ def _check_same_layout(field: str, current: Any, new: Any) -> None:
                 f"state.{field}{jax.tree_util.keystr(path)}: {dtype} {tuple(shape)}, the engine "
                 f"holds {old.dtype} {tuple(np.shape(old))}"
             )
-
-
-class _DeferredUpdate(NamedTuple):
-    """An optimizer update not yet run: its compiled form, the gradients and hyperparameters of
-    the `optimizer.step()` that made it."""
-
-    spec: optimizers.OptimizerSpec
-    grads: dict[str, jax.Array]
-    hyper: dict[str, np.ndarray]
 
 
 class _WithLoss(torch.nn.Module):

@@ -133,7 +133,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             applied = engine.step(self._torch_step)
         if applied and self._reports_steps:
-            effective_time.LEDGER.step_done(engine.optimizer_steps)
+            effective_time.LEDGER.step_done(engine.state.step)
         return loss
 
     def _torch_step(self) -> None:

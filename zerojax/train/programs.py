@@ -59,15 +59,7 @@ from zerojax.train.precision import PrecisionPolicy, next_loss_scale_state
 from zerojax.train.state import weights_of
 from zerojax.train.xla_options import compiler_options
 
-PROGRAM_NAMES = (
-    "forward",
-    "forward_vjp",
-    "loss_and_grads",
-    "update+loss_and_grads",
-    "update+forward_vjp",
-    "backward",
-    "update",
-)
+PROGRAM_NAMES = ("forward", "forward_vjp", "loss_and_grads", "backward", "update")
 
 
 def is_float(x) -> bool:
@@ -129,7 +121,6 @@ class Program:
 
     def __init__(self, name: str, fn: Callable, **jit_options):
         self.name = name
-        self.fn = fn
         self._jitted = jax.jit(fn, **jit_options)
         self._compiled: dict[Any, Any] = {}
         self.last = None
@@ -419,30 +410,6 @@ class StepPrograms:
             return new_params, new_master, new_state, new_loss_scale, finite
 
         return Program("update", update, donate_argnums=(0, 1, 2))
-
-    def update_then(
-        self, spec: optimizers.OptimizerSpec, program: Program, converted: Converted
-    ) -> Program:
-        """(params, master, opt_state, grads, hyper, *program's other arguments) ->
-        ((params, master, opt_state), program's results): a deferred optimizer update and the
-        model program after it (`loss_and_grads` or `forward_vjp`) as one program, on the updated
-        parameters. The state is donated, and so are the gradients where the program makes new
-        ones to take their buffers (`Engine._foldable_update` says when that is safe); a
-        forward-with-vjp has no outputs of their shapes, and XLA frees no input early."""
-        update = self.update(spec)
-        donated = (0, 1, 2, 3) if program.name == "loss_and_grads" else (0, 1, 2)
-
-        def folded(params, master, opt_state, grads, hyper, *rest):
-            params, master, opt_state, _, _ = update.fn(
-                params, master, opt_state, grads, hyper, None
-            )
-            return (params, master, opt_state), program.fn(params, *rest)
-
-        return self._cached(
-            # The program's identity: forward_vjp programs differ by which inputs get gradients.
-            (f"update+{program.name}", id(converted), spec, id(program)),
-            lambda: Program(f"update+{program.name}", folded, donate_argnums=donated),
-        )
 
     def updates_on_host(self, master) -> bool:
         """Whether the update's element-wise step runs on the host (ZeRO-Offload's CPU
