@@ -6,7 +6,8 @@ keeping it whole lets the bridge route it to a fused attention kernel), and ever
 registered a lowering for. Custom ops without a lowering are then traced through their Python
 implementation where they have one (custom_ops.py). Last, runtime assertions and the values
 computed only for them leave the graph (assertions.py): a compiled program cannot raise.
-The model's torch.utils.checkpoint calls are tagged in the graph (torch_checkpoint.py).
+The model's torch.utils.checkpoint calls are tagged in the graph (torch_checkpoint.py); in train
+mode Hugging Face LayerDrop is off, as under DeepSpeed ZeRO-3 and FSDP (hf_layerdrop.py).
 The decomposition step's result is cached on disk, keyed by the graph it decomposes, beside
 JAX's persistent compilation cache (decomposition_cache.py); torch.export itself always runs.
 """
@@ -25,6 +26,7 @@ from zerojax.bridge import custom_ops, decomposition_cache
 from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
+from zerojax.bridge.hf_layerdrop import every_layer_runs
 from zerojax.bridge.torch_checkpoint import tagging_checkpoint_calls
 from zerojax.bridge.value_inputs import (
     FoldConstants,
@@ -81,10 +83,13 @@ def _keeping_autocast_state():
 
 @contextlib.contextmanager
 def _training_mode(module: torch.nn.Module, train: bool):
+    """The module in train or eval mode, as zerojax runs it: in train mode with Hugging Face
+    LayerDrop off, as under DeepSpeed ZeRO-3 and FSDP (hf_layerdrop.py)."""
     saved = {m: m.training for m in module.modules()}
     module.train(train)
     try:
-        yield
+        with every_layer_runs(module) if train else contextlib.nullcontext():
+            yield
     finally:
         for m, mode in saved.items():
             m.training = mode

@@ -206,10 +206,9 @@ class Converted:
             if failure is not None:
                 failure.add_note(
                     "zerojax: no input decides this value (specialising on input values cannot "
-                    "help): the model computes it from a random draw or floating-point data. "
-                    "Hugging Face LayerDrop is such random Python control flow (`torch.rand([]) "
-                    "< config.layerdrop` picks whether a layer runs, in train mode): build the "
-                    "model with layerdrop=0.0 to train it here."
+                    "help): the model computes it from a random draw or floating-point data, "
+                    "and a traced program cannot hold Python control flow on such a value. "
+                    "Write the choice as tensor ops (torch.where) to capture it."
                 )
                 raise failure
             return exported
