@@ -100,3 +100,22 @@ def test_init_style_inplace_normal_is_drawn_from_the_key():
 
     out = run(fn, torch.zeros(64, 64) + 1)
     assert abs(out.mean() - 1) < 0.01 and abs(out.std() - 0.02) < 0.002
+
+
+@pytest.mark.parametrize("generator", ["numpy", "python"])
+def test_a_host_random_draw_while_tracing_is_named(generator, caplog):
+    """numpy's or Python's generator, drawn in the forward, is a constant of the captured
+    program (wav2vec2's SpecAugment masks): the capture says so; torch's own draws do not."""
+    import random
+
+    draw = {"numpy": lambda: float(np.random.rand()), "python": random.random}[generator]
+    fn = lambda x: F.dropout(x, 0.1, training=True) * (1.0 + draw())
+    with caplog.at_level("WARNING", logger="zerojax"):
+        zerojax.convert(Lambda(fn), (torch.rand(4, 4),), train=True)
+    name = {"numpy": "numpy's", "python": "Python's"}[generator]
+    assert f"drew from {name} global random generator while it was traced" in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zerojax"):
+        zerojax.convert(Lambda(lambda x: F.dropout(x, 0.1, True)), (torch.rand(4, 4),), train=True)
+    assert "global random generator" not in caplog.text

@@ -17,8 +17,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import logging
+import random
 import warnings
 
+import numpy as np
 import torch
 from torch._decomp import core_aten_decompositions
 
@@ -36,6 +39,7 @@ from zerojax.bridge.value_inputs import (
 )
 
 aten = torch.ops.aten
+log = logging.getLogger("zerojax")
 
 # Kept whole: each has a lowering of its own that is better than torch's decomposition.
 KEPT_WHOLE = (
@@ -116,7 +120,13 @@ def capture(
         fold = FoldConstants()
     with _training_mode(module, train):
         try:
-            with fold, _quiet_failure(), tagging_checkpoint_calls(), _keeping_autocast_state():
+            with (
+                fold,
+                _quiet_failure(),
+                tagging_checkpoint_calls(),
+                _keeping_autocast_state(),
+                _warning_on_host_random_draws(module),
+            ):
                 exported = torch.export.export(module, args, kwargs, strict=False)
             with warnings.catch_warnings():
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.
@@ -138,6 +148,43 @@ def capture(
 
 def _run_decompositions(exported, table):
     return exported.run_decompositions(table)
+
+
+@contextlib.contextmanager
+def _warning_on_host_random_draws(module: torch.nn.Module):
+    """Warn when the forward draws from numpy's or Python's global random generator while it
+    is traced: the draw is a constant of the captured program, the same at every call, where
+    torch's own random ops (dropout) are drawn afresh each step. Hugging Face wav2vec2's
+    SpecAugment (`mask_time_prob`, 0.05 by default, in train mode) picks its masked frames with
+    numpy: traced, every step masks the same frames."""
+    before = np.random.get_state(), random.getstate()
+    yield
+    after = np.random.get_state(), random.getstate()
+    drawn = [
+        name
+        for name, old, new in (
+            ("numpy's", before[0], after[0]),
+            ("Python's", before[1], after[1]),
+        )
+        if not _same_state(old, new)
+    ]
+    if drawn:
+        log.warning(
+            "zerojax: %s drew from %s global random generator while it was traced; the "
+            "program holds that one draw and reuses it at every call (torch's random ops, such "
+            "as dropout, draw afresh each step). Hugging Face wav2vec2's SpecAugment "
+            "(mask_time_prob) draws its masks this way: every step masks the same frames",
+            type(module).__name__,
+            " and ".join(drawn),
+        )
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    return a == b
 
 
 def find_host_read_inputs(
