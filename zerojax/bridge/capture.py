@@ -7,7 +7,8 @@ registered a lowering for. Custom ops without a lowering are then traced through
 implementation where they have one (custom_ops.py). Last, runtime assertions and the values
 computed only for them leave the graph (assertions.py): a compiled program cannot raise.
 The model's torch.utils.checkpoint calls are tagged in the graph (torch_checkpoint.py); in train
-mode Hugging Face LayerDrop is off, as under DeepSpeed ZeRO-3 and FSDP (hf_layerdrop.py).
+mode Hugging Face's host-side draws (LayerDrop, SpecAugment) are made traceable
+(hf_train_randomness.py).
 The decomposition step's result is cached on disk, keyed by the graph it decomposes, beside
 JAX's persistent compilation cache (decomposition_cache.py); torch.export itself always runs.
 """
@@ -29,7 +30,7 @@ from zerojax.bridge import custom_ops, decomposition_cache
 from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
-from zerojax.bridge.hf_layerdrop import every_layer_runs
+from zerojax.bridge.hf_train_randomness import traceable_train_randomness
 from zerojax.bridge.torch_checkpoint import tagging_checkpoint_calls
 from zerojax.bridge.value_inputs import (
     FoldConstants,
@@ -87,12 +88,12 @@ def _keeping_autocast_state():
 
 @contextlib.contextmanager
 def _training_mode(module: torch.nn.Module, train: bool):
-    """The module in train or eval mode, as zerojax runs it: in train mode with Hugging Face
-    LayerDrop off, as under DeepSpeed ZeRO-3 and FSDP (hf_layerdrop.py)."""
+    """The module in train or eval mode, as zerojax runs it: in train mode with Hugging Face's
+    host-side draws made traceable (hf_train_randomness.py)."""
     saved = {m: m.training for m in module.modules()}
     module.train(train)
     try:
-        with every_layer_runs(module) if train else contextlib.nullcontext():
+        with traceable_train_randomness(module) if train else contextlib.nullcontext():
             yield
     finally:
         for m, mode in saved.items():
@@ -154,9 +155,8 @@ def _run_decompositions(exported, table):
 def _warning_on_host_random_draws(module: torch.nn.Module):
     """Warn when the forward draws from numpy's or Python's global random generator while it
     is traced: the draw is a constant of the captured program, the same at every call, where
-    torch's own random ops (dropout) are drawn afresh each step. Hugging Face wav2vec2's
-    SpecAugment (`mask_time_prob`, 0.05 by default, in train mode) picks its masked frames with
-    numpy: traced, every step masks the same frames."""
+    torch's own random ops (dropout) are drawn afresh each step. (Hugging Face's SpecAugment
+    sampler is such a draw; it is replaced before it runs, hf_train_randomness.py.)"""
     before = np.random.get_state(), random.getstate()
     yield
     after = np.random.get_state(), random.getstate()
@@ -172,8 +172,7 @@ def _warning_on_host_random_draws(module: torch.nn.Module):
         log.warning(
             "zerojax: %s drew from %s global random generator while it was traced; the "
             "program holds that one draw and reuses it at every call (torch's random ops, such "
-            "as dropout, draw afresh each step). Hugging Face wav2vec2's SpecAugment "
-            "(mask_time_prob) draws its masks this way: every step masks the same frames",
+            "as dropout, draw afresh each step): draw with torch to get a new value each step",
             type(module).__name__,
             " and ".join(drawn),
         )
