@@ -108,7 +108,7 @@ def _sharding_key(sharding, ndim: int):
     program. A NamedSharding is keyed by its mesh and its spec with every dimension spelled
     out (`P()` == `P(None, None)`, `P(('data',))` == `P('data')`); other shardings by
     themselves. Cached: a step's hundreds of arguments share a few sharding objects, and this
-    ran for each at every call (1 ms of ConvNeXt's SGD update dispatch, bench/cnn_step.py)."""
+    ran for each at every call (ConvNeXt's SGD update, 390 arguments: 0.5 -> 0.26 ms a call)."""
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return sharding
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
