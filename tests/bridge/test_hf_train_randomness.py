@@ -28,6 +28,9 @@ from zerojax.bridge.hf_train_randomness import compute_mask_indices
 
 transformers = pytest.importorskip("transformers")
 
+WAV2VEC2 = importlib.import_module("transformers.models.wav2vec2.modeling_wav2vec2")
+HF_SAMPLER = WAV2VEC2._compute_mask_indices  # numpy's sampler, the reference
+DRAWS = 3000
 CONFIG = {"mesh": {"fsdp": 8}, "zero_stage": 3}
 # fp32 through a 2-layer encoder with a 7-conv feature extractor, the same rounding as the
 # model tests' bounds (test_hf_models.py).
@@ -92,11 +95,6 @@ def test_a_failed_capture_puts_the_rate_and_the_sampler_back():
         zerojax.convert(model, (torch.randn(2, 3200), "not a tensor"), train=True)
     assert model.config.layerdrop == 0.1
     assert WAV2VEC2._compute_mask_indices is HF_SAMPLER
-
-
-WAV2VEC2 = importlib.import_module("transformers.models.wav2vec2.modeling_wav2vec2")
-HF_SAMPLER = WAV2VEC2._compute_mask_indices
-DRAWS = 3000
 
 
 def mask_frequencies(sample) -> tuple[np.ndarray, np.ndarray]:

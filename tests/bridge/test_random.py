@@ -5,6 +5,8 @@ ranges, statistics, key behaviour) instead of parity.
 Run: .venv/bin/python -m pytest tests/bridge/test_random.py -q
 """
 
+import random
+
 import jax
 import numpy as np
 import pytest
@@ -104,10 +106,8 @@ def test_init_style_inplace_normal_is_drawn_from_the_key():
 
 @pytest.mark.parametrize("generator", ["numpy", "python"])
 def test_a_host_random_draw_while_tracing_is_named(generator, caplog):
-    """numpy's or Python's generator, drawn in the forward, is a constant of the captured
-    program (wav2vec2's SpecAugment masks): the capture says so; torch's own draws do not."""
-    import random
-
+    """numpy's or Python's generator, drawn in the forward (an augmentation drawn with numpy,
+    say), is a constant of the captured program: the capture says so; torch's draws do not."""
     draw = {"numpy": lambda: float(np.random.rand()), "python": random.random}[generator]
     fn = lambda x: F.dropout(x, 0.1, training=True) * (1.0 + draw())
     with caplog.at_level("WARNING", logger="zerojax"):
