@@ -126,3 +126,55 @@ def test_trainer_refuses_a_second_accumulation(tmp_path):
     )
     with pytest.raises(ValueError, match="accumulate again on top"):
         transformers.Trainer(model=model, args=args, train_dataset=Tokens(64, seed=0))
+
+
+class Audio(torch.utils.data.Dataset):
+    """Random 1 s clips at 16 kHz with one of three labels (input_values, labels)."""
+
+    def __init__(self, size: int):
+        generator = torch.Generator().manual_seed(0)
+        self.audio = torch.randn(size, 16000, generator=generator)
+        self.labels = torch.randint(0, 3, (size,), generator=generator)
+
+    def __len__(self):
+        return len(self.audio)
+
+    def __getitem__(self, i):
+        return {"input_values": self.audio[i], "labels": self.labels[i]}
+
+
+def test_trainer_fine_tunes_wav2vec2_with_its_default_layerdrop(tmp_path):
+    """A speech classifier as Hugging Face configures it, LayerDrop on (0.1): the Trainer's
+    steps on the zerojax model equal the plain Trainer's on the same model run as under
+    DeepSpeed ZeRO-3, every layer (layerdrop 0.0), and the user's config keeps 0.1. (Dropouts
+    and SpecAugment off: their draws differ between torch and JAX by design.)"""
+
+    def fine_tune(layerdrop: float, zerojax_model: bool) -> list[tuple[float, float]]:
+        torch.manual_seed(0)
+        config = transformers.Wav2Vec2Config(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            conv_dim=[32] * 7, num_conv_pos_embeddings=16, classifier_proj_size=32, num_labels=3,
+            hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            feat_proj_dropout=0.0, final_dropout=0.0, mask_time_prob=0.0, layerdrop=layerdrop,
+        )  # fmt: skip
+        model = transformers.Wav2Vec2ForSequenceClassification(config)
+        if zerojax_model:
+            model = zerojax.initialize(model)[0]
+        recorder = LogRecorder()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(zerojax_model)), max_steps=3, logging_steps=1,
+            per_device_train_batch_size=8, max_grad_norm=1.0, learning_rate=1e-3, report_to=[],
+            use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Audio(24), callbacks=[recorder]
+        )
+        trainer.train()
+        assert model.config.layerdrop == layerdrop
+        return recorder.logs
+
+    ours = fine_tune(layerdrop=0.1, zerojax_model=True)
+    theirs = fine_tune(layerdrop=0.0, zerojax_model=False)
+    assert len(ours) == len(theirs) == 3
+    # As the GPT-2 runs above: two float32 runs of one loop, reordered sums (~1e-7 per step).
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
