@@ -8,12 +8,17 @@ fp32 accumulation, aten.convolution_backward called directly, and jax.grad of co
 against torch autograd.
 """
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
+from jax import lax
 from torch import nn
 
 from tests import tolerances
 from tests.bridge.parity import Each, check, check_grad, float64_gradient_errors, run_both
+from zerojax.bridge.dtypes import from_torch, to_torch
+from zerojax.bridge.lowerings.conv import convolution
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
 aten = torch.ops.aten
@@ -181,3 +186,86 @@ def test_mobilenetv4_depthwise_block_grad_against_float64():
     assert len(errors) == 6  # the input and five parameters
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 150 * 1.2e-7, f"gradient of {worst}: relative error {errors[worst]:.2e}"
+
+
+GROUPED = [
+    # ConvNeXt's depthwise 7x7 (pad 3); MobileNet's depthwise 3x3 stride 2; a channel multiplier
+    # of 2 with dilation and per-dim padding; ResNeXt's 3x3 with 4 channels per group; 1-d;
+    # 3-d with a multiplier.
+    (lambda: nn.Conv2d(6, 6, 7, padding=3, groups=6), (2, 6, 9, 9)),
+    (lambda: nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4, bias=False), (2, 4, 9, 8)),
+    (
+        lambda: nn.Conv2d(3, 6, (3, 2), stride=(1, 2), padding=(2, 1), dilation=(2, 1), groups=3),
+        (2, 3, 8, 9),
+    ),
+    (lambda: nn.Conv2d(8, 12, 3, padding=1, groups=2), (2, 8, 7, 6)),
+    (lambda: nn.Conv1d(4, 4, 5, padding=2, groups=4), (2, 4, 11)),
+    (lambda: nn.Conv3d(2, 4, 3, padding=1, groups=2), (1, 2, 4, 5, 6)),
+]
+
+
+@pytest.mark.parametrize("make, shape", GROUPED)
+def test_grouped_convolution(make, shape):
+    """groups > 1: the kernel gradient formed tap by tap (conv.py)."""
+    torch.manual_seed(0)
+    module = make()
+    check(module, torch.randn(*shape), **FP32)
+    check_grad(module, torch.randn(*shape), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_per_group", [1, 3])
+def test_grouped_kernel_gradient_against_float64(dtype, channels_per_group):
+    """Each kernel tap's gradient is one fp32 sum of T = batch x output-positions products
+    (exact for bf16 operands, rounded once in fp32): |error| <= T u_fp32 S, S the same sum of
+    |x| |grad|, plus u_bf16 S for rounding a bf16 result. Differentiating the lowering
+    directly, so the bound is the lowering's alone. Depthwise with a channel multiplier of 2,
+    and 3 channels per group."""
+    torch.manual_seed(0)
+    groups, stride, padding = 4, [2], [2]
+    x = torch.randn(4, groups * channels_per_group, 15, 15).to(dtype)
+    w = torch.randn(2 * groups, channels_per_group, 5, 5).to(dtype)
+    out_shape = torch.nn.functional.conv2d(x.float(), w.float(), None, 2, 2, 1, groups).shape
+    g = torch.randn(out_shape).to(dtype)
+
+    def float64_kernel_gradient(x, g):
+        w64 = w.double().requires_grad_()
+        torch.nn.functional.conv2d(x, w64, None, 2, 2, 1, groups).backward(g)
+        return w64.grad
+
+    exact = float64_kernel_gradient(x.double(), g.double())
+    magnitude = float64_kernel_gradient(x.double().abs(), g.double().abs())
+
+    def conv(w):
+        return convolution(from_torch(x), w, None, stride, padding, [1], False, [0], groups)
+
+    out, pullback = jax.vjp(conv, from_torch(w))
+    (got,) = pullback(from_torch(g).astype(out.dtype))  # fp32 for bf16: accumulated in fp32
+    assert got.dtype == from_torch(w).dtype
+    terms = 4 * out_shape[2] * out_shape[3]
+    bound = terms * tolerances.unit_roundoff(torch.float32) * magnitude
+    if dtype == torch.bfloat16:
+        bound = bound + tolerances.unit_roundoff(torch.bfloat16) * magnitude
+    tolerances.assert_within(to_torch(got), exact, bound, f"grouped kernel gradient, {dtype}")
+
+
+@pytest.mark.parametrize("channels_per_group", [1, 4])
+def test_grouped_kernel_gradient_is_not_a_dense_convolution(channels_per_group):
+    """Autodiff's kernel gradient of a grouped convolution carries `batch_group_count`, which
+    XLA:CPU runs as a dense convolution over all channel pairs (conv.py); the lowering's has
+    no such convolution."""
+    x = jnp.ones((2, 6 * channels_per_group, 9, 9))
+    w = jnp.ones((6, channels_per_group, 7, 7))
+
+    def autodiff_loss(w):
+        dimension_numbers = ("NCHW", "OIHW", "NCHW")
+        padding = [(3, 3)] * 2
+        return lax.conv_general_dilated(
+            x, w, (1, 1), padding, None, None, dimension_numbers, 6
+        ).sum()
+
+    def loss(w):
+        return convolution(x, w, None, [1], [3], [1], False, [0], 6).sum()
+
+    assert "batch_group_count = 6" in jax.jit(jax.grad(autodiff_loss)).lower(w).as_text()
+    assert "batch_group_count" not in jax.jit(jax.grad(loss)).lower(w).as_text()

@@ -15,8 +15,18 @@ convolves the output-sized gradient (ResNet-18's 3x3 stride-2 conv from 4x4 to 2
 forward+backward, 2.3 ms as a product). Such a conv is lowered as that product instead
 (`_patch_convolution`): every kernel offset's strided view of the padded input, stacked,
 contracted with the kernel.
+
+A grouped convolution's kernel gradient (depthwise in MobileNet, EfficientNet and ConvNeXt;
+32 groups in ResNeXt; RegNet's group widths) is, in autodiff's transpose, a convolution with
+`batch_group_count`, which XLA:CPU expands into a dense convolution over all channel pairs,
+masked to the groups and summed: groups times the work. ResNeXt's 3x3 with 32 groups on 128
+channels of 16x16 at batch 8 took 1.06 s (4.3 ms below); ConvNeXt's depthwise 7x7 on 96 channels
+of 8x8, 3.8 ms (1.2 ms). On CPU a grouped conv takes `_grouped_convolution`, whose backward forms
+that gradient directly, kernel tap by kernel tap: the padded input's strided view times the
+output gradient, summed over batch and space (per group, a product over the group's channels).
 """
 
+import functools
 import itertools
 
 import jax
@@ -57,6 +67,33 @@ def _window_exceeds_input_or_output(input_size, pads, kernel_size, strides, dila
     return False
 
 
+def _padded(input, pads):
+    return lax.pad(
+        input, jnp.zeros((), input.dtype), [(0, 0, 0)] * 2 + [(lo, hi, 0) for lo, hi in pads]
+    )
+
+
+def _output_size(spatial, pads, kernel_size, window_strides, dilation) -> list[int]:
+    return [
+        (size + lo + hi - d * (k - 1) - 1) // s + 1
+        for size, (lo, hi), k, d, s in zip(spatial, pads, kernel_size, dilation, window_strides)
+    ]
+
+
+def _offset_views(padded, kernel_size, out_size, window_strides, dilation) -> list:
+    """For every kernel offset (row-major), the (N, C, *out_size) strided view of the padded
+    input that the offset's kernel tap multiplies."""
+    n, c = padded.shape[:2]
+    views = []
+    for offsets in itertools.product(*(range(k) for k in kernel_size)):
+        start = [0, 0] + [o * d for o, d in zip(offsets, dilation)]
+        limit = [n, c] + [
+            first + (o - 1) * s + 1 for first, o, s in zip(start[2:], out_size, window_strides)
+        ]
+        views.append(lax.slice(padded, start, limit, [1, 1, *window_strides]))
+    return views
+
+
 def _patch_convolution(input, kernel, window_strides, pads, dilation, groups):
     """A plain (N, C_in, *s) x (C_out, C_in/g, *k) convolution as one contraction: the padded
     input's strided view for each kernel offset, stacked on a kernel-offset axis, times the
@@ -64,26 +101,90 @@ def _patch_convolution(input, kernel, window_strides, pads, dilation, groups):
     num_spatial = kernel.ndim - 2
     n, c_in, *spatial = input.shape
     c_out, c_per_group, *kernel_size = kernel.shape
-    padded = lax.pad(
-        input, jnp.zeros((), input.dtype), [(0, 0, 0)] * 2 + [(lo, hi, 0) for lo, hi in pads]
-    )
-    out_size = [
-        (size + lo + hi - d * (k - 1) - 1) // s + 1
-        for size, (lo, hi), k, d, s in zip(spatial, pads, kernel_size, dilation, window_strides)
-    ]
-    views = []
-    for offsets in itertools.product(*(range(k) for k in kernel_size)):
-        start = [0, 0] + [o * d for o, d in zip(offsets, dilation)]
-        limit = [n, c_in] + [
-            first + (o - 1) * s + 1 for first, o, s in zip(start[2:], out_size, window_strides)
-        ]
-        views.append(lax.slice(padded, start, limit, [1, 1, *window_strides]))
+    out_size = _output_size(spatial, pads, kernel_size, window_strides, dilation)
+    views = _offset_views(_padded(input, pads), kernel_size, out_size, window_strides, dilation)
     num_offsets = len(views)
     patches = jnp.stack(views, axis=2).reshape(n, groups, c_in // groups, num_offsets, *out_size)
     kernel = kernel.reshape(groups, c_out // groups, c_per_group, num_offsets)
     spatial_letters = "xyz"[:num_spatial]
     out = matmul_einsum(f"ngck{spatial_letters},gock->ngo{spatial_letters}", patches, kernel)
     return out.reshape(n, c_out, *out_size)
+
+
+def _lax_convolution(input, kernel, window_strides, pads, lhs_dilation, dilation, groups):
+    num_spatial = kernel.ndim - 2
+    spatial = "DHW"[3 - num_spatial :]  # torch convolves over 1 to 3 spatial dims
+    dimension_numbers = lax.conv_dimension_numbers(
+        input.shape, kernel.shape, (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
+    )
+    return lax.conv_general_dilated(
+        input,
+        kernel,
+        window_strides=window_strides,
+        padding=pads,
+        lhs_dilation=lhs_dilation,
+        rhs_dilation=dilation,
+        dimension_numbers=dimension_numbers,
+        feature_group_count=groups,
+        **product_options(input.dtype),
+    )
+
+
+def _groupwise(input, kernel, window_strides, pads, dilation, groups):
+    """The plain grouped convolution (no input dilation)."""
+    no_lhs_dilation = (1,) * len(window_strides)
+    return _lax_convolution(input, kernel, window_strides, pads, no_lhs_dilation, dilation, groups)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _grouped_convolution(input, kernel, window_strides, pads, dilation, groups):
+    """A plain convolution with groups > 1 whose kernel gradient is formed tap by tap (module
+    docstring)."""
+    return _groupwise(input, kernel, window_strides, pads, dilation, groups)
+
+
+def _grouped_forward(input, kernel, window_strides, pads, dilation, groups):
+    out = _groupwise(input, kernel, window_strides, pads, dilation, groups)
+    return out, (input, kernel)
+
+
+def _grouped_backward(window_strides, pads, dilation, groups, residuals, grad_output):
+    input, kernel = residuals
+    _, input_pullback = jax.vjp(
+        lambda x: _groupwise(x, kernel, window_strides, pads, dilation, groups), input
+    )
+    (grad_input,) = input_pullback(grad_output)
+    # Products and sums in fp32 at least (torch's accumulation for bf16/fp16; float64 stays
+    # float64), one reduction over batch and space per kernel tap.
+    accumulation = jnp.promote_types(input.dtype, jnp.float32)
+    padded = _padded(input, pads).astype(accumulation)
+    gradient = grad_output.astype(accumulation)
+    n, c_in, *_ = input.shape
+    c_out, c_per_group, *kernel_size = kernel.shape
+    out_size = grad_output.shape[2:]
+    views = _offset_views(padded, kernel_size, out_size, window_strides, dilation)
+    if c_per_group == 1:
+        # Depthwise: output channel o reads input channel o // m. An elementwise product and a
+        # sum, which XLA:CPU runs faster than a product with a 1-wide contraction.
+        summed_axes = (0, *range(2, input.ndim))
+        repeats = c_out // c_in
+        taps = [jnp.sum(jnp.repeat(v, repeats, axis=1) * gradient, summed_axes) for v in views]
+    else:
+        gradient = gradient.reshape(n, groups, c_out // groups, -1)
+        taps = [
+            jnp.einsum(
+                "ngis,ngos->goi",
+                view.reshape(n, groups, c_per_group, -1),
+                gradient,
+                precision=lax.Precision.HIGHEST,
+            ).reshape(c_out, c_per_group)
+            for view in views
+        ]
+    grad_kernel = jnp.stack(taps, axis=-1).reshape(kernel.shape).astype(kernel.dtype)
+    return grad_input, grad_kernel
+
+
+_grouped_convolution.defvjp(_grouped_forward, _grouped_backward)
 
 
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -114,22 +215,10 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
         input.shape[2:], pads, kernel_size, window_strides, dilation
     ):
         out = _patch_convolution(input, kernel, window_strides, pads, dilation, groups)
+    elif not transposed and groups > 1 and jax.default_backend() == "cpu":
+        out = _grouped_convolution(input, kernel, window_strides, tuple(pads), dilation, groups)
     else:
-        spatial = "DHW"[3 - num_spatial :]  # torch convolves over 1 to 3 spatial dims
-        dimension_numbers = lax.conv_dimension_numbers(
-            input.shape, kernel.shape, (f"NC{spatial}", f"OI{spatial}", f"NC{spatial}")
-        )
-        out = lax.conv_general_dilated(
-            input,
-            kernel,
-            window_strides=window_strides,
-            padding=pads,
-            lhs_dilation=lhs_dilation,
-            rhs_dilation=dilation,
-            dimension_numbers=dimension_numbers,
-            feature_group_count=groups,
-            **product_options(dtype),
-        )
+        out = _lax_convolution(input, kernel, window_strides, pads, lhs_dilation, dilation, groups)
     if bias is not None:
         out = out + bias.astype(out.dtype).reshape((-1,) + (1,) * num_spatial)
     return out[0] if unbatched else out
