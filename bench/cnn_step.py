@@ -20,11 +20,13 @@ them alike), medians of --repeats rounds after untimed warm-up steps:
 - zerojax fused: the same with a wrapper module whose forward returns the loss, so forward,
   loss and backward are one XLA program (the update is a second one);
 - hand-written JAX, NHWC/HWIO and NCHW/OIHW: the same net written with `lax` ops, one jitted
-  step (value_and_grad + SGD momentum, state donated), the torch weights copied in. A conv
-  whose window is larger than its input or output is written as the product zerojax lowers
-  it to (zerojax/bridge/lowerings/conv.py: XLA:CPU runs such a conv, or its input gradient,
-  at <1 GFLOP/s);
-  --plain-conv adds the same nets with every conv a `lax.conv_general_dilated`.
+  step (value_and_grad + SGD momentum, state donated), the torch weights copied in. Where
+  XLA:CPU is slow, the hand-written net takes zerojax's forms (zerojax/bridge/lowerings/
+  conv.py): a conv whose window is larger than its input or output is written as the product
+  zerojax lowers it to (XLA:CPU runs such a conv, or its input gradient, at <1 GFLOP/s), and a
+  depthwise conv's kernel gradient is summed tap by tap (autodiff's is a dense channels x
+  channels conv on XLA:CPU);
+  --plain-conv adds the same nets with every conv a `lax.conv_general_dilated` and autodiff.
 
 Every JAX timing ends when the new parameters are ready (`jax.block_until_ready`). The first
 two losses of every contender (same initial weights, same batch) are printed as the fairness
@@ -124,10 +126,62 @@ class WithLoss(torch.nn.Module):
 # NHWC, conv kernels HWIO) or "NCHW" (torch's NCHW / OIHW).
 
 
+def _lax_conv(x, w, stride, padding, groups, layout):
+    kernel = "HWIO" if layout == "NHWC" else "OIHW"
+    return lax.conv_general_dilated(
+        x,
+        w,
+        (stride, stride),
+        [(padding, padding)] * 2,
+        dimension_numbers=(layout, kernel, layout),
+        feature_group_count=groups,
+        precision=lax.Precision.HIGHEST,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _depthwise_conv(x, w, padding, layout):
+    """A stride-1 depthwise conv whose kernel gradient is summed tap by tap: what zerojax
+    lowers a grouped conv's backward to on CPU (XLA:CPU runs autodiff's `batch_group_count`
+    kernel gradient as a dense channels x channels conv)."""
+    return _lax_conv(x, w, 1, padding, x.shape[1 if layout == "NCHW" else -1], layout)
+
+
+def _depthwise_conv_forward(x, w, padding, layout):
+    return _depthwise_conv(x, w, padding, layout), (x, w)
+
+
+def _depthwise_conv_backward(padding, layout, residuals, grad):
+    x, w = residuals
+    channels = x.shape[1 if layout == "NCHW" else -1]
+    _, pullback = jax.vjp(lambda x: _lax_conv(x, w, 1, padding, channels, layout), x)
+    spatial = (2, 3) if layout == "NCHW" else (1, 2)
+    pads = [(0, 0)] * 4
+    for a in spatial:
+        pads[a] = (padding, padding)
+    padded = jnp.pad(x, pads)
+    kernel = w.shape[-1] if layout == "NCHW" else w.shape[0]
+    height, width = (grad.shape[a] for a in spatial)
+    taps = []
+    for i in range(kernel):
+        for j in range(kernel):
+            window = [slice(None)] * 4
+            window[spatial[0]], window[spatial[1]] = slice(i, i + height), slice(j, j + width)
+            taps.append(jnp.sum(padded[tuple(window)] * grad, axis=(0, *spatial)))
+    if layout == "NCHW":  # (C, 1, k, k)
+        grad_w = jnp.stack(taps, axis=1).reshape(w.shape)
+    else:  # (k, k, 1, C)
+        grad_w = jnp.stack(taps, axis=0).reshape(w.shape)
+    return pullback(grad)[0], grad_w
+
+
+_depthwise_conv.defvjp(_depthwise_conv_forward, _depthwise_conv_backward)
+
+
 class Layers:
-    def __init__(self, layout: str, patch_convs: bool):
+    def __init__(self, layout: str, cpu_conv_forms: bool):
         self.layout = layout
-        self.patch_convs = patch_convs
+        self.cpu_conv_forms = cpu_conv_forms
         self.channel = -1 if layout == "NHWC" else 1
         self.spatial = (1, 2) if layout == "NHWC" else (2, 3)
         kernel = "HWIO" if layout == "NHWC" else "OIHW"
@@ -139,18 +193,13 @@ class Layers:
     def conv(self, x, w, b=None, stride=1, padding=0, groups=1):
         kernel = w.shape[0] if self.layout == "NHWC" else w.shape[2]  # square kernels only
         size = min(x.shape[a] for a in self.spatial)
-        if self.patch_convs and kernel > min(size, (size + 2 * padding - kernel) // stride + 1):
+        if self.cpu_conv_forms and kernel > min(size, (size + 2 * padding - kernel) // stride + 1):
             out = self.patch_conv(x, w, stride, padding, groups)
-            return out if b is None else out + self.per_channel(b)
-        out = lax.conv_general_dilated(
-            x,
-            w,
-            (stride, stride),
-            [(padding, padding)] * 2,
-            dimension_numbers=self.dimension_numbers,
-            feature_group_count=groups,
-            precision=lax.Precision.HIGHEST,
-        )
+        elif self.cpu_conv_forms and groups > 1:
+            assert stride == 1 and groups == x.shape[self.channel] == w.size // kernel**2
+            out = _depthwise_conv(x, w, padding, self.layout)
+        else:
+            out = _lax_conv(x, w, stride, padding, groups, self.layout)
         return out if b is None else out + self.per_channel(b)
 
     def patch_conv(self, x, w, stride, padding, groups):
@@ -282,10 +331,10 @@ def convnext_jax(layers: Layers, p, buffers, x):
 HANDWRITTEN = {"resnet18": resnet18_jax, "convnext": convnext_jax}
 
 
-def handwritten_step(net_name: str, net: torch.nn.Module, layout: str, patch_convs: bool, x, y):
+def handwritten_step(net_name: str, net: torch.nn.Module, layout: str, cpu_conv_forms: bool, x, y):
     """(step() -> loss, () -> the lowered step, {phase name: run}): the torch weights copied
     in, conv kernels transposed to the layout once, here, as a JAX user would store them."""
-    layers = Layers(layout, patch_convs)
+    layers = Layers(layout, cpu_conv_forms)
     params, buffers = {}, {}
     for name, value in net.state_dict().items():
         array = value.detach().numpy()
@@ -499,11 +548,11 @@ def bench_net(
         "zerojax fused": fused,
     }
     lowered, parts = {}, {}
-    for patch_convs in (True, False) if plain_conv else (True,):
+    for cpu_conv_forms in (True, False) if plain_conv else (True,):
         for layout in ("NHWC", "NCHW"):
-            name = f"hand-written JAX {layout}" + ("" if patch_convs else ", lax.conv only")
+            name = f"hand-written JAX {layout}" + ("" if cpu_conv_forms else ", lax.conv only")
             contenders[name], lowered[name], parts[name] = handwritten_step(
-                net_name, base, layout, patch_convs, x, y
+                net_name, base, layout, cpu_conv_forms, x, y
             )
     losses = {name: [float(run()) for _ in range(2)] for name, run in contenders.items()}
     medians = interleaved_medians_ms(contenders, repeats, warmup=WARMUP - 2)

@@ -19,11 +19,12 @@ contracted with the kernel.
 A grouped convolution's kernel gradient (depthwise in MobileNet, EfficientNet and ConvNeXt;
 32 groups in ResNeXt; RegNet's group widths) is, in autodiff's transpose, a convolution with
 `batch_group_count`, which XLA:CPU expands into a dense convolution over all channel pairs,
-masked to the groups and summed: groups times the work. ResNeXt's 3x3 with 32 groups on 128
-channels of 16x16 at batch 8 took 1.06 s (4.3 ms below); ConvNeXt's depthwise 7x7 on 96 channels
-of 8x8, 3.8 ms (1.2 ms). On CPU a grouped conv takes `_grouped_convolution`, whose backward forms
-that gradient directly, kernel tap by kernel tap: the padded input's strided view times the
-output gradient, summed over batch and space (per group, a product over the group's channels).
+masked to the groups and summed: groups times the work. On CPU a grouped conv takes
+`_grouped_convolution`, whose backward forms that gradient directly, kernel tap by kernel tap:
+the padded input's strided view times the output gradient, summed over batch and space (per
+group, a product over the group's channels). bench/grouped_conv.py: ResNeXt's 3x3 with 32
+groups on 128 channels of 16x16 at batch 8, 499 -> 5.5 ms; ConvNeXt's depthwise 7x7 on 96
+channels of 8x8, 3.5 -> 1.5 ms; a resnext50_32x4d training step, 3.7 -> 0.42 s.
 """
 
 import functools
