@@ -133,9 +133,26 @@ WINDOW_LARGER_THAN_INPUT_OR_OUTPUT = [
 ]
 
 
-@pytest.mark.parametrize("make, shape", WINDOW_LARGER_THAN_INPUT_OR_OUTPUT)
-def test_window_larger_than_input_or_output(make, shape):
-    """A window larger than the input or output takes the patch product on CPU (conv.py)."""
+GROUPED = [
+    # ConvNeXt's depthwise 7x7 (pad 3); MobileNet's depthwise 3x3 stride 2; a channel multiplier
+    # of 2 with dilation and per-dim padding; ResNeXt's 3x3 with 4 channels per group; 1-d;
+    # 3-d with a multiplier.
+    (lambda: nn.Conv2d(6, 6, 7, padding=3, groups=6), (2, 6, 9, 9)),
+    (lambda: nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4, bias=False), (2, 4, 9, 8)),
+    (
+        lambda: nn.Conv2d(3, 6, (3, 2), stride=(1, 2), padding=(2, 1), dilation=(2, 1), groups=3),
+        (2, 3, 8, 9),
+    ),
+    (lambda: nn.Conv2d(8, 12, 3, padding=1, groups=2), (2, 8, 7, 6)),
+    (lambda: nn.Conv1d(4, 4, 5, padding=2, groups=4), (2, 4, 11)),
+    (lambda: nn.Conv3d(2, 4, 3, padding=1, groups=2), (1, 2, 4, 5, 6)),
+]
+
+
+@pytest.mark.parametrize("make, shape", WINDOW_LARGER_THAN_INPUT_OR_OUTPUT + GROUPED)
+def test_cpu_convolution_forms(make, shape):
+    """The forms conv.py takes on CPU: the patch product for a window larger than the input
+    or output; for groups > 1, the kernel gradient formed tap by tap."""
     torch.manual_seed(0)
     module = make()
     check(module, torch.randn(*shape), **FP32)
@@ -186,31 +203,6 @@ def test_mobilenetv4_depthwise_block_grad_against_float64():
     assert len(errors) == 6  # the input and five parameters
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 150 * 1.2e-7, f"gradient of {worst}: relative error {errors[worst]:.2e}"
-
-
-GROUPED = [
-    # ConvNeXt's depthwise 7x7 (pad 3); MobileNet's depthwise 3x3 stride 2; a channel multiplier
-    # of 2 with dilation and per-dim padding; ResNeXt's 3x3 with 4 channels per group; 1-d;
-    # 3-d with a multiplier.
-    (lambda: nn.Conv2d(6, 6, 7, padding=3, groups=6), (2, 6, 9, 9)),
-    (lambda: nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4, bias=False), (2, 4, 9, 8)),
-    (
-        lambda: nn.Conv2d(3, 6, (3, 2), stride=(1, 2), padding=(2, 1), dilation=(2, 1), groups=3),
-        (2, 3, 8, 9),
-    ),
-    (lambda: nn.Conv2d(8, 12, 3, padding=1, groups=2), (2, 8, 7, 6)),
-    (lambda: nn.Conv1d(4, 4, 5, padding=2, groups=4), (2, 4, 11)),
-    (lambda: nn.Conv3d(2, 4, 3, padding=1, groups=2), (1, 2, 4, 5, 6)),
-]
-
-
-@pytest.mark.parametrize("make, shape", GROUPED)
-def test_grouped_convolution(make, shape):
-    """groups > 1: the kernel gradient formed tap by tap (conv.py)."""
-    torch.manual_seed(0)
-    module = make()
-    check(module, torch.randn(*shape), **FP32)
-    check_grad(module, torch.randn(*shape), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
