@@ -54,9 +54,8 @@ SHAPES = [
 ]
 
 
-def _autodiff_grouped(input, kernel, window_strides, pads, dilation, groups):
-    """What the lowering computed before: the grouped conv, differentiated by autodiff."""
-    return conv._groupwise(input, kernel, window_strides, pads, dilation, groups)
+# What the lowering computed before: the plain grouped conv, differentiated by autodiff.
+_autodiff_grouped = conv._groupwise
 
 
 def kernel_gradient(grouped, groups, padding):
