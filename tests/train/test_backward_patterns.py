@@ -225,6 +225,18 @@ def test_retain_graph_then_second_backward():
     assert_grads_match(model, reference)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pullback"])
+def test_second_backward_through_a_freed_graph_raises_torchs_error(fused):
+    """As in torch: a second backward without `retain_graph=True` names the cause."""
+    module = MLPWithLoss() if fused else MLP()
+    model, _ = zerojax.initialize(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+    loss = model(x, y) if fused else model(x).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
 def test_zero_grad_then_fresh_backward():
     """optimizer.zero_grad() (p.grad = None) drops what earlier backwards accumulated."""
     module = MLP()

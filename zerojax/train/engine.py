@@ -476,11 +476,19 @@ class Engine:
 
     def frozen_names(self) -> set[str]:
         """Parameters (canonical names) whose torch stand-in has `requires_grad=False` now."""
-        return {
-            self.alias[n]
-            for n, p in self.module.named_parameters(remove_duplicate=False)
-            if not p.requires_grad
-        }
+        # Read at every backward and update: the flag is torch's own, read without the
+        # stand-ins' torch-function dispatch, over the module's parameters listed once (they
+        # keep their identity after initialize; the walk over the module tree was ~1 ms of a
+        # ConvNeXt step).
+        with torch._C.DisableTorchFunctionSubclass():
+            return {name for name, p in self._named_parameters if not p.requires_grad}
+
+    @functools.cached_property
+    def _named_parameters(self) -> tuple[tuple[str, torch.nn.Parameter], ...]:
+        """(canonical name, parameter) of every name the module registers one under."""
+        return tuple(
+            (self.alias[n], p) for n, p in self.module.named_parameters(remove_duplicate=False)
+        )
 
     # --- single entries, for live tensors (zerojax.train.live_tensor) ------------------------
 

@@ -41,43 +41,77 @@ from zerojax.train.programs import find_scalar_loss
 
 
 class _JaxCall(torch.autograd.Function):
-    """Outputs of a JAX program as autograd-connected torch tensors.
+    """Outputs of a JAX program as autograd-connected torch tensors (called through
+    `_jax_call`).
 
     `anchor` is a scalar that requires grad, so outputs are connected even when no input
     requires grad; its gradient is never used.
 
-    `backward` holds the step's device arrays (the fused program's gradients, or the pullback's
-    residuals: every activation the backward pass needs). Torch keeps this node alive as long
-    as any output is (the `loss` of a training loop lives until the next step reassigns it), so
-    once a backward pass has freed the graph (no `retain_graph=True`) the node lets go of them;
-    otherwise the next step's forward would run beside the last step's gradients and residuals.
+    The backward's `_StepArrays` hold the step's device arrays (the fused program's gradients,
+    or the pullback's residuals: every activation the backward pass needs). Torch keeps this
+    node alive as long as any output is (the `loss` of a training loop lives until the next
+    step reassigns it), so once a backward pass has freed the graph (no `retain_graph=True`)
+    the node lets go of them; otherwise the next step's forward would run beside the last
+    step's gradients and residuals.
     """
 
     @staticmethod
-    def forward(ctx, run, backward, anchor, *inputs):
+    def forward(ctx, run, step_arrays, anchor, *inputs):
         ctx.set_materialize_grads(False)
         leaves = run()
-        ctx.backward_fn = backward
-        # Saved only to learn whether the backward pass freed the graph (see _release).
+        ctx.step_arrays = step_arrays
+        # Saved (through `_jax_call`'s pack hook) to learn when a backward pass frees the graph.
         ctx.save_for_backward(anchor)
         ctx.mark_non_differentiable(*[t for t in leaves if not t.is_floating_point()])
         return tuple(leaves)
 
     @staticmethod
     def backward(ctx, *grad_leaves):
-        input_grads = ctx.backward_fn(grad_leaves)
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _release(ctx))
+        # Raises torch's own "backward through the graph a second time" once it was freed.
+        _ = ctx.saved_tensors
+        input_grads = ctx.step_arrays.backward(grad_leaves)
         return (None, None, None, *input_grads)
 
 
-def _release(ctx) -> None:
-    """At the end of a backward pass: drop the node's device arrays if the pass freed the graph
-    (torch frees saved tensors then, and reading them raises; a second backward through the
-    node then fails in torch, before it reaches `backward_fn`)."""
-    try:
-        _ = ctx.saved_tensors
-    except RuntimeError:
-        ctx.backward_fn = None
+class _StepArrays:
+    """A `_JaxCall` node's backward function, which holds the step's device arrays, until
+    torch frees the node's graph. Torch drops what a node saved when a backward pass frees the
+    graph; the anchor is saved packed in a `_Held`, whose deletion lets go of the backward.
+    (Asking the node instead, by reading `ctx.saved_tensors` until it raises, cost 2-3.5 ms a
+    step: torch unwinds a C++ backtrace through jaxlib's and torch's libraries for the error.)"""
+
+    __slots__ = ("backward",)
+
+    def __init__(self, backward):
+        self.backward = backward
+
+    def pack(self, anchor: torch.Tensor) -> _Held:
+        return _Held(self, anchor)
+
+    @staticmethod
+    def unpack(held: _Held) -> torch.Tensor:
+        return held.anchor
+
+
+class _Held:
+    """The anchor as a `_JaxCall` node saved it (see `_StepArrays`)."""
+
+    __slots__ = ("anchor", "step_arrays")
+
+    def __init__(self, step_arrays: _StepArrays, anchor: torch.Tensor):
+        self.step_arrays = step_arrays
+        self.anchor = anchor
+
+    def __del__(self):
+        self.step_arrays.backward = None
+
+
+def _jax_call(run, backward, anchor, inputs) -> tuple:
+    """`_JaxCall.apply`: `run()`'s torch leaves, whose backward calls `backward(grad_leaves)`
+    (input gradients back) until a backward pass frees the graph."""
+    step_arrays = _StepArrays(backward)
+    with torch.autograd.graph.saved_tensors_hooks(step_arrays.pack, _StepArrays.unpack):
+        return _JaxCall.apply(run, step_arrays, anchor, *inputs)
 
 
 class ZeroModule(torch.nn.Module):
@@ -217,11 +251,11 @@ class ZeroModule(torch.nn.Module):
             return [None] * len(tensor_inputs)
 
         kept = (engine.state.params, engine.state.buffers, grads, jax_args, jax_kwargs)
-        torch_leaves = _JaxCall.apply(
+        torch_leaves = _jax_call(
             lambda: share.value(self._zerojax_hand_over(leaves, kept)),
             backward,
             self._zerojax_anchor,
-            *tensor_inputs,
+            tensor_inputs,
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
@@ -253,11 +287,11 @@ class ZeroModule(torch.nn.Module):
         )
         share = _LossShare.of(outputs, engine.placement.loss_share(jax_kwargs))
         kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
-        torch_leaves = _JaxCall.apply(
+        torch_leaves = _jax_call(
             lambda: share.value(self._zerojax_hand_over(leaves, kept)),
             lambda grad_leaves: through(share.cotangents(grad_leaves)),
             self._zerojax_anchor,
-            *tensor_inputs,
+            tensor_inputs,
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
