@@ -237,6 +237,17 @@ def test_second_backward_through_a_freed_graph_raises_torchs_error(fused):
         loss.backward()
 
 
+def test_backward_where_saved_tensor_hooks_are_disabled():
+    """Code that disables saved-tensor hooks (torch.compile's regions do) still trains: the
+    node keeps the step's arrays until it goes, instead of releasing them early."""
+    model, reference = wrap(MLP())
+    x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+    for m in (model, reference, exact_of(reference)):
+        with torch.autograd.graph.disable_saved_tensors_hooks("zerojax test"):
+            F.cross_entropy(m(x), y).backward()
+    assert_grads_match(model, reference)
+
+
 def test_zero_grad_then_fresh_backward():
     """optimizer.zero_grad() (p.grad = None) drops what earlier backwards accumulated."""
     module = MLP()
