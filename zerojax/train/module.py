@@ -110,7 +110,7 @@ def _jax_call(run, backward, anchor, inputs) -> tuple:
     """`_JaxCall.apply`: `run()`'s torch leaves, whose backward calls `backward(grad_leaves)`
     (input gradients back) until a backward pass frees the graph."""
     step_arrays = _StepArrays(backward)
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():  # type: ignore[attr-defined]
         # Inside torch's `disable_saved_tensors_hooks` (where entering hooks raises): the anchor
         # is saved as it is, and the step's arrays go when the node goes.
         return _JaxCall.apply(run, step_arrays, anchor, *inputs)
