@@ -184,8 +184,6 @@ class Layers:
         self.cpu_conv_forms = cpu_conv_forms
         self.channel = -1 if layout == "NHWC" else 1
         self.spatial = (1, 2) if layout == "NHWC" else (2, 3)
-        kernel = "HWIO" if layout == "NHWC" else "OIHW"
-        self.dimension_numbers = (layout, kernel, layout)
 
     def per_channel(self, v):
         return v if self.layout == "NHWC" else v[:, None, None]
