@@ -38,9 +38,8 @@ import numpy as np
 import torch
 import torchvision
 
-import zerojax
 from bench.clip_grad_norm import interleaved_medians_ms
-from bench.cnn_step import CLASSES, IMAGE, ZEROJAX_CONFIG, WithLoss, sgd, torch_step
+from bench.cnn_step import CLASSES, IMAGE, torch_step, zerojax_step
 from zerojax.bridge.lowerings import conv
 
 SHAPES = [
@@ -96,17 +95,7 @@ def _block(f, *args):
 
 
 def zerojax_fused_step(net, x, y, autodiff_kernel_gradient: bool):
-    module = WithLoss(net)
-    model, optimizer = zerojax.initialize(module, sgd(module.parameters()), ZEROJAX_CONFIG)
-
-    def run():
-        loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        jax.block_until_ready(model.engine.params)
-        return loss
-
+    run, _ = zerojax_step(net, x, y, fused=True)
     if not autodiff_kernel_gradient:
         return run
     traced = []
