@@ -227,7 +227,7 @@ def test_pallas_kernels_run_per_batch_shard_in_the_engine(monkeypatch):
     monkeypatch.setattr(jax, "shard_map", spy)
     losses, state = _train(llama, PALLAS, steps=2, batch=8)
     monkeypatch.undo()
-    assert wrapped.count("per_batch_shard.<locals>.local") >= 3  # attention, norms, loss
+    assert wrapped.count("on_batch_shards.<locals>.local") >= 3  # attention, norms, loss
     _assert_matches_float64(losses, state, llama, 2, 8, "per-shard pallas")
 
 

@@ -18,6 +18,7 @@ their own forward rounding floor).
 
 import copy
 import logging
+import re
 
 import jax
 import numpy as np
@@ -249,3 +250,37 @@ def test_zero3_forward_keeps_no_gathered_weight_for_the_backward():
             if leaf.shape in (weight.shape, weight.shape[::-1]):
                 assert shard_bytes(leaf) <= shard_bytes(weight), (name, leaf.sharding)
     # (That the gradients are unchanged: test_zero_stages_match_one_device, stage 3.)
+
+
+def test_zero3_grouped_convolution_runs_per_batch_shard():
+    """A convolution whose groups hold several channels each (ResNeXt, RegNet) computes each
+    device's own examples: XLA's partitioner gathered its batch-split input onto every device
+    and convolved the whole batch there: every device did the whole batch's work. The gradients are the
+    one-device ones: within torch float32's own error of float64 (zerojax.bridge.lowerings.conv
+    runs it per batch shard; the kernel's gradient is summed over the shards)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Conv2d(6, 24, 1),
+        torch.nn.Conv2d(24, 24, 3, padding=1, groups=3),
+        torch.nn.Conv2d(24, 24, 3, padding=1, groups=4, bias=False),
+        torch.nn.Conv2d(24, 10, 1),
+    )
+    x, probe = torch.randn(16, 6, 5, 5), torch.randn(16, 10, 5, 5)
+
+    def torch_grads(dtype):
+        reference = copy.deepcopy(module).to(dtype)
+        (reference(x.to(dtype)) * probe.to(dtype)).sum().backward()
+        return {n: p.grad.double() for n, p in reference.named_parameters()}
+
+    model, _ = wrap(module, {"mesh": {"fsdp": 8}, "zero": {"stage": 3}})
+    engine = model.engine
+    (model(x) * probe).sum().backward()
+    tolerances.assert_params_within_torch_error(
+        engine.state.grads, torch_grads(torch.float32), torch_grads(torch.float64), "grads"
+    )
+
+    # Each device convolves its 2 examples: every convolution of the forward program (NHWC
+    # once XLA has assigned layouts, batch first) has 2 rows, none the batch's 16.
+    forward = engine.compiled_programs()["forward_vjp"].as_text()
+    rows = [int(r) for r in re.findall(r"= f32\[(\d+),[\d,]*\]\{[\d,]*\} convolution\(", forward)]
+    assert len(rows) == 4 and set(rows) == {2}, rows

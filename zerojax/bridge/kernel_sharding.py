@@ -1,4 +1,4 @@
-"""Running a substituted Pallas kernel on batch-sharded activations.
+"""Running an op per batch shard under `jax.shard_map`, where XLA's partitioner would not.
 
 XLA's SPMD partitioner cannot split a Pallas call (an opaque custom call): inside the engine's
 sharded program it would gather the whole batch onto every device around each kernel. The
@@ -7,6 +7,12 @@ how the batch is split (`ParallelPlan.kernel_batch`, as `LoweringContext.paralle
 norms, per-token loss), so the shards need no communication; gradients of the replicated
 inputs (norm weights, the projection) are summed over the shards by shard_map's transpose.
 The XLA references stay outside shard_map: XLA partitions them itself.
+
+A grouped convolution takes the same path (`on_batch_shards`): the partitioner gathers a
+batch-split input of a convolution whose `feature_group_count` is above 1 and below its input
+channels onto every device and convolves the whole batch there (XLA in jax 0.10, Shardy and
+GSPMD alike), so every device did the whole batch's grouped convolutions and kept their
+full-batch activations for the backward.
 """
 
 from __future__ import annotations
@@ -43,21 +49,42 @@ def per_batch_shard(
     for per-shard random streams.
     """
     implementation, interpret = ctx.kernel(family)
-    placement = None if ctx.parallel is None else ctx.parallel.kernel_batch
-    if placement is None or not uses_pallas(implementation, interpret):
+    if not uses_pallas(implementation, interpret):
         return kernel(*operands, axis_index=None)
+    return on_batch_shards(ctx, kernel, operands, batched, pass_axis_index=True)
+
+
+def on_batch_shards(
+    ctx: LoweringContext,
+    fn: Callable,
+    operands: Sequence,
+    batched: Sequence[bool],
+    *,
+    pass_axis_index: bool = False,
+):
+    """`fn(*operands)`, run on each batch shard under `shard_map` when the run splits the batch
+    (`ParallelPlan.kernel_batch`) and every `batched` operand's dim 0 divides into the shards:
+    those operands and the result split on dim 0, the others whole on every device (operands
+    may be None). Otherwise `fn` runs on the whole operands. With `pass_axis_index`, `fn` also
+    receives `axis_index`: this shard's index, None when not split."""
+    whole = {"axis_index": None} if pass_axis_index else {}
+    placement = None if ctx.parallel is None else ctx.parallel.kernel_batch
+    if placement is None:
+        return fn(*operands, **whole)
     mesh, axes = placement
     shards = math.prod(mesh.shape[a] for a in axes)
     rows = [x.shape[0] for x, b in zip(operands, batched, strict=True) if b]
     if shards == 1 or any(r % shards for r in rows):
-        return kernel(*operands, axis_index=None)
+        return fn(*operands, **whole)
     present = [i for i, x in enumerate(operands) if x is not None]
 
     def local(*values):
         full = [None] * len(operands)
         for i, v in zip(present, values, strict=True):
             full[i] = v
-        return kernel(*full, axis_index=jax.lax.axis_index(axes))
+        if pass_axis_index:
+            return fn(*full, axis_index=jax.lax.axis_index(axes))
+        return fn(*full)
 
     batch = PartitionSpec(axes)
     in_specs = tuple(batch if batched[i] else PartitionSpec() for i in present)
