@@ -94,7 +94,7 @@ def main() -> None:
     def general_forward_backward():
         logits, _, pullback = vjp_program(g.params, g.buffers, (x,), {}, general_rng)
         cotangent = jnp.full(logits.shape, 1.0 / (logits.shape[0] * logits.shape[1]), logits.dtype)
-        return jax.block_until_ready(backward_program(pullback, cotangent, one))
+        return jax.block_until_ready(backward_program(pullback, g.params, cotangent, one))
 
     grads = fused_forward_backward()[2]
     hyper = optimizers.hyper_from_torch(

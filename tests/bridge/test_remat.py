@@ -261,7 +261,9 @@ def test_initialize_applies_the_config_with_torch_gradients(monkeypatch):
     assert configured == [f"module blocks.{i}" for i in range(BLOCKS)]
     # Outside the blocks, the head's matmul reads a stage-3 weight: a gather region of its own
     # (find_gather_regions); inside them the block's region already regathers.
-    assert sorted(set(regions_traced) - set(configured)) == ["ZeRO-3 gather for addmm_6"]
+    assert sorted(set(regions_traced) - set(configured)) == [
+        "ZeRO-3 gather for transposed_product_6"  # addmm(b, x, t(W)), bridge/fusion.py
+    ]
     grads = {name: torch.as_tensor(p.grad) for name, p in model.named_parameters()}
     (program,) = [p for n, p in wrapped.engine.programs.compiled().items() if n != "update"]
     assert "opt-barrier" in program.as_text()  # kept through XLA:CPU's pipeline

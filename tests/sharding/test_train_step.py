@@ -237,14 +237,14 @@ def test_zero3_forward_keeps_no_gathered_weight_for_the_backward():
     x = torch.randn(16, 24)
     converted = engine.converted(True, (x,), {})
     args = (engine.shard_input(from_torch(x)),)
-    _, pullback = engine.forward(converted, args, {}, differentiable=(False,))
+    _, (residuals, _) = engine.forward(converted, args, {}, differentiable=(False,))
 
     def shard_bytes(array):
         return array.addressable_shards[0].data.nbytes
 
     weights = {n: w for n, w in engine.state.params.items() if w.ndim == 2}
     assert all(shard_bytes(w) * 8 == w.nbytes for w in weights.values())  # really sharded
-    kept = [leaf for leaf in jax.tree.leaves(pullback) if isinstance(leaf, jax.Array)]
+    kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
     for name, weight in weights.items():
         for leaf in kept:
             if leaf.shape in (weight.shape, weight.shape[::-1]):
@@ -284,3 +284,33 @@ def test_zero3_grouped_convolution_runs_per_batch_shard():
     forward = engine.compiled_programs()["forward_vjp"].as_text()
     rows = [int(r) for r in re.findall(r"= f32\[(\d+),[\d,]*\]\{[\d,]*\} convolution\(", forward)]
     assert len(rows) == 4 and set(rows) == {2}, rows
+
+
+def test_forward_keeps_no_copy_of_a_weight_for_the_backward():
+    """The general path (`forward_vjp`, then `backward`): what the forward program hands the
+    backward holds no weight, transposed, reshaped or as it is: a jitted program copies each
+    output, so every such residual was a copy of a weight written by every forward (all of
+    ResNet-18's 45 MB; nn.Linear's `t(W)`, a small-input convolution's reshaped kernel). The
+    backward program reads the forward's own params instead. Nor does it hold a small-input
+    convolution's stacked input views (one input copy per kernel offset), which its backward
+    stacks again."""
+    torch.manual_seed(0)
+    # A 3x3 pad-1 convolution on 2x2 (the patch form, bridge/lowerings/conv.py), then a Linear.
+    module = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 6),
+    )
+    model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
+    engine = model.engine
+    x = torch.randn(4, 3, 2, 2)
+    converted = engine.converted(True, (x,), {})
+    args = (engine.shard_input(from_torch(x)),)
+    _, (residuals, params) = engine.forward(converted, args, {}, differentiable=(False,))
+    kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
+    weights = {w.shape for w in params.values()} | {w.shape[::-1] for w in params.values()}
+    weights |= {(1, 8, 3, 9), (8, 27)}  # the conv kernel's reshapes
+    assert not [leaf.shape for leaf in kept if leaf.shape in weights]
+    largest_activation = 4 * 8 * 2 * 2  # the patches would be 4 * 3 * 9 * 2 * 2
+    assert max(leaf.size for leaf in kept) <= largest_activation, [leaf.shape for leaf in kept]

@@ -237,6 +237,23 @@ def test_second_backward_through_a_freed_graph_raises_torchs_error(fused):
         loss.backward()
 
 
+def test_step_between_a_forward_and_its_backward_raises_torchs_error():
+    """torch refuses a backward whose saved weights `optimizer.step()` changed in place since
+    the forward; so does zerojax (its backward reads the forward's params, which the update
+    replaced), instead of differentiating with other weights than the forward used."""
+    module = MLP()
+    reference = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    torch_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+    for m, opt in ((reference, torch_optimizer), (model, optimizer)):
+        F.cross_entropy(m(x), y).backward()
+        loss = F.cross_entropy(m(x), y)
+        opt.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def test_backward_where_saved_tensor_hooks_are_disabled():
     """Code that disables saved-tensor hooks (torch.compile's regions do) still trains: the
     node keeps the step's arrays until it goes, instead of releasing them early."""

@@ -35,6 +35,15 @@ One pattern is rewritten whatever the kernels config, because it is about memory
   device: 0.97 GB of the 8-layer forward's temporaries per device, 7.7 GB on 8 simulated CPU
   devices before the backward's copies.
 
+And one so that the backward pass keeps a weight, not a copy of it:
+
+- **A product with a matrix transpose** (nn.Linear's `t(W)`, `permute(W, [1, 0])`):
+  `mm(x, t(W))` / `addmm(b, x, t(W))`  =>  `transposed_product(x, W, b)`, the same
+  contraction over W's second dim. Lowered as `t` then `mm`, autodiff kept the transpose for
+  the input gradient: a copy of every such weight written by each forward that returns its
+  residuals (the general path: `forward_vjp`), where the weight itself is already there. Runs
+  after the loss fusion, which matches the projection's `mm(h, t(W))` itself.
+
 A node the rewrite removes must be used only inside its pattern (metadata asserts aside), so
 nothing the rest of the graph reads disappears. Rewriting works on a copy of the graph: the
 exported program stays as torch produced it.
@@ -48,7 +57,7 @@ import jax.numpy as jnp
 import torch
 
 from zerojax.bridge.kernel_sharding import per_batch_shard
-from zerojax.bridge.lowerings.matmul import is_matrix_transpose, matmul_einsum
+from zerojax.bridge.lowerings.matmul import add_scaled, is_matrix_transpose, matmul_einsum
 from zerojax.bridge.registry import LoweringContext
 from zerojax.config import KernelsConfig
 from zerojax.pallas_kernels.backend import auto_picks_pallas
@@ -130,10 +139,17 @@ def _lower_bmm_broadcast_matrix(ctx: LoweringContext, batched, source, side, dro
     return matmul_einsum("ij,bjk->bik", one, batched)
 
 
+def _lower_transposed_product(ctx: LoweringContext, x, matrix, bias, beta, alpha):
+    """x @ matrix.T (+ bias, as addmm scales and adds it)."""
+    product = matmul_einsum("ij,kj->ik", x, matrix)
+    return product if bias is None else add_scaled(bias, product, beta, alpha)
+
+
 rms_norm_op = FusedOp("rms_norm", "norm", _lower_rms_norm)
 linear_cross_entropy_op = FusedOp("linear_cross_entropy", "loss", _lower_linear_cross_entropy)
 bmm_broadcast_matrix_op = FusedOp("bmm_broadcast_matrix", "matmul", _lower_bmm_broadcast_matrix)
-FUSED_OPS = (rms_norm_op, linear_cross_entropy_op, bmm_broadcast_matrix_op)
+transposed_product_op = FusedOp("transposed_product", "matmul", _lower_transposed_product)
+FUSED_OPS = (rms_norm_op, linear_cross_entropy_op, bmm_broadcast_matrix_op, transposed_product_op)
 
 
 def families_for(kernels: KernelsConfig) -> frozenset[str]:
@@ -176,6 +192,10 @@ def rewrite(graph: torch.fx.Graph, families: frozenset[str]) -> torch.fx.Graph:
             _fuse_linear_cross_entropy(
                 copy, node, with_returned_logits="loss_with_returned_logits" in families
             )
+    copy.eliminate_dead_code()
+    for node in list(copy.nodes):
+        if _is(node, aten.mm.default, aten.addmm.default):
+            _fuse_transposed_product(copy, node)
     copy.eliminate_dead_code()
     return copy
 
@@ -230,6 +250,19 @@ def _fuse_bmm_broadcast_matrix(graph: torch.fx.Graph, bmm: torch.fx.Node) -> Non
         args = (bmm.args[1 - position], source, side, broadcast - new_dims)
         _replace(graph, bmm, bmm_broadcast_matrix_op, (*args, expanded[merged:], viewed[1:]))
         return
+
+
+def _fuse_transposed_product(graph: torch.fx.Graph, product: torch.fx.Node) -> None:
+    """mm(x, t(W)) / addmm(b, x, t(W)) with the transpose used by this product alone."""
+    if product.target == aten.mm.default:
+        (x, transposed), bias, beta, alpha = product.args, None, 1, 1
+    else:
+        _, x, transposed = product.args
+        bias = product.args[0]
+        beta, alpha = product.kwargs.get("beta", 1), product.kwargs.get("alpha", 1)
+    if not is_matrix_transpose(transposed) or not _only_used_by(transposed, product):
+        return
+    _replace(graph, product, transposed_product_op, (x, transposed.args[0], bias, beta, alpha))
 
 
 def _fuse_rms_norm(graph: torch.fx.Graph, final: torch.fx.Node) -> None:

@@ -363,7 +363,8 @@ class Engine:
             pullback = None
         else:
             program = self.programs.forward_vjp(converted, differentiable)
-            outputs, new_buffers, pullback = program(params, buffers, args, kwargs, rng)
+            outputs, new_buffers, residuals = program(params, buffers, args, kwargs, rng)
+            pullback = (residuals, params)
         if replay is None:
             self._state = self._state.replace(buffers=new_buffers)
         return outputs, pullback
@@ -412,7 +413,25 @@ class Engine:
         )
 
     def backward(self, converted, pullback, cotangents):
-        grads, input_grads = self.programs.backward(converted)(pullback, cotangents, self.scale)
+        residuals, params = pullback
+        updated = [
+            name
+            for name, array in params.items()
+            if isinstance(array, jax.Array) and array.is_deleted()  # (not an abstract engine's)
+        ]
+        if updated:
+            # The update donated the params this forward read (the backward program reads them
+            # as they were, `programs.Residuals`); torch refuses the same order, its saved
+            # weights modified in place by `optimizer.step()`.
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the parameters ({updated[0]!r} among them) were updated "
+                "by optimizer.step() after the forward pass this backward belongs to. Call "
+                "backward() before the step that follows its forward pass."
+            )
+        grads, input_grads = self.programs.backward(converted)(
+            residuals, params, cotangents, self.scale
+        )
         self.accumulate(grads)
         return input_grads
 

@@ -5,7 +5,8 @@ function of its inputs, jitted and compiled once per input signature:
 
 - `forward`: the converted model on compute-dtype params (inference, no gradients);
 - `forward_vjp`: outputs plus the pullback (`jax.vjp` inside jit returns it as a pytree of
-  residuals, so `backward` is compiled once and the residuals stay on device);
+  residuals, so `backward` is compiled once and the residuals stay on device), less the params
+  among them, which `backward` takes as they are (`Residuals`);
 - `loss_and_grads`: forward and backward fused, when the traced model returns its own loss
   (a scalar, `.loss` or `["loss"]`): nothing but the loss crosses into torch;
 - `backward`: the pullback of torch's cotangents, gradients placed per `plan.grads`;
@@ -156,6 +157,42 @@ class Program:
         return len(self._compiled)
 
 
+@jax.tree_util.register_pytree_node_class
+class Residuals:
+    """The forward program's pullback without the params it read: those stay the forward's
+    own arrays (`params`) and are handed to the backward program beside the residuals.
+
+    A jitted program copies every output, an input returned unchanged included: returned in
+    the pullback, every weight an op differentiates through was copied by each forward."""
+
+    def __init__(self, kept, layout):
+        self.kept = kept
+        self.layout = layout  # (the pullback's treedef, ((leaf index, param name), ...))
+
+    @classmethod
+    def of(cls, pullback, params) -> Residuals:
+        leaves, treedef = jax.tree.flatten(pullback)
+        names = {id(value): name for name, value in params.items()}
+        holes = tuple((i, names[id(leaf)]) for i, leaf in enumerate(leaves) if id(leaf) in names)
+        taken = {i for i, _ in holes}
+        kept = [leaf for i, leaf in enumerate(leaves) if i not in taken]
+        return cls(kept, (treedef, holes))
+
+    def pullback(self, params):
+        treedef, holes = self.layout
+        leaves: list[Any] = list(self.kept)
+        for i, name in holes:
+            leaves.insert(i, params[name])
+        return jax.tree.unflatten(treedef, leaves)
+
+    def tree_flatten(self):
+        return (self.kept,), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout, children):
+        return cls(children[0], layout)
+
+
 @jax.custom_jvp
 def _after(value, activations):
     """`value`, computed no earlier than `activations` (an optimization barrier over both)."""
@@ -246,7 +283,10 @@ class StepPrograms:
                 value = _after(value, activations)
             if "params" in self.plan.offloaded:
                 value = jax.device_put(value, self.plan.on_device(self.plan.params[name]))
-            value = jax.lax.with_sharding_constraint(value, gathered)
+            if gathered != self.plan.params[name]:
+                # (Not where the param is read as it is: the constraint would be a new value,
+                # kept for the backward pass as a copy of the param, `Residuals`.)
+                value = jax.lax.with_sharding_constraint(value, gathered)
             if is_float(value) and policy.compute_override is not None:
                 value = value.astype(policy.compute_dtype)
             return value
@@ -311,7 +351,7 @@ class StepPrograms:
 
             diff_args = [a for a, d in zip(args, differentiable) if d]
             outputs, pullback, new_buffers = jax.vjp(f, params, diff_args, has_aux=True)
-            return outputs, new_buffers, pullback
+            return outputs, new_buffers, Residuals.of(pullback, params)
 
         return self._cached(
             ("forward_vjp", id(converted), differentiable),
@@ -337,9 +377,11 @@ class StepPrograms:
         )
 
     def backward(self, converted: Converted) -> Program:
-        """(pullback, cotangents, scale) -> (grads, input grads)."""
+        """(residuals, params, cotangents, scale) -> (grads, input grads); `params`: the
+        arrays the forward program read."""
 
-        def backward(pullback, cotangents, scale):
+        def backward(residuals, params, cotangents, scale):
+            pullback = residuals.pullback(params)
             cotangents = jax.tree.map(
                 lambda c: None if c is None else (c * scale).astype(c.dtype), cotangents
             )

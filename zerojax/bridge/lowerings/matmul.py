@@ -74,7 +74,7 @@ def _low_precision_einsum_backward(spec, operands, cotangent):
 _low_precision_einsum.defvjp(_low_precision_einsum_forward, _low_precision_einsum_backward)
 
 
-def _add_scaled(self, product, beta, alpha):
+def add_scaled(self, product, beta, alpha):
     """beta * self + alpha * product; beta == 0 ignores self (its NaN/inf too), as torch does."""
     if not is_floating(product.dtype):
         # torch casts the scalars to the integer dtype first: 0.6 -> 0.
@@ -118,19 +118,19 @@ def lower_bmm_default(ctx, self, mat2):
 @lowering(aten.addmm.default)
 def lower_addmm_default(ctx, self, mat1, mat2, *, beta=1, alpha=1):
     """beta * self + alpha * (mat1 @ mat2); self broadcasts to the (n, p) result."""
-    return _add_scaled(self, _matrix_product(mat1, mat2, ctx.node.args[2]), beta, alpha)
+    return add_scaled(self, _matrix_product(mat1, mat2, ctx.node.args[2]), beta, alpha)
 
 
 @lowering(aten.addbmm.default)
 def lower_addbmm_default(ctx, self, batch1, batch2, *, beta=1, alpha=1):
     """beta * self + alpha * sum_b(batch1[b] @ batch2[b])."""
-    return _add_scaled(self, matmul_einsum("bij,bjk->ik", batch1, batch2), beta, alpha)
+    return add_scaled(self, matmul_einsum("bij,bjk->ik", batch1, batch2), beta, alpha)
 
 
 @lowering(aten.addmv.default)
 def lower_addmv_default(ctx, self, mat, vec, *, beta=1, alpha=1):
     """beta * self + alpha * (mat @ vec)."""
-    return _add_scaled(self, matmul_einsum("ij,j->i", mat, vec), beta, alpha)
+    return add_scaled(self, matmul_einsum("ij,j->i", mat, vec), beta, alpha)
 
 
 @lowering(aten._trilinear.default)
