@@ -238,6 +238,13 @@ def test_activations():
     check_many(fns, real(4, 5) * 3)
 
 
+def test_relu_gradient_is_torchs_at_zero_and_nan():
+    """Zero at 0 (not jnp.maximum's 0.5) and the incoming gradient at NaN (torch passes it:
+    its backward tests the result for <= 0), bitwise, as torch's threshold_backward."""
+    x = torch.tensor([-1.5, -0.0, 0.0, 2.5, float("nan"), float("inf"), float("-inf")])
+    check_grad(torch.relu, x, rtol=0.0, atol=0.0)
+
+
 def test_gelu_exact_differs_from_tanh():
     """Guards against both modes being lowered to one formula."""
     exact, tanh = check(

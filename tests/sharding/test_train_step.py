@@ -293,7 +293,7 @@ def test_forward_keeps_no_copy_of_a_weight_for_the_backward():
     ResNet-18's 45 MB; nn.Linear's `t(W)`, a small-input convolution's reshaped kernel). The
     backward program reads the forward's own params instead. Nor does it hold a small-input
     convolution's stacked input views (one input copy per kernel offset), which its backward
-    stacks again."""
+    stacks again, nor a zeros array per ReLU."""
     torch.manual_seed(0)
     # A 3x3 pad-1 convolution on 2x2 (the patch form, bridge/lowerings/conv.py), then a Linear.
     module = torch.nn.Sequential(
@@ -314,3 +314,6 @@ def test_forward_keeps_no_copy_of_a_weight_for_the_backward():
     assert not [leaf.shape for leaf in kept if leaf.shape in weights]
     largest_activation = 4 * 8 * 2 * 2  # the patches would be 4 * 3 * 9 * 2 * 2
     assert max(leaf.size for leaf in kept) <= largest_activation, [leaf.shape for leaf in kept]
+    # The ReLU keeps where its input passed (bool), not a zeros array for its derivative.
+    at_relu = [leaf.dtype for leaf in kept if leaf.shape == (4, 8, 2, 2)]
+    assert at_relu == [np.dtype(bool)], at_relu
