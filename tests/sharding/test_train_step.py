@@ -255,9 +255,10 @@ def test_zero3_forward_keeps_no_gathered_weight_for_the_backward():
 def test_zero3_grouped_convolution_runs_per_batch_shard():
     """A convolution whose groups hold several channels each (ResNeXt, RegNet) computes each
     device's own examples: XLA's partitioner gathered its batch-split input onto every device
-    and convolved the whole batch there: every device did the whole batch's work. The gradients are the
-    one-device ones: within torch float32's own error of float64 (zerojax.bridge.lowerings.conv
-    runs it per batch shard; the kernel's gradient is summed over the shards)."""
+    and convolved the whole batch there, every device doing the whole batch's work. The
+    gradients are the one-device ones: within torch float32's own error of float64
+    (zerojax.bridge.lowerings.conv runs it per batch shard; the kernel's gradient is summed over
+    the shards)."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(
         torch.nn.Conv2d(6, 24, 1),

@@ -11,8 +11,8 @@ The XLA references stay outside shard_map: XLA partitions them itself.
 A grouped convolution takes the same path (`on_batch_shards`): the partitioner gathers a
 batch-split input of a convolution whose `feature_group_count` is above 1 and below its input
 channels onto every device and convolves the whole batch there (XLA in jax 0.10, Shardy and
-GSPMD alike), so every device did the whole batch's grouped convolutions and kept their
-full-batch activations for the backward.
+GSPMD alike), so every device did the whole batch's grouped convolutions, forward and backward
+(bench/grouped_conv_sharded.py: a ResNeXt-50 ZeRO-3 step on 8 CPU devices 0.75x as long now).
 """
 
 from __future__ import annotations
