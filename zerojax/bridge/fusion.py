@@ -255,11 +255,10 @@ def _fuse_bmm_broadcast_matrix(graph: torch.fx.Graph, bmm: torch.fx.Node) -> Non
 def _fuse_transposed_product(graph: torch.fx.Graph, product: torch.fx.Node) -> None:
     """mm(x, t(W)) / addmm(b, x, t(W)) with the transpose used by this product alone."""
     if product.target == aten.mm.default:
-        (x, transposed), bias, beta, alpha = product.args, None, 1, 1
+        (x, transposed), bias = product.args, None
     else:
-        _, x, transposed = product.args
-        bias = product.args[0]
-        beta, alpha = product.kwargs.get("beta", 1), product.kwargs.get("alpha", 1)
+        bias, x, transposed = product.args
+    beta, alpha = product.kwargs.get("beta", 1), product.kwargs.get("alpha", 1)
     if not is_matrix_transpose(transposed) or not _only_used_by(transposed, product):
         return
     _replace(graph, product, transposed_product_op, (x, transposed.args[0], bias, beta, alpha))
