@@ -23,28 +23,11 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def interleaved_medians_ms(contenders: dict, repeats: int, warmup: int = 2) -> dict:
-    """name -> median milliseconds of `contenders[name]()`, after `warmup` untimed calls each,
-    timed in turn `repeats` times so that load on the shared machine hits them alike."""
-    for run in contenders.values():
-        for _ in range(warmup):
-            run()
-    times = {name: [] for name in contenders}
-    for _ in range(repeats):
-        for name, run in contenders.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(samples) * 1e3 for name, samples in times.items()}
 
 
 def main() -> None:
@@ -61,6 +44,7 @@ def main() -> None:
 
     import zerojax
     from bench.architectures import gpt2_bench_model
+    from bench.timing import interleaved_medians_ms
 
     torch.manual_seed(0)
     module, (tokens,) = gpt2_bench_model()

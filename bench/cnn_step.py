@@ -11,7 +11,8 @@ stats) on a batch of 8 random 64x64 RGB images, 10 classes, on ONE CPU device:
   4.8M parameters).
 
 Contenders, timed interleaved (one of each per round, so load on the shared machine hits
-them alike), medians of --repeats rounds after untimed warm-up steps:
+them alike; each round starts one contender later, so none always follows the same one),
+medians of --repeats rounds after untimed warm-up steps:
 
 - torch eager, on torch's default thread count (one per core) and on one thread (see
   `torch_step`: on a loaded machine the default can be 20x slower);
@@ -41,8 +42,9 @@ With --phases it also times, interleaved, zerojax's two fused-path programs call
 parts as programs of their own (value_and_grad; the SGD update alone and with zerojax's
 all-finite guard): where zerojax's time over the hand-written step goes.
 
-Prints per net the medians (ms), zerojax / hand-written (the faster layout) and zerojax / torch
-(the faster thread count). With --hlo DIR it also writes the optimized HLO of zerojax's
+Prints per net the medians (ms), zerojax / hand-written (the faster layout by median) as the
+median and quartiles of the per-round ratios (a round's two steps ran close together, so load
+that drifts over the run divides out), and zerojax / torch (the faster thread count). With --hlo DIR it also writes the optimized HLO of zerojax's
 programs and of the hand-written steps there and prints an op census (convolutions,
 transposes, copies, reduces, fusions) of each.
 
@@ -58,6 +60,7 @@ import copy
 import functools
 import os
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -78,7 +81,7 @@ from jax import lax
 from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 
 import zerojax
-from bench.clip_grad_norm import interleaved_medians_ms
+from bench.timing import interleaved_medians_ms, interleaved_times_ms, paired_ratio
 from zerojax.bridge.dtypes import from_torch
 from zerojax.train import optimizers
 
@@ -553,7 +556,8 @@ def bench_net(
                 net_name, base, layout, cpu_conv_forms, x, y
             )
     losses = {name: [float(run()) for _ in range(2)] for name, run in contenders.items()}
-    medians = interleaved_medians_ms(contenders, repeats, warmup=WARMUP - 2)
+    times = interleaved_times_ms(contenders, repeats, warmup=WARMUP - 2, rotate=True)
+    medians = {name: statistics.median(samples) for name, samples in times.items()}
     print(
         f"\n{net_name}: {num_params / 1e6:.2f}M parameters, batch {BATCH}x3x{IMAGE}x{IMAGE}, "
         f"median of {repeats} interleaved rounds, load average {os.getloadavg()[0]:.2f}"
@@ -564,16 +568,17 @@ def bench_net(
     best_layout = min(("hand-written JAX NHWC", "hand-written JAX NCHW"), key=medians.get)
     best_torch = min(("torch eager", "torch eager, 1 thread"), key=medians.get)
     for path in ("zerojax general", "zerojax fused"):
+        ratio, low, high = paired_ratio(times, path, best_layout)
         print(
-            f"  {path}: {medians[path] / medians[best_layout]:.2f}x {best_layout}, "
-            f"{medians[path] / medians[best_torch]:.2f}x {best_torch}"
+            f"  {path}: {ratio:.3f}x {best_layout} (per-round ratios' median; quartiles "
+            f"{low:.3f}-{high:.3f}), {medians[path] / medians[best_torch]:.2f}x {best_torch}"
         )
     if phases:
         # The fastest layout's parts beside zerojax's programs, interleaved again.
         phase_runs = zerojax_phases(copy.deepcopy(base), x, y) | {
             f"{name} ({best_layout[-4:]})": run for name, run in parts[best_layout].items()
         }
-        phase_medians = interleaved_medians_ms(phase_runs, repeats)
+        phase_medians = interleaved_medians_ms(phase_runs, repeats, rotate=True)
         print(f"\nphases, median of {repeats} interleaved rounds")
         print("| phase | ms |\n|---|---|")
         for name, ms in phase_medians.items():

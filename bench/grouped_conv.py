@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torchvision
 
-from bench.clip_grad_norm import interleaved_medians_ms
 from bench.cnn_step import CLASSES, IMAGE, torch_step, zerojax_step
+from bench.timing import interleaved_medians_ms
 from zerojax.bridge.lowerings import conv
 
 SHAPES = [

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import zerojax
 from bench.architectures import gpt2_bench_model
-from bench.clip_grad_norm import interleaved_medians_ms
+from bench.timing import interleaved_medians_ms
 
 OPTIMIZERS = {
     "AdamW (compiled)": lambda p: torch.optim.AdamW(p, lr=1e-4),

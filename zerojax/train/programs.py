@@ -126,6 +126,7 @@ class Program:
         self.name = name
         self._jitted = jax.jit(fn, **jit_options)
         self._compiled: dict[Any, Any] = {}
+        self._by_avals: dict[Any, Any] = {}
         self.last = None
 
     def __call__(self, *args):
@@ -144,12 +145,30 @@ class Program:
         return self._executable(args, *jax.tree.flatten(args))
 
     def _executable(self, args, leaves, treedef):
+        # A step's arguments are mostly the last step's outputs: the same avals and sharding
+        # objects. Looked up by those first (equal avals and equal shardings have equal
+        # signatures), a call skips `_leaf_signature`'s per-leaf work (ConvNeXt's SGD update,
+        # 390 arguments: 0.39 -> 0.09 ms); a miss falls back to the signature, so a program
+        # still compiles once per signature.
+        quick = (
+            treedef,
+            tuple(
+                [
+                    (x.aval, x.sharding) if isinstance(x, jax.Array) else _leaf_signature(x)
+                    for x in leaves
+                ]
+            ),
+        )
+        compiled = self._by_avals.get(quick)
+        if compiled is not None:
+            return compiled
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
         compiled = self._compiled.get(key)
         if compiled is None:
             lowered = self._jitted.lower(*args)
             options = compiler_options(_platform(leaves))
             compiled = self._compiled[key] = lowered.compile(compiler_options=options or None)
+        self._by_avals[quick] = compiled
         return compiled
 
     def num_compiled(self) -> int:
