@@ -318,3 +318,26 @@ def test_forward_keeps_no_copy_of_a_weight_for_the_backward():
     # The ReLU keeps where its input passed (bool), not a zeros array for its derivative.
     at_relu = [leaf.dtype for leaf in kept if leaf.shape == (4, 8, 2, 2)]
     assert at_relu == [np.dtype(bool)], at_relu
+
+
+def test_forward_keeps_one_input_sized_array_per_batch_norm():
+    """A train-mode batch norm hands its backward what torch's keeps: its input and per-channel
+    statistics, not also autodiff's `x - mean` (the backward forms it again). Conv -> BN ->
+    ReLU -> Conv on fresh inputs: the float32 activation-sized residuals are the BN's input
+    and the second conv's input (the ReLU's output), beside the ReLU's boolean mask."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+    )
+    model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
+    engine = model.engine
+    x = torch.randn(4, 3, 6, 6)
+    converted = engine.converted(True, (x,), {})
+    args = (engine.shard_input(from_torch(x)),)
+    _, (residuals, _) = engine.forward(converted, args, {}, differentiable=(False,))
+    kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
+    activations = [leaf.dtype for leaf in kept if leaf.shape == (4, 8, 6, 6)]
+    assert sorted(map(str, activations)) == ["bool", "float32", "float32"], activations
