@@ -341,3 +341,23 @@ def test_forward_keeps_one_input_sized_array_per_batch_norm():
     kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
     activations = [leaf.dtype for leaf in kept if leaf.shape == (4, 8, 6, 6)]
     assert sorted(map(str, activations)) == ["bool", "float32", "float32"], activations
+
+
+def test_forward_keeps_one_input_sized_array_per_layer_norm():
+    """Likewise a layer norm (the jnp form, off GPU): its input and per-row statistics, not
+    also autodiff's centred and normalized rows. Linear -> LayerNorm -> Linear: the
+    activation-sized residuals are the first Linear's input, the norm's input and the second
+    Linear's input (the norm's output)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(
+        torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+    )
+    model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
+    engine = model.engine
+    x = torch.randn(4, 5, 16)
+    converted = engine.converted(True, (x,), {})
+    args = (engine.shard_input(from_torch(x)),)
+    _, (residuals, _) = engine.forward(converted, args, {}, differentiable=(False,))
+    kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
+    activations = [leaf.shape for leaf in kept if leaf.size == x.numel()]
+    assert len(activations) == 3, activations

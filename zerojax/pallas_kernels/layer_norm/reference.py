@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+STATISTICS = "layer_norm_statistics"
+"""The name of the per-row mean and reciprocal standard deviation, which a rematerialized
+layer norm keeps for its backward (`zerojax.pallas_kernels.layer_norm.api`)."""
 
 
 def layer_norm_reference(
@@ -26,11 +31,11 @@ def layer_norm_reference(
     [-1.34, -0.45, 0.45, 1.34]
     """
     xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    mean = checkpoint_name(jnp.mean(xf, axis=-1, keepdims=True), STATISTICS)
     centered = xf - mean
     # Two-pass variance: the row is in memory anyway, and E[x^2] - E[x]^2 cancels badly.
     var = jnp.mean(centered * centered, axis=-1, keepdims=True)
-    y = centered * jax.lax.rsqrt(var + eps)
+    y = centered * checkpoint_name(jax.lax.rsqrt(var + eps), STATISTICS)
     if weight is not None:
         y = y * weight.astype(jnp.float32)
     if bias is not None:
