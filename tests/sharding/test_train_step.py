@@ -343,15 +343,20 @@ def test_forward_keeps_one_input_sized_array_per_batch_norm():
     assert sorted(map(str, activations)) == ["bool", "float32", "float32"], activations
 
 
-def test_forward_keeps_one_input_sized_array_per_layer_norm():
-    """Likewise a layer norm (the jnp form, off GPU): its input and per-row statistics, not
-    also autodiff's centred and normalized rows. Linear -> LayerNorm -> Linear: the
-    activation-sized residuals are the first Linear's input, the norm's input and the second
-    Linear's input (the norm's output)."""
+def _llama_rms_norm(width):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return LlamaRMSNorm(width)
+
+
+@pytest.mark.parametrize("norm", [torch.nn.LayerNorm, _llama_rms_norm], ids=["layer", "rms"])
+def test_forward_keeps_one_input_sized_array_per_row_norm(norm):
+    """Likewise a layer norm or Llama's RMSNorm (their jnp forms, off GPU): the input and
+    per-row statistics, not also autodiff's centred or normalized rows. Linear -> norm ->
+    Linear: the activation-sized residuals are the first Linear's input, the norm's input and
+    the second Linear's input (the norm's output)."""
     torch.manual_seed(0)
-    module = torch.nn.Sequential(
-        torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
-    )
+    module = torch.nn.Sequential(torch.nn.Linear(16, 16), norm(16), torch.nn.Linear(16, 16))
     model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
     engine = model.engine
     x = torch.randn(4, 5, 16)

@@ -16,7 +16,7 @@ from zerojax.pallas_kernels.layer_norm.api import (
     kernel_config,
 )
 from zerojax.pallas_kernels.rms_norm.kernel import rms_norm_backward, rms_norm_forward
-from zerojax.pallas_kernels.rms_norm.reference import rms_norm_reference
+from zerojax.pallas_kernels.rms_norm.reference import STATISTICS, rms_norm_reference
 
 
 def _forward(x, weight, eps, config, interpret, with_stats):
@@ -65,6 +65,21 @@ def _rms_norm_pallas_bwd(eps, config, interpret, residuals, g):
 _rms_norm_pallas.defvjp(_rms_norm_pallas_fwd, _rms_norm_pallas_bwd)
 
 
+@functools.partial(
+    jax.checkpoint,
+    static_argnums=(2,),
+    policy=jax.checkpoint_policies.save_only_these_names(STATISTICS),
+)
+def _rematerialized_reference(x, weight, eps):
+    """The reference, keeping for its backward the input and the per-row reciprocal root mean
+    square, not also autodiff's normalized rows (the backward forms them again, with the same
+    arithmetic), as the layer norm's (`zerojax.pallas_kernels.layer_norm.api`). A 4-layer HF
+    Llama (width 256, batch 8 x 256, fp32, one CPU device): the general path's forward outputs
+    411.1 -> 392.2 MB, the fused program's temporaries 295.3 -> 276.4; steps (interleaved A/B,
+    per-round ratios' medians of 15) general 0.97x, fused 0.97x."""
+    return rms_norm_reference(x, weight, eps=eps)
+
+
 def rms_norm(
     x: jax.Array,
     weight: jax.Array | None = None,
@@ -98,7 +113,7 @@ def rms_norm(
     """
     config = kernel_config(x, implementation, interpret, block_config, weight=weight)
     if config is None:
-        return rms_norm_reference(x, weight, eps=eps)
+        return _rematerialized_reference(x, weight, float(eps))
     rows = x.reshape(-1, x.shape[-1])
     y = _rms_norm_pallas(rows, weight, float(eps), config, bool(interpret))
     return y.reshape(x.shape)

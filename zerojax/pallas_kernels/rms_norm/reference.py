@@ -16,6 +16,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+STATISTICS = "rms_norm_statistics"
+"""The name of the per-row reciprocal root mean square, which a rematerialized RMSNorm keeps
+for its backward (`zerojax.pallas_kernels.rms_norm.api`)."""
 
 
 def rms_norm_reference(
@@ -28,7 +33,8 @@ def rms_norm_reference(
     Array([[1.697, 2.263]], dtype=float32)
     """
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = xf * checkpoint_name(rstd, STATISTICS)
     y = y.astype(x.dtype)  # HF rounds here, before the weight multiply
     if weight is None:
         return y
