@@ -26,6 +26,7 @@ import zerojax
 from tests import tolerances
 from zerojax.config import ActivationCheckpointingConfig, ConfigError, load_config
 from zerojax.config.checks import ConfigWarning
+from zerojax.pallas_kernels.layer_norm.reference import STATISTICS as LAYER_NORM_STATISTICS
 
 WIDTH, BLOCKS, BATCH = 16, 3, 8
 
@@ -126,10 +127,18 @@ def test_module_rules_keep_torch_gradients_and_recompute(policy):
     remat = rules(**{BLOCK_RULE: policy})
     assert_torch_gradients(conv, model, x, remat)
     grad = jax.grad(loss_fn(conv, x, remat))
-    assert str(jax.make_jaxpr(grad)(conv.params)).count("remat2") == BLOCKS
+    # One region per block, beside each LayerNorm's own (off GPU its jnp form is rematerialized
+    # but for its statistics, zerojax/pallas_kernels/layer_norm/api.py), in the plain program too.
+    regions = [
+        eqn
+        for eqn in jax.make_jaxpr(grad)(conv.params).jaxpr.eqns
+        if eqn.primitive.name == "remat2"
+        and LAYER_NORM_STATISTICS not in getattr(eqn.params["policy"], "saveable_names", ())
+    ]
+    assert len(regions) == BLOCKS
     plain = jax.jit(jax.grad(loss_fn(conv, x, None))).lower(conv.params).as_text()
     text = jax.jit(grad).lower(conv.params).as_text()
-    assert "optimization_barrier" not in plain and text.count("optimization_barrier") == BLOCKS
+    assert text.count("optimization_barrier") - plain.count("optimization_barrier") == BLOCKS
     # full recomputes fc1's matmul in each block's backward pass (tanh's output, which fc2's
     # gradient needs, comes from it; fc2's own output is not needed); save_dots keeps it.
     extra = text.count("dot_general") - plain.count("dot_general")

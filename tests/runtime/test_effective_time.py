@@ -84,8 +84,10 @@ def test_restarted_process_reuses_compiled_programs_and_reports_time(tmp_path):
     for name in CATEGORIES:
         assert summary[name] >= 0.0
     assert summary["init"] > 0 and summary["trace_compile"] > 0 and summary["productive"] > 0
-    # Every category is part of the same wall clock.
-    assert sum(summary[name] for name in CATEGORIES) <= summary["wall"] + 1e-3
+    # Every category is part of the same wall clock. The summary rounds each figure to the
+    # millisecond, so the rounded parts may exceed the rounded wall by half a millisecond each.
+    rounding = 0.0005 * (len(CATEGORIES) + 1)
+    assert sum(summary[name] for name in CATEGORIES) <= summary["wall"] + rounding
     # The job timeline `zerojax ett` reads: where the process began, then each update's number.
     assert events[0]["event"] == "process_start" and events[0]["attempt"] == 0
     assert events[0]["process_started"] <= events[0]["clock_start"] <= events[0]["time"]
