@@ -44,9 +44,9 @@ all-finite guard): where zerojax's time over the hand-written step goes.
 
 Prints per net the medians (ms), zerojax / hand-written (the faster layout by median) as the
 median and quartiles of the per-round ratios (a round's two steps ran close together, so load
-that drifts over the run divides out), and zerojax / torch (the faster thread count). With --hlo DIR it also writes the optimized HLO of zerojax's
-programs and of the hand-written steps there and prints an op census (convolutions,
-transposes, copies, reduces, fusions) of each.
+that drifts over the run divides out), and zerojax / torch (the faster thread count). With
+--hlo DIR it also writes the optimized HLO of zerojax's programs and of the hand-written steps
+there and prints an op census (convolutions, transposes, copies, reduces, fusions) of each.
 
 Run: .venv/bin/python bench/cnn_step.py [--repeats N] [--nets resnet18,convnext] [--plain-conv]
      [--phases] [--hlo DIR]

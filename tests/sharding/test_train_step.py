@@ -287,6 +287,17 @@ def test_zero3_grouped_convolution_runs_per_batch_shard():
     assert len(rows) == 4 and set(rows) == {2}, rows
 
 
+def forward_residuals(module, x) -> tuple[list[jax.Array], dict]:
+    """The general path's forward on one device: (the arrays it hands its backward, the params
+    it read)."""
+    model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
+    engine = model.engine
+    converted = engine.converted(True, (x,), {})
+    args = (engine.shard_input(from_torch(x)),)
+    _, (residuals, params) = engine.forward(converted, args, {}, differentiable=(False,))
+    return [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)], params
+
+
 def test_forward_keeps_no_copy_of_a_weight_for_the_backward():
     """The general path (`forward_vjp`, then `backward`): what the forward program hands the
     backward holds no weight, transposed, reshaped or as it is: a jitted program copies each
@@ -303,13 +314,7 @@ def test_forward_keeps_no_copy_of_a_weight_for_the_backward():
         torch.nn.Flatten(),
         torch.nn.Linear(32, 6),
     )
-    model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
-    engine = model.engine
-    x = torch.randn(4, 3, 2, 2)
-    converted = engine.converted(True, (x,), {})
-    args = (engine.shard_input(from_torch(x)),)
-    _, (residuals, params) = engine.forward(converted, args, {}, differentiable=(False,))
-    kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
+    kept, params = forward_residuals(module, torch.randn(4, 3, 2, 2))
     weights = {w.shape for w in params.values()} | {w.shape[::-1] for w in params.values()}
     weights |= {(1, 8, 3, 9), (8, 27)}  # the conv kernel's reshapes
     assert not [leaf.shape for leaf in kept if leaf.shape in weights]
@@ -332,13 +337,7 @@ def test_forward_keeps_one_input_sized_array_per_batch_norm():
         torch.nn.ReLU(),
         torch.nn.Conv2d(8, 8, 3, padding=1),
     )
-    model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
-    engine = model.engine
-    x = torch.randn(4, 3, 6, 6)
-    converted = engine.converted(True, (x,), {})
-    args = (engine.shard_input(from_torch(x)),)
-    _, (residuals, _) = engine.forward(converted, args, {}, differentiable=(False,))
-    kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
+    kept, _ = forward_residuals(module, torch.randn(4, 3, 6, 6))
     activations = [leaf.dtype for leaf in kept if leaf.shape == (4, 8, 6, 6)]
     assert sorted(map(str, activations)) == ["bool", "float32", "float32"], activations
 
@@ -357,12 +356,7 @@ def test_forward_keeps_one_input_sized_array_per_row_norm(norm):
     the second Linear's input (the norm's output)."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(16, 16), norm(16), torch.nn.Linear(16, 16))
-    model, _ = wrap(module, {"mesh": {"data": 1}}, devices=jax.devices()[:1])
-    engine = model.engine
     x = torch.randn(4, 5, 16)
-    converted = engine.converted(True, (x,), {})
-    args = (engine.shard_input(from_torch(x)),)
-    _, (residuals, _) = engine.forward(converted, args, {}, differentiable=(False,))
-    kept = [leaf for leaf in jax.tree.leaves(residuals) if isinstance(leaf, jax.Array)]
+    kept, _ = forward_residuals(module, x)
     activations = [leaf.shape for leaf in kept if leaf.size == x.numel()]
     assert len(activations) == 3, activations

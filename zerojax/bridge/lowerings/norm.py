@@ -119,8 +119,8 @@ def _batch_norm_train(input, weight, bias, eps):
     MB. The recomputation is kept from XLA's common-subexpression elimination (jax.checkpoint's
     default): with `prevent_cse=False` the fused program keeps the forward's differences after
     all (1,072 MB) and the general path's backward holds its recomputed ones at once (439 -> 667
-    MB). Time: ResNet-18's fused program
-    +4.6% (38.3 -> 39.9 ms), its general-path step -2.6% (bench/cnn_step.py's net)."""
+    MB). Time: ResNet-18's fused program +4.6% (38.3 -> 39.9 ms), its general-path step -2.6%
+    (bench/cnn_step.py's net)."""
     x = input.astype(_compute_dtype(input))
     axes = (0, *range(2, input.ndim))
     mean, var, _ = _moments(x, axes)
