@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all test-distributed test-other-cpu test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context bench-offload lint docs clean
+.PHONY: demo gpu-check test test-all test-gpu-stack test-distributed test-other-cpu test-torch-2.11 test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context bench-offload lint docs clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,17 +40,20 @@ test-all: $(STAMP)
 test-distributed: $(STAMP)
 	$(PY) -m pytest -q -m slow tests/distributed tests/integrations --durations=10
 
-# The default suite on a newer torch, each in its own venv (.venv-torch-2.14, ...) with the dev
-# extra and the torchvision of that release. torch 2.14.1 (a CUDA build; it runs on CPU) lies on
-# local disk and CI runs `make test-torch-2.14`; torch 2.15 is a multi-GB download from the
+# The default suite on another torch, each in its own venv (.venv-torch-2.11, ...) with the dev
+# extra and the torchvision of that release. torch 2.11.0 is the oldest admitted, what GPU images
+# hold (+cu130): a 2.4 GB download from the registry (its CUDA libraries included; about 2
+# minutes here), and CI runs `make test-torch-2.11`. torch 2.14.1 (a CUDA build; it runs on CPU)
+# lies on local disk and CI runs `make test-torch-2.14`; torch 2.15 is a multi-GB download from the
 # registry past this machine's pip constraint (torch<=2.14.1; PIP_CONSTRAINT=/dev/null lifts it
 # for that one install), so it is not in CI. No torchvision is made for 2.15 yet: pip takes the
 # newest that admits it (0.29.2, built for 2.14; tools/cpu_torchvision.py covers its extension
 # failing to load).
+TORCH_2.11 := torch==2.11.0 'torchvision==0.26.*'
 TORCH_2.14 := torch==2.14.1 torchvision==0.29.1
 TORCH_2.15 := 'torch==2.15.*' torchvision
 PIP_ENV_2.15 := PIP_CONSTRAINT=/dev/null
-TORCH_RELEASES := 2.14 2.15
+TORCH_RELEASES := 2.11 2.14 2.15
 $(TORCH_RELEASES:%=.venv-torch-%/.installed): .venv-torch-%/.installed: pyproject.toml tools/cpu_torchvision.py
 	test -x .venv-torch-$*/bin/python || $(PYTHON) -m venv .venv-torch-$*
 	.venv-torch-$*/bin/python -m pip install --quiet --upgrade pip
@@ -62,6 +65,21 @@ $(TORCH_RELEASES:%=.venv-torch-%/.installed): .venv-torch-%/.installed: pyprojec
 
 $(TORCH_RELEASES:%=test-torch-%): test-torch-%: .venv-torch-%/.installed
 	.venv-torch-$*/bin/python -m pytest -q -n 2 --durations=15
+
+# The default suite on the stack of a typical GPU image, run on this CPU: Python 3.12, torch
+# 2.11.0, jax 0.11.2 (the newest jax; it needs Python >= 3.12, which pyenv holds here). The
+# venv is .venv-gpu-stack (a 2.4 GB torch download, about 2 minutes); CI runs it.
+PYTHON_3.12 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+GPU_STACK := torch==2.11.0 'torchvision==0.26.*' 'jax==0.11.*' 'jaxlib==0.11.*'
+.venv-gpu-stack/.installed: pyproject.toml tools/cpu_torchvision.py
+	test -x .venv-gpu-stack/bin/python || $(PYTHON_3.12) -m venv .venv-gpu-stack
+	.venv-gpu-stack/bin/python -m pip install --quiet --upgrade pip
+	.venv-gpu-stack/bin/python -m pip install --quiet $(GPU_STACK) -e '.[dev]'
+	$(call install_torchvision_hook,.venv-gpu-stack/bin/python)
+	touch $@
+
+test-gpu-stack: .venv-gpu-stack/.installed
+	.venv-gpu-stack/bin/python -m pytest -q -n 2 --durations=15
 
 # The default suite as another x86-64 CPU computes it, to catch tolerances fitted to this one:
 # XLA codegen capped at OTHER_CPU_ISA (AVX2 is an AMD EPYC / pre-AVX-512 Intel; SSE4_2 is
@@ -131,6 +149,20 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m '' tests/test_docs.py
 
+# The GPU check (tools/gpu_check): kernels, the GPT-2 train step against torch eager,
+# torch.compile and hand-written JAX, planned vs measured memory, host offload, checkpoints;
+# a report in GPU_CHECK_OUT. On a GPU machine it runs from this source tree with the machine's
+# own python3, torch and jax, installing nothing (docs/benchmarks.md). `make gpu-check CPU=1`
+# runs the same code paths on this CPU, tiny and with the Pallas kernels interpreted (CI).
+GPU_CHECK_OUT ?= gpu_check_report
+ifeq ($(CPU),1)
+gpu-check: $(STAMP)
+	$(PY) -m tools.gpu_check --cpu --out $(GPU_CHECK_OUT)
+else
+gpu-check:
+	PYTHONPATH=. python3 -m tools.gpu_check --out $(GPU_CHECK_OUT)
+endif
+
 # ruff with the rule set in pyproject.toml, the formatter's check, mypy over the public API.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check zerojax tests bench tools examples
@@ -138,4 +170,4 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) .venv-torch-* build *.egg-info site docs/configuration.md
+	rm -rf $(VENV) $(BENCH_VENV) .venv-torch-* .venv-gpu-stack build *.egg-info site docs/configuration.md
