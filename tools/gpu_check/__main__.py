@@ -28,7 +28,7 @@ SECTIONS = {
     "kernels": (110, 50),
     "train_step": (150, 50),
     "memory": (80, 30),
-    "offload": (60, 20),
+    "offload": (60, 25),
     "checkpoints": (40, 15),
 }
 GRACE_S = 15  # after SIGTERM, a section writes what it has measured; then SIGKILL

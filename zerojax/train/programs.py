@@ -22,12 +22,12 @@ reduces them into shards), new params -> `plan.params`; the optimizer state stay
 
 Offload (config `offload`) is where arrays live too: state on its ZeRO sharding in pinned host
 memory. With the optimizer state and masters offloaded (or no masters) the update's
-element-wise step runs on the host, under `compute_on("device_host")` on the host shards: new
-params (in their dtype) come out, and the device never holds the state
-(`StepPrograms._host_update`). With only one of them offloaded the update moves each offloaded
-shard to its device and back (`moved_state`). Offloaded gradients leave the backward pass one
-transfer each (`as_grads`), accumulate on the host (`HOST_GRADIENT_OPS`) and are unscaled and
-clipped there, the overflow check and the norm read from device copies
+element-wise step runs on the host, as an XLA host computation on the host shards
+(`zerojax.compat.jax_api.on_host`): new params (in their dtype) come out, and the device never
+holds the state (`StepPrograms._host_update`). With only one of them offloaded the update moves
+each offloaded shard to its device and back (`moved_state`). Offloaded gradients leave the
+backward pass one transfer each (`as_grads`), accumulate on the host (`HOST_GRADIENT_OPS`) and
+are unscaled and clipped there, the overflow check and the norm read from device copies
 (`_gradient_checks`). Offloaded params are brought in where an op reads them (`apply`'s
 `param_use`), inside that op's rematerialized region. The arithmetic is the non-offloaded
 update's either way (`_stepped`), so on CPU results are bitwise the same.
@@ -47,10 +47,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted
+from zerojax.compat.jax_api import on_host
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.parallel import ExpertLoadLog
@@ -229,7 +229,7 @@ def _after_jvp(primals, tangents):
 def _cast_on_host(array, dtype):
     if array.dtype == dtype:
         return array
-    return compute_on("device_host")(jax.jit(lambda a: a.astype(dtype)))(array)
+    return on_host(lambda a: a.astype(dtype))(array)
 
 
 def _platform(leaves) -> str:
@@ -425,8 +425,8 @@ class StepPrograms:
         adam_kernel = self._fused_adam_update() if spec.family == "adam" else None
 
         def update(params, master, opt_state, grads, hyper, loss_scale):
-            on_host = self.updates_on_host(master)
-            if not on_host:
+            host_update = self.updates_on_host(master)
+            if not host_update:
                 master, opt_state = self.moved_state(master, opt_state, to_host=False)
             scale = None if loss_scale is None else loss_scale["scale"]
             if "grads" in plan.offloaded:
@@ -448,7 +448,7 @@ class StepPrograms:
                 if loss_scale is not None
                 else None
             )
-            if on_host:
+            if host_update:
                 new_params, new_master, new_state = self._host_update(
                     spec, params, master, opt_state, grads, hyper, finite, scale, clip_coef
                 )
@@ -500,8 +500,8 @@ class StepPrograms:
         self, spec, params, master, opt_state, grads, hyper, finite, scale=None, clip_coef=None
     ):
         """(new params: on the device, or on the host under parameter offload; new master and
-        optimizer state in host memory): the element-wise optimizer step computed under
-        `compute_on("device_host")` on the host-resident shards, so the device never holds
+        optimizer state in host memory): the element-wise optimizer step computed as an XLA
+        host computation (`on_host`) on the host-resident shards, so the device never holds
         optimizer state or master weights.
 
         What crosses: each fp32 gradient shard in, unless gradient offload has it there already
@@ -551,8 +551,7 @@ class StepPrograms:
                 optimizers.adam_bias_corrections(steps, hyper_arrays),
             )
 
-        @compute_on("device_host")
-        @jax.jit
+        @on_host
         def step_on_host(weights, grads, opt_state, hyper, finite, scale, coef, corrections):
             if scale is not None or coef is not None:  # host gradients, as the device does it
                 grads = unscaled(grads, scale)
@@ -700,7 +699,7 @@ class GradientOps(NamedTuple):
 
 
 def _on_host(fn):
-    return jax.jit(compute_on("device_host")(jax.jit(fn)))
+    return jax.jit(on_host(fn))
 
 
 DEVICE_GRADIENT_OPS = GradientOps(jax.jit(_add), jax.jit(_add_scaled), jax.jit(_scale))
@@ -752,5 +751,5 @@ def clip_host_grads(grads, scale, max_norm, norm_type: float, on_device: tuple):
         clip_coefficient(norm, max_norm),
         NamedSharding(mesh, PartitionSpec(), memory_kind=HOST_MEMORY_KIND),
     )
-    scaled = compute_on("device_host")(jax.jit(_scale))(grads, coef)
+    scaled = on_host(_scale)(grads, coef)
     return scaled, norm
