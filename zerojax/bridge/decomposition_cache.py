@@ -40,6 +40,8 @@ import jax
 import torch
 import torch.utils._pytree as torch_pytree
 
+from zerojax.compat.torch_export import serialize_without_weights
+
 log = logging.getLogger("zerojax")
 
 FORMAT = 2
@@ -157,13 +159,7 @@ def _save(
     0.4 s for the bench GPT-2, as long as decomposing. Written atomically, and only if loading
     it back gives the same graph as the lowerings read it (the serializer gives every view a
     storage offset of 0: a graph with `as_strided`, whose lowering reads them, is not cached)."""
-    # Imported here: torch's serializer pulls in torch._dynamo (~1 s), which `import zerojax`
-    # should not pay for; the first capture imports most of it anyway.
-    from torch._export.serde.serialize import ExportedProgramSerializer
-
-    serialized = ExportedProgramSerializer().serialize(
-        decomposed, serialize_state_dict=False, serialize_example_inputs=False
-    )
+    serialized = serialize_without_weights(decomposed)
     # The serializer drops views' storage offsets; only `as_strided` reads them.
     offsets = any(node.target in _READS_STORAGE_OFFSET for node in decomposed.graph.nodes)
     loaded = _deserialize(serialized, exported)

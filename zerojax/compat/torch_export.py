@@ -1,0 +1,54 @@
+"""torch 2.11 to 2.15: the parts of torch.export that zerojax uses whose API differs.
+
+- Serializing a program without its weights (the capture cache, `bridge/decomposition_cache`).
+  torch >= 2.12's `ExportedProgramSerializer.serialize` takes `serialize_state_dict=False` and
+  `serialize_example_inputs=False`; torch 2.11's always serializes both, with `torch.save`,
+  which for a 124M-parameter model is half a gigabyte per cache entry. There the program is
+  handed over with its weights as meta tensors (names, shapes and dtypes; no bytes) and no
+  example inputs: the cache reads neither (a loaded entry takes the fresh capture's).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import torch
+
+
+@functools.cache
+def _serializer_takes_parts() -> bool:
+    # Imported here: torch's serializer pulls in torch._dynamo (~1 s), which `import zerojax`
+    # should not pay for.
+    from torch._export.serde.serialize import ExportedProgramSerializer
+
+    return (
+        "serialize_state_dict" in inspect.signature(ExportedProgramSerializer.serialize).parameters
+    )
+
+
+def serialize_without_weights(program: torch.export.ExportedProgram):
+    """torch.export's serialized form of `program` (`_SerializedProgram`): the graph, its
+    signature and constants, without the weights' or the example inputs' bytes."""
+    from torch._export.serde.serialize import ExportedProgramSerializer
+
+    serializer = ExportedProgramSerializer()
+    if _serializer_takes_parts():
+        return serializer.serialize(
+            program, serialize_state_dict=False, serialize_example_inputs=False
+        )
+    light = copy.copy(program)  # shallow: the graph module is shared, only these two are replaced
+    light._state_dict = {name: _on_meta(tensor) for name, tensor in program.state_dict.items()}
+    light._example_inputs = None
+    return serializer.serialize(light)
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    meta = tensor.detach().to("meta")
+    # The verifier checks that a parameter input's state_dict entry is a Parameter.
+    return (
+        torch.nn.Parameter(meta, tensor.requires_grad)
+        if isinstance(tensor, torch.nn.Parameter)
+        else meta
+    )
