@@ -11,8 +11,18 @@ import logging
 from pathlib import Path
 
 import jax
+import jax.experimental.pallas.fuser  # jax 0.11.2 registers a tracing flag on its first use
 import pytest
 import torch
+
+try:  # jax >= 0.11: Pallas Triton lowers only for a GPU it knows; lower for an H100 from CPU
+    from jax._src.pallas.triton import gpu_info as _gpu_info
+
+    _gpu_info.registry.setdefault(
+        "cpu", lambda: _gpu_info.get_gpu_info_from_version(_gpu_info.GpuVersion.H100)
+    )
+except ImportError:  # jax 0.10 assumes compute capability 9.0 when no GPU is present
+    pass
 
 from tools.cpu_torchvision import define_missing_schemas
 from zerojax.runtime.compilation_cache import enable_compilation_cache

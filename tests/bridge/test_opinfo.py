@@ -575,6 +575,9 @@ def test_tables_name_real_entries():
         *table.TIED_INDEX_OUTPUTS,
     ]
     names = {key[0] if isinstance(key, tuple) else key for key in keys} | table.BF16_ENTRIES
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 12):
+        # OpInfo entries torch added after 2.11 (this torch's database cannot name them).
+        names -= {"bmm.triton_optimized", "native_group_norm"}
     assert sorted(names - set(ENTRIES)) == []
 
 

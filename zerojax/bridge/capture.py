@@ -38,6 +38,7 @@ from zerojax.bridge.value_inputs import (
     mark_value_known,
     reads_values_on_host,
 )
+from zerojax.compat.torch_export import correct_recorded_values
 
 aten = torch.ops.aten
 log = logging.getLogger("zerojax")
@@ -142,6 +143,7 @@ def capture(
                 f"what torch.export can trace (no data-dependent Python control flow, no "
                 f"untraceable calls). torch's reason:\n{reason}"
             ) from error
+    correct_recorded_values(decomposed.graph_module.graph)
     if drop_assertions(decomposed.graph_module.graph):
         decomposed.graph_module.recompile()
     return decomposed

@@ -6,6 +6,11 @@
   which for a 124M-parameter model is half a gigabyte per cache entry. There the program is
   handed over with its weights as meta tensors (names, shapes and dtypes; no bytes) and no
   example inputs: the cache reads neither (a loaded entry takes the fresh capture's).
+- Values torch records wrongly. torch 2.11's fake kernel of `aten.bincount` with weights
+  records an int64 result, where eager torch returns the weights' floating dtype; the
+  interpreter casts each lowering's result to the recorded dtype, so the weighted counts would
+  be truncated to integers without a word. `correct_recorded_values` fixes such records in a
+  captured graph (on later torch nothing matches).
 """
 
 from __future__ import annotations
@@ -52,3 +57,20 @@ def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, torch.nn.Parameter)
         else meta
     )
+
+
+def correct_recorded_values(graph: torch.fx.Graph) -> None:
+    """Replace the value metadata that a torch release records wrongly (see the module
+    docstring) by what eager torch computes."""
+    for node in graph.nodes:
+        if node.target is not torch.ops.aten.bincount.default:
+            continue
+        weights = node.kwargs.get("weights", node.args[1] if len(node.args) > 1 else None)
+        recorded = node.meta.get("val")
+        if weights is None or recorded is None or recorded.dtype.is_floating_point:
+            continue
+        # ATen's bincount: float weights give their dtype, any other weights give double.
+        weights_dtype = weights.meta["val"].dtype
+        dtype = weights_dtype if weights_dtype.is_floating_point else torch.float64
+        with recorded.fake_mode:
+            node.meta["val"] = recorded.to(dtype)

@@ -45,6 +45,8 @@ _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 _LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _DIMENSIONS = re.compile(r"dimensions=\{(\d+)\}")
+# jax >= 0.11 (jax_use_rgv3): groups named by mesh axes, `mesh['node'=2,'local'=4] {'local'}`.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 def all_to_all_bytes_per_axis(hlo_text: str, mesh: Mesh) -> dict[str, float]:
@@ -107,6 +109,15 @@ def _replica_groups(line: str, num_devices: int) -> list[list[int]]:
         if iota.group(4):
             ids = ids.transpose([int(p) for p in iota.group(4).split(",")])
         return ids.reshape(count, size).tolist()
+    by_axes = _MESH_GROUPS.search(line)
+    if by_axes is not None:
+        axes = re.findall(r"'([^']+)'=(\d+)", by_axes.group(1))
+        names = [name for name, _ in axes]
+        ids = np.arange(num_devices).reshape([int(size) for _, size in axes])
+        grouped = [names.index(a) for a in re.findall(r"'([^']+)'", by_axes.group(2))]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        size = math.prod(ids.shape[i] for i in grouped)
+        return ids.transpose(rest + grouped).reshape(-1, size).tolist()
     if listed is not None:  # replica_groups={}: one group of every device
         return [list(range(num_devices))]
     raise ValueError(f"all-to-all replica groups not understood: {line}")

@@ -17,7 +17,7 @@ storing `lse = +inf` for them, so the backward recomputes P = exp(-inf) = 0 ther
 Dropout regenerates its keep mask from `reference.dropout_keep` (a counter-based hash), so the
 three kernels and the reference agree bit for bit on which weights are dropped.
 
-All matmuls accumulate in fp32 (`plgpu.dot`), the softmax runs in fp32, outputs are stored in
+All matmuls accumulate in fp32 (`tile_dot`), the softmax runs in fp32, outputs are stored in
 the input dtype.
 """
 
@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from zerojax.compat.jax_api import tile_dot
 from zerojax.pallas_kernels.flash_attention.reference import dropout_keep
 
 
@@ -45,7 +46,7 @@ def _masked_scores(
     kv_segment_ids,
 ):
     """Scaled fp32 scores of one [block_q, block_k] tile with -inf where attention is masked."""
-    scores = plgpu.dot(q, k, trans_b=True) * scale
+    scores = tile_dot(q, k, trans_b=True) * scale
     allowed = None
     if mask_block is not None:
         if mask_block.dtype == jnp.int8:  # a boolean mask, shipped as int8 (1 = attend)
@@ -134,7 +135,7 @@ def flash_attention_forward_kernel(
                 dropout_p=dropout_p,
             )
         v = v_ref[k_slice, :]
-        acc = correction[:, None] * acc + plgpu.dot(weights.astype(v.dtype), v)
+        acc = correction[:, None] * acc + tile_dot(weights.astype(v.dtype), v)
         return acc, new_max, row_sum
 
     num_k_blocks = seq_k // block_k
@@ -208,7 +209,7 @@ def flash_attention_dkdv_kernel(
             kv_segment_ids=kv_segment_ids,
         )
         weights = jnp.exp(scores - lse_ref[group, q_slice][:, None])  # P, exact softmax
-        d_weights = plgpu.dot(do, v, trans_b=True)  # dP of the dropped weights
+        d_weights = tile_dot(do, v, trans_b=True)  # dP of the dropped weights
         if dropout_p > 0.0:
             drop = functools.partial(
                 _dropped,
@@ -222,10 +223,10 @@ def flash_attention_dkdv_kernel(
             dropped_weights, d_weights = drop(weights), drop(d_weights)
         else:
             dropped_weights = weights
-        dv = dv + plgpu.dot(dropped_weights.astype(do.dtype), do, trans_a=True)
+        dv = dv + tile_dot(dropped_weights.astype(do.dtype), do, trans_a=True)
         # dS = P * (dP - delta), delta = rowsum(dO * O) (FlashAttention-2, eq. in section 3.1).
         d_scores = weights * (d_weights - delta_ref[group, q_slice][:, None])
-        dk = dk + plgpu.dot(d_scores.astype(q.dtype), q, trans_a=True)
+        dk = dk + tile_dot(d_scores.astype(q.dtype), q, trans_a=True)
         return dk, dv
 
     # Causal: q blocks entirely before this key block never see it.
@@ -296,7 +297,7 @@ def flash_attention_dq_kernel(
             kv_segment_ids=None if kv_segment_ref is None else kv_segment_ref[k_slice],
         )
         weights = jnp.exp(scores - lse[:, None])
-        d_weights = plgpu.dot(do, v_ref[k_slice, :], trans_b=True)
+        d_weights = tile_dot(do, v_ref[k_slice, :], trans_b=True)
         if dropout_p > 0.0:
             d_weights = _dropped(
                 d_weights,
@@ -310,7 +311,7 @@ def flash_attention_dq_kernel(
         d_scores = weights * (d_weights - delta[:, None])
         if dbias_ref is not None:
             dbias_ref[:, k_slice] = d_scores
-        return dq + plgpu.dot(d_scores.astype(k.dtype), k)
+        return dq + tile_dot(d_scores.astype(k.dtype), k)
 
     num_k_blocks = seq_k // block_k
     if causal:

@@ -37,6 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from zerojax.compat.jax_api import tile_dot
+
 
 def _tile_start(index, block_vocab: int, vocab: int):
     """First column of vocabulary tile `index`; the last tile is clamped to end at vocab."""
@@ -56,7 +58,7 @@ def _logits_tile(h_ref, w_ref, b_ref, rows, start, *, block_vocab: int, block_di
         d_slice = pl.ds(pl.multiple_of(k * block_dim, block_dim), block_dim)
         h = h_ref[rows, d_slice]
         w = w_ref[pl.ds(start, block_vocab), d_slice]
-        return acc + pl.dot(h, w, trans_b=True)
+        return acc + tile_dot(h, w, trans_b=True)
 
     acc = jnp.zeros((block_tokens, block_vocab), jnp.float32)
     z = lax.fori_loop(0, dim // block_dim, body, acc)
@@ -172,7 +174,7 @@ def linear_cross_entropy_dh_kernel(
             d_slice = pl.ds(pl.multiple_of(k * block_dim, block_dim), block_dim)
             w = w_ref[pl.ds(start, block_vocab), d_slice]
             # Same pointers for the load and the store: each thread re-reads what it wrote.
-            dh_ref[:, d_slice] = dh_ref[:, d_slice] + pl.dot(dz, w)
+            dh_ref[:, d_slice] = dh_ref[:, d_slice] + tile_dot(dz, w)
 
         lax.fori_loop(0, n_dim, dim_body, None)
 
@@ -226,7 +228,7 @@ def linear_cross_entropy_dw_kernel(
         def dim_body(k, _):
             d_slice = pl.ds(pl.multiple_of(k * block_dim, block_dim), block_dim)
             h = h_ref[t_slice, d_slice]
-            dw_ref[:, d_slice] = dw_ref[:, d_slice] + pl.dot(dz_in, h, trans_a=True)
+            dw_ref[:, d_slice] = dw_ref[:, d_slice] + tile_dot(dz_in, h, trans_a=True)
 
         lax.fori_loop(0, n_dim, dim_body, None)
         return db + jnp.sum(dz, axis=0)
