@@ -504,6 +504,10 @@ def test_clamp():
         "tensor_max": lambda x, i, lo, hi, nan: torch.clamp(x, max=hi),
         "tensor_nan_min": lambda x, i, lo, hi, nan: torch.clamp(x, min=nan),
     }
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 12):
+        # torch 2.11's eager clamp ignores a NaN *scalar* bound (a tensor NaN bound gives NaN);
+        # torch >= 2.12 gives NaN for both, and so does zerojax on every torch.
+        del fns["nan_min"]
     x = torch.cat([real(9), torch.tensor([NAN, INF, -INF])]).reshape(3, 4)
     nan = torch.tensor([NAN, 0.0, 0.0, 0.0])
     check_many(fns, x, ints(3, 4), real(4) - 1, real(3, 1) + 1, nan)
