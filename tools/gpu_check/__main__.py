@@ -89,7 +89,7 @@ def run_section(name: str, cpu: bool, seconds: float, log) -> SectionReport:
             report = SectionReport.from_json(json.loads(out_json.read_text()))
         else:
             report = SectionReport(name)
-        if process.returncode and report.error is None:
+        if process.returncode and report.error is None and report.incomplete is None:
             report.error = (
                 f"the section's process exited with status {process.returncode} after "
                 f"{elapsed:.0f} s (its output is in gpu_check.log)"
@@ -165,6 +165,8 @@ def print_summary(header: dict, reports: list[SectionReport], out: Path) -> None
             status = (
                 f"FAILED: {', '.join(failed)}" if failed else f"{len(report.checks)} checks passed"
             )
+            if report.incomplete:
+                status += f" (incomplete: {report.incomplete})"
         missed = [t.name for t in report.targets if not t.met]
         print(
             f"  {report.section:12} {status}"

@@ -57,6 +57,9 @@ class SectionReport:
     targets: list[Target] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None  # a crash of the section: set by the runner
+    # Why the section stopped before its end (its time was up): what it measured is kept, and a
+    # check it did not reach is neither passed nor failed.
+    incomplete: str | None = None
     skipped: str | None = None  # why the section did not run (no time left, ...)
     seconds: float | None = None  # the section's wall time, set by the runner
 
@@ -113,6 +116,8 @@ def markdown(header: dict, reports: list[SectionReport]) -> str:
             lines += [f"Wall time {report.seconds:.1f} s.", ""]
         if report.error:
             lines += ["**Crashed:**", "", "```", report.error.strip()[-3000:], "```", ""]
+        if report.incomplete:
+            lines += [f"**Incomplete:** {report.incomplete}", ""]
         for table in report.tables:
             lines += [f"**{table.title}**", ""]
             lines += ["| " + " | ".join(table.columns) + " |"]

@@ -32,7 +32,7 @@ def main() -> int:
             json.dump(report.to_json(), f)
 
     def stopped(signum, frame):
-        report.error = f"stopped after its {args.seconds:.0f} s (what it had measured is kept)"
+        report.incomplete = f"stopped when its {args.seconds:.0f} s were up"
         write()
         sys.exit(124)
 
