@@ -34,19 +34,6 @@ def _inputs():
     return ids, torch.randn(2, 3, 2)
 
 
-TORCH_2_12 = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 12)
-
-
-@pytest.mark.skipif(TORCH_2_12, reason="torch >= 2.12 decomposes this graph")
-def test_torch_2_11_refusing_the_check_is_a_capture_error_naming_the_model():
-    """torch 2.11's `run_decompositions` itself fails on this graph (plain torch, no zerojax:
-    `torch.export.export(model, args).run_decompositions()` raises "... is not tracked with
-    proxy"); zerojax says which model, and torch's reason."""
-    with pytest.raises(zerojax.CaptureError, match="(?s)ChecksTokenCount.*not tracked with proxy"):
-        capture(ChecksTokenCount(), _inputs(), {}, train=False)
-
-
-@pytest.mark.skipif(not TORCH_2_12, reason="torch 2.11's run_decompositions fails on this graph")
 def test_assert_only_chain_is_dropped_and_the_model_runs_under_jit():
     ids, x = _inputs()
     graph = capture(ChecksTokenCount(), (ids, x), {}, train=False).graph_module.graph

@@ -5,6 +5,7 @@ branch runs somewhere.
     .venv/bin/python -m pytest -q tests/compat/test_torch_export.py
 """
 
+import pytest
 import torch
 from torch import nn
 
@@ -35,3 +36,14 @@ def test_a_program_serializes_without_the_bytes_of_its_weights():
     # The program itself is left as it was.
     assert all(t.device.type == "cpu" for t in program.state_dict.values())
     assert program.example_inputs is not None
+
+
+def test_exporting_leaves_torch_as_it_found_it():
+    """Under torch 2.11 the tensor check is a no-op only while torch.export traces (a model run
+    eagerly afterwards still raises); on later torch nothing is touched."""
+    check_tensor_all = torch._check_tensor_all
+    with torch_export.exporting():
+        assert (torch._check_tensor_all is check_tensor_all) == torch_export.TORCH_2_12
+    assert torch._check_tensor_all is check_tensor_all
+    with pytest.raises(RuntimeError):
+        torch._check_tensor_all(torch.tensor([True, False]))

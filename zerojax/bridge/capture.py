@@ -38,7 +38,7 @@ from zerojax.bridge.value_inputs import (
     mark_value_known,
     reads_values_on_host,
 )
-from zerojax.compat.torch_export import correct_recorded_values
+from zerojax.compat.torch_export import correct_recorded_values, exporting
 
 aten = torch.ops.aten
 log = logging.getLogger("zerojax")
@@ -128,6 +128,7 @@ def capture(
                 tagging_checkpoint_calls(),
                 _keeping_autocast_state(),
                 _warning_on_host_random_draws(module),
+                exporting(),
             ):
                 exported = torch.export.export(module, args, kwargs, strict=False)
             with warnings.catch_warnings():
@@ -223,7 +224,7 @@ def _host_reads(module, args, kwargs, candidates) -> set[str]:
     marked_args, marked_kwargs = mark_value_known(args, kwargs, candidates, tag=True)
     fold = FoldConstants()
     try:
-        with fold, _quiet_failure(), tagging_checkpoint_calls():
+        with fold, _quiet_failure(), tagging_checkpoint_calls(), exporting():
             torch.export.export(module, marked_args, marked_kwargs, strict=False)
     except Exception:  # noqa: BLE001 - any failure: specialising would not help
         return set()
@@ -234,7 +235,7 @@ def _exports(module, args, kwargs, value_inputs) -> bool:
     """Whether specialising on `value_inputs` captures a graph with no host read left."""
     marked_args, marked_kwargs = mark_value_known(args, kwargs, value_inputs)
     try:
-        with FoldConstants(), _quiet_failure(), tagging_checkpoint_calls():
+        with FoldConstants(), _quiet_failure(), tagging_checkpoint_calls(), exporting():
             exported = torch.export.export(module, marked_args, marked_kwargs, strict=False)
     except Exception:  # noqa: BLE001 - any failure means "not without these"
         return False

@@ -11,15 +11,39 @@
   interpreter casts each lowering's result to the recorded dtype, so the weighted counts would
   be truncated to integers without a word. `correct_recorded_values` fixes such records in a
   captured graph (on later torch nothing matches).
+- Tensor checks. torch 2.11's torch.export records `torch._check_tensor_all(cond)` (Hugging
+  Face LLaVA's and Qwen2-VL's input checks) as a chain that its own re-trace then fails on
+  ("... is not tracked with proxy"), so such a model did not capture at all. zerojax drops
+  runtime assertions from the captured graph anyway (`bridge/assertions.py`: a jitted program
+  cannot raise), so under torch 2.11 `exporting()` makes the check a no-op while torch.export
+  traces: the graph is the one later torch gives after the assertions are dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 
 import torch
+
+TORCH_2_12 = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 12)
+
+
+@contextlib.contextmanager
+def exporting():
+    """Around a `torch.export.export` call: what this torch needs to trace what later ones do
+    (on torch >= 2.12, nothing)."""
+    if TORCH_2_12:
+        yield
+        return
+    check_tensor_all = torch._check_tensor_all
+    torch._check_tensor_all = lambda cond, message=None: None
+    try:
+        yield
+    finally:
+        torch._check_tensor_all = check_tensor_all
 
 
 @functools.cache
