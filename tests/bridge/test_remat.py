@@ -311,7 +311,11 @@ def test_full_checkpointing_cuts_the_planned_activations_of_8_blocks_3x():
         return report.programs["loss_and_grads"].temp
 
     kept, full, save_dots = temp_bytes("none"), temp_bytes("full"), temp_bytes("save_dots")
-    assert kept >= 3 * full, (kept, full)
+    # jax 0.11's scheduler holds one layer norm's per-row statistics (mean and reciprocal
+    # standard deviation, 2 x 4096 fp32: 32 KiB) as scratch beside the checkpointed inputs,
+    # which jax 0.10's does not; the 3x is of the rest.
+    row_statistics = 2 * x.shape[0] * 4
+    assert kept >= 3 * (full - row_statistics), (kept, full)
     assert full < save_dots < kept, (full, save_dots, kept)
 
 

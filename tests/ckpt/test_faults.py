@@ -120,6 +120,13 @@ def save_then_exit(directory: str, how: str) -> None:
     print("SAVE_STARTED", flush=True)
 
 
+@pytest.mark.xfail(
+    sys.version_info >= (3, 12),
+    strict=True,
+    reason="open bug: Python 3.12 refuses to start threads once the interpreter is exiting, "
+    "and Orbax's save starts some, so a save still in flight when a script ends without "
+    "close() is lost (logged as an error, exit status 0)",
+)
 @pytest.mark.parametrize(
     "how", ["checkpointer", pytest.param("save_checkpoint", marks=pytest.mark.slow)]
 )
