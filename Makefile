@@ -43,7 +43,7 @@ test-distributed: $(STAMP)
 # The default suite on another torch, each in its own venv (.venv-torch-2.11, ...) with the dev
 # extra and the torchvision of that release. torch 2.11.0 is the oldest admitted, what GPU images
 # hold (+cu130): a 2.4 GB download from the registry (its CUDA libraries included; about 2
-# minutes here), and CI runs `make test-torch-2.11`. torch 2.14.1 (a CUDA build; it runs on CPU)
+# minutes here); CI runs it beside jax 0.11 instead (test-gpu-stack). torch 2.14.1 (a CUDA build; it runs on CPU)
 # lies on local disk and CI runs `make test-torch-2.14`; torch 2.15 is a multi-GB download from the
 # registry past this machine's pip constraint (torch<=2.14.1; PIP_CONSTRAINT=/dev/null lifts it
 # for that one install), so it is not in CI. No torchvision is made for 2.15 yet: pip takes the
