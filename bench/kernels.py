@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO))
 import jax
 import jax.numpy as jnp
 
+from tools.gpu_check.context import seconds_per_call
 from zerojax.pallas_kernels.adamw import adamw_hyper, adamw_update
 from zerojax.pallas_kernels.flash_attention import flash_attention
 from zerojax.pallas_kernels.layer_norm import layer_norm
@@ -214,23 +215,6 @@ def kernel_device(args, section: str) -> jax.Device | None:
         print(f"\n{section}: no GPU available")
         return None
     return jax.devices("gpu")[0]
-
-
-def seconds_per_call(fn: Callable, *args, repeats: int, calls: int) -> float:
-    """Median over `repeats` runs of the mean time per call of `calls` back-to-back calls.
-
-    Calls are dispatched asynchronously and synchronized once per run, so the device queue
-    stays full and a short kernel is not measured as host dispatch latency.
-    """
-    jax.block_until_ready(fn(*args))  # compiles
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
 
 
 @functools.cache
