@@ -29,6 +29,13 @@ class SyntheticCheck(KernelCheck):
     def speed_title(self) -> str:
         return "synthetic outputs"
 
+    # The tests hand contenders to `compare` themselves: no cases to run.
+    def cases(self) -> list[tuple[str, int, dict]]:
+        return []
+
+    def run_case(self, label: str, **arguments) -> None:
+        del label, arguments
+
 
 def reference_output() -> np.ndarray:
     return np.random.default_rng(0).standard_normal((256, 64), np.float32)

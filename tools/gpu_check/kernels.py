@@ -24,6 +24,7 @@ Pallas Triton lowering, or a GPU shape the kernels reject, shows in CI.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import functools
@@ -210,7 +211,7 @@ class Timing:
     peers: dict[str, float]  # peer name -> seconds
 
 
-class KernelCheck:
+class KernelCheck(abc.ABC):
     """One kernel: its cases, its speed and accuracy tables, its checks and targets.
 
     A subclass lists its cases (`cases`: (label, round, arguments)) and runs one
@@ -231,14 +232,17 @@ class KernelCheck:
 
     # -- what a subclass provides
 
+    @abc.abstractmethod
     def cases(self) -> list[tuple[str, int, dict]]:
-        raise NotImplementedError
+        """Provided by each kernel's subclass."""
 
+    @abc.abstractmethod
     def run_case(self, label: str, **arguments) -> None:
-        raise NotImplementedError
+        """Provided by each kernel's subclass."""
 
+    @abc.abstractmethod
     def speed_title(self) -> str:
-        raise NotImplementedError
+        """Provided by each kernel's subclass."""
 
     # -- shared machinery
 
