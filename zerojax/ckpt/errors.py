@@ -40,3 +40,16 @@ class CheckpointCorruptedError(CheckpointError):
     def __init__(self, message: str, path: str | None = None) -> None:
         self.path = path
         super().__init__(message)
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+    """A file given to the checkpoint tools is not in the format it claims (a malformed
+    safetensors header: bad offsets, shapes, dtypes, overlapping tensors, ...).
+
+    `path` is the file; `tensor` the entry at fault, or None when the file as a whole is
+    (a bad header length or JSON). A ValueError too, as the tools' other bad-input errors."""
+
+    def __init__(self, message: str, path: str | None = None, tensor: str | None = None) -> None:
+        self.path = path
+        self.tensor = tensor
+        super().__init__(message)
