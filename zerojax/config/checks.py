@@ -27,8 +27,75 @@ class ConfigWarning(UserWarning):
     batch sizes zerojax only checks), or a sharding rule matched no parameter."""
 
 
-def _fmt(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+# Characters of a value shown in a message: enough for any list a config means, and a bound
+# on what a message costs whatever the value (a 10 MB string, a shared-reference bomb).
+MAX_RENDERED = 200
+
+
+class _Full(Exception):
+    """The rendering reached its budget: stop walking the value."""
+
+
+def render(value: Any, limit: int = MAX_RENDERED) -> str:
+    """`value` as a message shows it: a string in Python quotes, anything else as JSON
+    (`json.dumps`'s spelling: true, null, [1, 2], {"a": 1}), cut after about `limit`
+    characters with "..." (the walk stops there, so its cost is bounded too)."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}..."
+    pieces: list[str] = []
+    size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        pieces.append(text)
+        size += len(text)
+        if size > limit:
+            raise _Full
+
+    def walk(item: Any) -> None:
+        if isinstance(item, Mapping):
+            put("{")
+            for i, (key, element) in enumerate(item.items()):
+                put(", " if i else "")
+                put(_scalar(key if isinstance(key, str) else str(key), limit))
+                put(": ")
+                walk(element)
+            put("}")
+        elif isinstance(item, (list, tuple)):
+            put("[")
+            for i, element in enumerate(item):
+                put(", " if i else "")
+                walk(element)
+            put("]")
+        else:
+            put(_scalar(item, limit))
+
+    try:
+        walk(value)
+    except _Full:
+        return "".join(pieces)[:limit] + "..."
+    return "".join(pieces)
+
+
+def _scalar(value: Any, limit: int) -> str:
+    if value is None or isinstance(value, (bool, float)):
+        return json.dumps(value)
+    if isinstance(value, int):
+        # str() of an int over 4,300 digits raises (Python's own guard); its size is the point.
+        return (
+            json.dumps(value)
+            if value.bit_length() <= 256
+            else f"<a {value.bit_length()}-bit integer>"
+        )
+    text = value if isinstance(value, str) else str(value)
+    return json.dumps(text[:limit])
+
+
+def key_path(path: str, key: Any) -> str:
+    """`path.key` (the key cut to a readable length)."""
+    name = key if isinstance(key, str) else render(key)
+    name = name if len(name) <= 80 else name[:80] + "..."
+    return f"{path}.{name}" if path else name
 
 
 _WRITTEN: ContextVar[Mapping[str, str] | None] = ContextVar(
@@ -54,18 +121,38 @@ def written(path: str) -> str:
 
 
 def error(path: str, value: Any, problem: str) -> ConfigError:
-    """`ConfigError("<path>=<value>: <problem>")`, the value as the user wrote it (JSON)."""
-    return ConfigError(f"{written(path)}={_fmt(value)}: {problem}")
+    """`ConfigError("<path>=<value>: <problem>")`, the value as the user wrote it (JSON, cut
+    at MAX_RENDERED characters: see `render`)."""
+    return ConfigError(f"{written(path)}={render(value)}: {problem}")
 
 
-def check_keys(path: str, mapping: Mapping, allowed: tuple[str, ...]) -> None:
-    """Unknown keys are errors, with a did-you-mean: a typo must never be a silent default."""
+def check_keys(
+    path: str,
+    mapping: Mapping,
+    allowed: tuple[str, ...],
+    *,
+    also_known: tuple[str, ...] = (),
+    listed: str | None = None,
+) -> None:
+    """Unknown keys are errors, with a did-you-mean: a typo must never be a silent default.
+
+    `also_known`: keys that are handled elsewhere (DeepSpeed's keys beside a zerojax file's):
+    a key close to one of them gets that hint when none of `allowed` is closer. `listed`
+    replaces the list of allowed keys in the message (for sections with dozens)."""
     for key in mapping:
         if key not in allowed:
-            where = f"{path}.{key}" if path else str(key)
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
+            close = did_you_mean(key, allowed) or did_you_mean(key, also_known)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            listed_keys = listed if listed is not None else f"allowed keys: {', '.join(allowed)}"
+            raise ConfigError(f"{key_path(path, key)}: unknown key{hint}; {listed_keys}")
+
+
+def did_you_mean(key: Any, known: tuple[str, ...]) -> str | None:
+    """The known key closest to `key` (difflib's ratio >= 0.6), if any."""
+    if not isinstance(key, str) or not known:
+        return None
+    close = difflib.get_close_matches(key[:100], known, n=1)  # bounded: difflib is quadratic
+    return close[0] if close else None
 
 
 def as_mapping(path: str, value: Any) -> Mapping:
@@ -76,24 +163,37 @@ def as_mapping(path: str, value: Any) -> Mapping:
     return value
 
 
-def as_int(path: str, value: Any, *, minimum: int | None = None) -> int:
+INT32_MAX = 2**31 - 1
+"""The largest count a program holds as int32 (loss-scale window and hysteresis)."""
+
+
+def as_int(path: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise error(path, value, "expected an integer" + (f" >= {minimum}" if minimum else ""))
     if minimum is not None and value < minimum:
         raise error(path, value, f"expected an integer >= {minimum}")
+    if maximum is not None and value > maximum:
+        low = f"between {minimum} and" if minimum is not None else "at most"
+        raise error(path, value, f"expected an integer {low} {maximum}")
     return value
 
 
 def as_float(
     path: str, value: Any, *, positive: bool = False, at_most: float | None = None
 ) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise error(path, value, "expected a number")
-    if positive and value <= 0:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past 1.8e308
+        number = math.inf
+    if not math.isfinite(number):
+        raise error(path, value, "expected a finite number")
+    if positive and number <= 0:
         raise error(path, value, "expected a number > 0")
-    if at_most is not None and not 0 <= value <= at_most:
+    if at_most is not None and not 0 <= number <= at_most:
         raise error(path, value, f"expected a number between 0 and {at_most}")
-    return float(value)
+    return number
 
 
 def as_bool(path: str, value: Any) -> bool:
