@@ -1,0 +1,544 @@
+"""Faults of the machine rather than the files: a full disk, write permission taken away, and
+a writer killed mid-save.
+
+Each scenario runs in processes of its own, as a training job would meet it:
+
+- full disk: a 2 MB tmpfs mounted in a private mount namespace (`unshare -rm`), step 1 saved,
+  the rest of the disk filled, then step 2 saved synchronously, asynchronously with
+  `close()`, and asynchronously by a script that ends without `close()` (its exit code is
+  the verdict); `ckpt import` and `ckpt export` onto the full disk.
+- read-only: the checkpoint directory, one step, or the oldest step (which `max_to_keep`
+  deletes) made read-only with chmod; as root, who writes anywhere, the child runs as
+  `nobody` (setpriv). Restoring and verifying must still work; saving, importing and
+  exporting into it must fail with a named error.
+- SIGKILL: a child saves step 3 asynchronously and is killed at random points; a fresh
+  process then resumes (restore latest, save step 4), which must give back exactly what a
+  committed step held and leave no temporary directory.
+
+The `child_*` functions run in the worker process (`worker.py`); the others run in the
+driver, start those processes and judge what they report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tools.fault_injection.outcomes import (
+    CAUGHT,
+    FLAWED,
+    RECOVERED,
+    SILENT,
+    SKIPPED,
+    Row,
+    judge_error,
+    names,
+    one_line,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+TMP_MARKER = ".orbax-checkpoint-tmp"
+TMPFS_SIZE = "2m"
+NOBODY = 65534
+
+
+def _tmp_dirs(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if "tmp" in n) if directory.is_dir() else []
+
+
+def _fill(mount: Path) -> Path:
+    """Fill the file system of `mount` to the last byte; returns the filler file."""
+    filler = mount / "filler"
+    with open(filler, "ab", buffering=0) as f:
+        for chunk in (1 << 16, 1 << 12, 1 << 9, 1):
+            with contextlib.suppress(OSError):
+                while f.write(b"\0" * chunk) == chunk:
+                    pass
+    return filler
+
+
+def _restored(directory: Path, step: int | None, base_root: Path, seed: int) -> tuple[int, list]:
+    """(step restored, differences from its saved values) of a restore into a fresh engine."""
+    from tools.fault_injection.base import differences, load_values, make_model, state_values
+    from zerojax.ckpt.checkpointer import Checkpointer
+
+    model, optimizer = make_model(seed)
+    ckpt = Checkpointer(directory, model, optimizer, max_to_keep=None)
+    try:
+        state = ckpt.restore(step)
+    finally:
+        with contextlib.suppress(Exception):
+            ckpt.close()
+    saved_as = {1: 1, 2: 2, 3: 1, 4: 1}.get(state.step, state.step)  # see child_kill_save
+    return state.step, differences(state_values(model), load_values(base_root, saved_as))
+
+
+def _after_failed_save(row_fault: str, group: str, error, directory: Path, step: int,
+                       base_root: Path, expected: str, seed: int) -> Row:  # fmt: skip
+    """Judge a save that should have failed: the error, leftovers, and that the previous
+    step still restores bit for bit."""
+    if error is None:
+        try:
+            got, diffs = _restored(directory, None, base_root, seed)
+        except Exception as exc:  # noqa: BLE001 - judged
+            return Row(fault=row_fault, group=group, expected=expected, verdict=SILENT,
+                       observed=one_line(f"save reported success; restore then raised {exc!r}"))  # fmt: skip
+        verdict = SILENT if got != step or diffs else RECOVERED
+        return Row(fault=row_fault, group=group, expected=expected, verdict=verdict,
+                   observed=f"save reported success; latest step {got}, {len(diffs)} values differ")  # fmt: skip
+    verdict, observed = judge_error(error, step, [str(directory)])
+    leftovers = _tmp_dirs(directory)
+    if leftovers:
+        verdict, observed = FLAWED, f"{observed}; left {leftovers} behind"
+    try:
+        got, diffs = _restored(directory, None, base_root, seed)
+        if diffs:
+            verdict, observed = SILENT, f"{observed}; then step {got} restored with wrong values"
+        else:
+            observed += f"; step {got} still restores bit for bit"
+    except Exception as exc:  # noqa: BLE001 - judged
+        verdict = FLAWED
+        observed += one_line(f"; the previous step no longer restores: {type(exc).__name__}: {exc}")
+    return Row(fault=row_fault, group=group, expected=expected, verdict=verdict,
+               observed=one_line(observed))  # fmt: skip
+
+
+def _failing_save(base_root: Path, directory: Path, *, async_save: bool, close: bool,
+                  before_second=None) -> BaseException | None:  # fmt: skip
+    """Save pristine step 1 into `directory`, call `before_second()`, save step 2 (and
+    close); returns what the save or close raised."""
+    from tools.fault_injection.base import make_model, restore_values_from
+    from zerojax.ckpt.checkpointer import Checkpointer
+
+    model, optimizer = make_model(3)
+    restore_values_from(model, optimizer, base_root / "ckpt", 1)
+    ckpt = Checkpointer(directory, model, optimizer, max_to_keep=None, async_save=async_save)
+    ckpt.save(1)
+    ckpt.wait()
+    if before_second is not None:
+        before_second()
+    restore_values_from(model, optimizer, base_root / "ckpt", 2)
+    try:
+        ckpt.save(2)
+        if close:
+            ckpt.close()
+        else:
+            ckpt.wait()
+    except Exception as error:  # noqa: BLE001 - judged
+        with contextlib.suppress(Exception):
+            ckpt.close()
+        return error
+    return None
+
+
+# --------------------------------------------------------------------------- children
+
+
+def child_disk_full(base_root: Path, mount: Path) -> list[Row]:
+    """In the private namespace, `mount` a fresh 2 MB tmpfs: saves, import and export onto
+    a full disk."""
+
+    rows = []
+    expected = "CheckpointError naming step 2 or the path; no temporary directory left; step 1 still restores"
+    for async_save, close in ((False, False), (True, True), (True, False)):
+        mode = (
+            "async save + close()"
+            if async_save and close
+            else "async save + wait()"
+            if async_save
+            else "sync save"
+        )
+        directory = mount / f"ckpt_{int(async_save)}{int(close)}"
+        filler: list[Path] = []
+        error = _failing_save(base_root, directory, async_save=async_save, close=close,
+                              before_second=lambda made=filler: made.append(_fill(mount)))  # fmt: skip
+        rows.append(_after_failed_save(f"disk full: {mode}", "disk-full", error, directory, 2,
+                                       base_root, expected, seed=10))  # fmt: skip
+        for f in filler:
+            f.unlink()
+
+    # ckpt import and export onto the full disk.
+    filler = _fill(mount)
+    cases = {
+        "ckpt import onto a full disk": (
+            ["ckpt", "import", str(base_root / "model.safetensors"), str(mount / "imported")],
+            mount / "imported",
+        ),
+        "ckpt export onto a full disk": (
+            ["ckpt", "export", str(base_root / "ckpt"), str(mount / "out" / "model.safetensors"), "--quiet"],
+            mount / "out",
+        ),
+    }  # fmt: skip
+    (mount / "out").mkdir(exist_ok=True)
+    for fault, (argv, target) in cases.items():
+        rows.append(_cli_must_fail(fault, "disk-full", argv, target, step=None))
+    filler.unlink()
+    return rows
+
+
+def _cli_must_fail(fault: str, group: str, argv: list[str], target: Path, step) -> Row:
+    from tools.fault_injection.file_faults import run_cli
+    from tools.fault_injection.outcomes import judge_cli
+
+    before = sorted(p.name for p in target.rglob("*")) if target.exists() else []
+    code, _, err, escaped = run_cli(argv)
+    expected = "exit non-zero naming the path; nothing half-written left behind"
+    after = sorted(p.name for p in target.rglob("*")) if target.exists() else []
+    if escaped is not None:
+        verdict, observed = FLAWED, f"traceback: {type(escaped).__name__}: {escaped}"
+    elif code == 0:
+        verdict, observed = SILENT, "exit 0"
+    else:
+        verdict, observed = judge_cli(code, err, step, [str(target), str(target.parent)])
+        if after != before:
+            verdict, observed = FLAWED, f"{observed}; left {sorted(set(after) - set(before))[:4]}"
+    return Row(fault=fault, group=group, expected=expected, verdict=verdict,
+               observed=one_line(observed))  # fmt: skip
+
+
+def child_save_without_close(base_root: Path, directory: Path, mount: str) -> None:
+    """Save step 1, make step 2's save fail (fill `mount`, or `directory` is read-only),
+    and end the script without close(): the process must exit non-zero."""
+    from tools.fault_injection.base import make_model, restore_values_from
+    from zerojax.ckpt.checkpointer import Checkpointer
+
+    model, optimizer = make_model(3)
+    restore_values_from(model, optimizer, base_root / "ckpt", 1)
+    ckpt = Checkpointer(directory, model, optimizer, max_to_keep=None, async_save=True)
+    if mount:
+        ckpt.save(1)
+        ckpt.wait()
+        _fill(Path(mount))
+    restore_values_from(model, optimizer, base_root / "ckpt", 2)
+    ckpt.save(2 if mount else 3)
+    print("SCRIPT_END", flush=True)
+
+
+def child_read_only(base_root: Path, scratch: Path) -> list[Row]:
+    """Run as a user who cannot write where chmod says so (see `read_only_faults`)."""
+    from tools.fault_injection.base import make_model, restore_values_from
+    from tools.fault_injection.file_faults import run_cli
+    from zerojax.ckpt.checkpointer import Checkpointer
+
+    rows = []
+    ro_dir, ro_step, ro_oldest = scratch / "ro_dir", scratch / "ro_step", scratch / "ro_oldest"
+
+    def must_restore(fault: str, directory: Path) -> Row:
+        expected = "restore works (a read needs no write permission): step 2 bit for bit"
+        try:
+            got, diffs = _restored(directory, None, base_root, seed=20)
+        except Exception as error:  # noqa: BLE001 - judged
+            return Row(fault=fault, group="read-only", expected=expected, verdict=FLAWED,
+                       observed=one_line(f"raised {type(error).__name__}: {error}"))  # fmt: skip
+        verdict = SILENT if diffs or got != 2 else RECOVERED
+        return Row(fault=fault, group="read-only", expected=expected, verdict=verdict,
+                   observed=f"restored step {got}, {len(diffs)} values differ")  # fmt: skip
+
+    rows.append(must_restore("read-only checkpoint directory: restore latest", ro_dir / "ckpt"))
+    rows.append(must_restore("read-only step 2: restore latest", ro_step / "ckpt"))
+    code, _, err, escaped = run_cli(["ckpt", "inspect", str(ro_step / "ckpt"), "--verify"])
+    rows.append(Row(fault="read-only step 2: inspect --verify", group="read-only",
+                    expected="exit 0 (verifying is a read)",
+                    verdict=RECOVERED if code == 0 else FLAWED,
+                    observed=one_line(f"exit {code} {err} {escaped or ''}")))  # fmt: skip
+
+    for async_save in (False, True):
+        model, optimizer = make_model(21)
+        restore_values_from(model, optimizer, base_root / "ckpt", 2)
+        ckpt = Checkpointer(ro_dir / "ckpt", model, optimizer, max_to_keep=None,
+                            async_save=async_save)  # fmt: skip
+        error = None
+        try:
+            ckpt.save(3)
+            ckpt.close()
+        except Exception as exc:  # noqa: BLE001 - judged
+            error = exc
+            with contextlib.suppress(Exception):
+                ckpt.close()
+        mode = "async save + close()" if async_save else "sync save"
+        expected = "CheckpointError naming step 3 or the directory"
+        if error is None:
+            verdict, observed = SILENT, "save and close returned without an error"
+        else:
+            verdict, observed = judge_error(error, 3, [str(ro_dir / "ckpt")])
+        rows.append(Row(fault=f"read-only checkpoint directory: {mode}", group="read-only",
+                        expected=expected, verdict=verdict, observed=observed))  # fmt: skip
+
+    # max_to_keep=2 deletes step 1 when step 3 commits; step 1 is read-only.
+    model, optimizer = make_model(22)
+    restore_values_from(model, optimizer, base_root / "ckpt", 1)
+    expected = "step 3 committed and restorable; the failed deletion of step 1 reported"
+    error = None
+    ckpt = Checkpointer(ro_oldest / "ckpt", model, optimizer, max_to_keep=2)
+    try:
+        ckpt.save(3)
+        ckpt.close()
+    except Exception as exc:  # noqa: BLE001 - judged
+        error = exc
+        with contextlib.suppress(Exception):
+            ckpt.close()
+    try:
+        _, diffs = _restored(ro_oldest / "ckpt", 3, base_root, seed=23)
+        state = f"step 3 restores, {len(diffs)} values differ"
+        verdict = SILENT if diffs else (CAUGHT if error is not None else RECOVERED)
+    except Exception as exc:  # noqa: BLE001 - judged
+        state = one_line(f"step 3 does not restore: {type(exc).__name__}: {exc}")
+        verdict = FLAWED if error is not None else SILENT
+    said = one_line(f"{type(error).__name__}: {error}") if error is not None else "no error"
+    rows.append(Row(fault="read-only oldest step, max_to_keep=2: async save + close()",
+                    group="read-only", expected=expected, verdict=verdict,
+                    observed=one_line(f"{said}; {state}")))  # fmt: skip
+
+    rows.append(_cli_must_fail(
+        "read-only checkpoint directory: ckpt import --step 3", "read-only",
+        ["ckpt", "import", str(base_root / "model.safetensors"), str(ro_dir / "ckpt"), "--step", "3"],
+        ro_dir / "ckpt", step=3))  # fmt: skip
+    rows.append(_cli_must_fail(
+        "read-only output directory: ckpt export", "read-only",
+        ["ckpt", "export", str(ro_dir / "ckpt"), str(ro_dir / "out" / "model.safetensors"), "--quiet"],
+        ro_dir / "out", step=None))  # fmt: skip
+    return rows
+
+
+def child_kill_save(base_root: Path, directory: Path) -> None:
+    """Save pristine step 1's state as step 3, asynchronously, into a copy of the base
+    checkpoint, and wait to be killed (the driver sends SIGKILL)."""
+    from tools.fault_injection.base import make_model, restore_values_from
+    from zerojax.ckpt.checkpointer import Checkpointer
+
+    model, optimizer = make_model(4)
+    restore_values_from(model, optimizer, directory, 1)
+    ckpt = Checkpointer(directory, model, optimizer, max_to_keep=None)
+    print("SAVING", flush=True)
+    ckpt.save(3)
+    ckpt.wait()
+    print("COMMITTED", flush=True)
+    time.sleep(120)
+
+
+def run_resume(spec: dict, base_root: Path, scratch: Path, seed: int) -> list[Row]:
+    """A fresh process resumes after the SIGKILL: restore latest, then save step 4."""
+    from tools.fault_injection.base import make_model
+    from zerojax.ckpt.checkpointer import Checkpointer
+    from zerojax.ckpt.layout import MANIFEST
+
+    directory = Path(spec["dir"])
+    expected = "the newest committed, verified step bit for bit; saving step 4 then works and leaves no temporary directory"
+    start = time.perf_counter()
+    try:
+        got, diffs = _restored(directory, None, base_root, seed)
+    except Exception as error:  # noqa: BLE001 - judged
+        verdict, observed = FLAWED, one_line(f"resume blocked: {type(error).__name__}: {error}")
+    else:
+        if diffs:
+            verdict, observed = SILENT, f"restored step {got} with {len(diffs)} wrong values"
+        elif not (directory / str(got) / MANIFEST).is_file():
+            verdict, observed = FLAWED, f"restored step {got}, which has no manifest (unverified)"
+        else:
+            verdict, observed = RECOVERED, f"resumed from step {got} bit for bit"
+            model, optimizer = make_model(seed)
+            ckpt = Checkpointer(directory, model, optimizer, max_to_keep=None, async_save=False)
+            try:
+                ckpt.restore()
+                ckpt.save(4)
+            except Exception as error:  # noqa: BLE001 - judged
+                verdict, observed = FLAWED, one_line(f"{observed}; then save(4) raised {error!r}")
+            finally:
+                with contextlib.suppress(Exception):
+                    ckpt.close()
+            if _tmp_dirs(directory):
+                verdict = FLAWED
+                observed += f"; {_tmp_dirs(directory)} left after save(4)"
+    return [Row(fault=spec["label"], group="sigkill", expected=expected, verdict=verdict,
+                observed=one_line(f"[{spec['note']}] {observed}"),
+                seconds=round(time.perf_counter() - start, 3))]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def worker_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tools.fault_injection.worker", *map(str, args)]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def _namespace_ok() -> str | None:
+    """None when `unshare -rm` can mount a tmpfs here, else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>&1 || mount -t tmpfs -o size=64k tmpfs /tmp"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    return None if probe.returncode == 0 else one_line(probe.stderr or probe.stdout)
+
+
+def _in_tmpfs(mount: Path, *worker_args: str) -> list[str]:
+    script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
+    return ["unshare", "-rm", "sh", "-c", script, "sh", TMPFS_SIZE, str(mount), *worker_command(*worker_args)]  # fmt: skip
+
+
+def _rows_from(
+    path: Path, process: subprocess.CompletedProcess, fault: str, group: str
+) -> list[Row]:
+    if path.is_file():
+        return [Row(**r) for r in json.loads(path.read_text())]
+    tail = one_line((process.stderr or "")[-400:])
+    return [Row(fault=fault, group=group, expected="the scenario runs to its end", verdict=FLAWED,
+                observed=f"worker exited {process.returncode} without a report: {tail}")]  # fmt: skip
+
+
+def _no_close_row(fault: str, group: str, process: subprocess.CompletedProcess, step: int) -> Row:
+    expected = f"the script exits non-zero, naming step {step}, though it never called close()"
+    err = process.stderr or ""
+    if "SCRIPT_END" not in (process.stdout or ""):
+        observed = one_line(
+            f"the script did not reach its end (exit {process.returncode}): {err[-300:]}"
+        )
+        return Row(fault=fault, group=group, expected=expected, verdict=FLAWED, observed=observed)
+    if process.returncode == 0:
+        said = [line for line in err.splitlines() if str(step) in line][:1]
+        observed = f"exit 0; stderr: {one_line(said[0]) if said else 'nothing about it'}"
+        return Row(fault=fault, group=group, expected=expected, verdict=SILENT, observed=observed)
+    lines = err.strip().splitlines()
+    verdict = CAUGHT if names(err, step, []) else FLAWED
+    observed = f"exit {process.returncode}, {len(lines)} stderr lines: {one_line(lines[-1] if lines else '')}"
+    if err.count("Traceback") > 0:
+        verdict, observed = FLAWED, observed + f" ({err.count('Traceback')} tracebacks on stderr)"
+    return Row(
+        fault=fault, group=group, expected=expected, verdict=verdict, observed=one_line(observed)
+    )
+
+
+def disk_full_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row]:
+    why = _namespace_ok()
+    if why is not None:
+        return [Row(fault="disk full (tmpfs in a private mount namespace)", group="disk-full",
+                    expected="-", verdict=SKIPPED, observed=f"cannot mount a tmpfs: {why}")]  # fmt: skip
+    rows = []
+    mount = scratch / "tmpfs_a"
+    mount.mkdir(parents=True, exist_ok=True)
+    out = scratch / "disk_full.json"
+    process = subprocess.run(
+        _in_tmpfs(mount, "disk-full", base_root, mount, out),
+        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    rows += _rows_from(out, process, "disk full: saves, import, export", "disk-full")
+    mount = scratch / "tmpfs_b"
+    mount.mkdir(parents=True, exist_ok=True)
+    process = subprocess.run(
+        _in_tmpfs(mount, "save-without-close", base_root, mount / "ckpt", mount),
+        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    rows.append(
+        _no_close_row("disk full: async save, script ends without close()", "disk-full", process, 2)
+    )
+    return rows
+
+
+def read_only_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row]:
+    """Copies of the base checkpoint with chmod taken away; the child runs as `nobody` when
+    this is root (root ignores permissions)."""
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            return [Row(fault="read-only directories", group="read-only", expected="-",
+                        verdict=SKIPPED, observed="running as root without setpriv")]  # fmt: skip
+        as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    ro = scratch / "read_only"
+    shutil.rmtree(ro, ignore_errors=True)
+    for name in ("ro_dir", "ro_step", "ro_oldest", "ro_no_close"):
+        shutil.copytree(base_root / "ckpt", ro / name / "ckpt")
+    (ro / "ro_dir" / "out").mkdir()
+    (ro / "home").mkdir()
+    if as_user:
+        for path in [ro, *ro.rglob("*")]:
+            os.chown(path, NOBODY, NOBODY)
+        os.chmod(scratch, 0o755)
+    for directory in (ro / "ro_dir" / "ckpt", ro / "ro_dir" / "out", ro / "ro_no_close" / "ckpt"):
+        directory.chmod(0o555)
+    for step_dir in (ro / "ro_step" / "ckpt" / "2", ro / "ro_oldest" / "ckpt" / "1"):
+        for path in [*step_dir.rglob("*"), step_dir]:
+            path.chmod(0o555 if path.is_dir() else 0o444)
+    env = {**_env(), "HOME": str(ro / "home")}
+    out = ro / "read_only.json"
+    if as_user:
+        out.touch()
+        os.chown(out, NOBODY, NOBODY)
+        out.unlink()
+        os.chown(ro, NOBODY, NOBODY)
+    process = subprocess.run(
+        [*as_user, *worker_command("read-only", base_root, ro, out)],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+    )  # fmt: skip
+    rows = _rows_from(out, process, "read-only directories", "read-only")
+    process = subprocess.run(
+        [*as_user, *worker_command("save-without-close", base_root, ro / "ro_no_close" / "ckpt", "")],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+    )  # fmt: skip
+    rows.append(
+        _no_close_row(
+            "read-only checkpoint directory: async save, script ends without close()",
+            "read-only",
+            process,
+            3,
+        )
+    )
+    for path in [ro, *ro.rglob("*")]:
+        with contextlib.suppress(OSError):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    return rows
+
+
+def kill_faults(
+    base_root: Path, scratch: Path, count: int, seed: int, timeout: float
+) -> list[dict]:
+    """SIGKILL `count` asynchronous saves at random points; returns the resume specs for
+    the worker (the resume runs in a fresh process there)."""
+    rng = random.Random(seed)
+    specs = []
+    for i in range(count):
+        directory = scratch / f"kill{i}" / "ckpt"
+        shutil.rmtree(directory.parent, ignore_errors=True)
+        shutil.copytree(base_root / "ckpt", directory)
+        delay = rng.uniform(0.0, 0.6)
+        child = subprocess.Popen(
+            worker_command("kill-save", base_root, directory),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        started = False
+        for line in child.stdout:
+            if line.startswith("SAVING"):
+                started = True
+                break
+            if time.monotonic() > deadline:
+                break
+        time.sleep(delay)
+        child.send_signal(signal.SIGKILL)
+        rest = child.stdout.read()
+        child.wait()
+        committed = "COMMITTED" in rest
+        note = (
+            f"killed {delay * 1000:.0f} ms after save(3) was called, "
+            f"{'after wait() returned' if committed else 'before wait() returned'}"
+            if started
+            else "the child never reached save(3)"
+        )
+        specs.append({"type": "resume", "dir": str(directory), "note": note,
+                      "label": f"SIGKILL during async save #{i + 1}: resume"})  # fmt: skip
+    return specs

@@ -1,0 +1,116 @@
+"""The driver: build the base checkpoint, run every fault, collect the rows.
+
+No jax here: every fault runs in a worker process (`worker.py`), so a fault that crashes or
+hangs a process is itself a finding rather than the end of the suite. Reader faults run in
+one worker, in order; when it dies or a fault takes longer than `fault_timeout`, the fault
+is recorded as flawed and a new worker takes the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from tools.fault_injection import environment_faults, file_faults
+from tools.fault_injection.environment_faults import REPO, _env, worker_command
+from tools.fault_injection.outcomes import FLAWED, Row
+
+
+def _build(root: Path, timeout: float) -> None:
+    process = subprocess.run(
+        worker_command("build", root),
+        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    if process.returncode != 0:
+        raise RuntimeError(f"building the base checkpoint failed:\n{process.stderr[-3000:]}")
+
+
+def run_readers(faults: list[dict], base: Path, scratch: Path, fault_timeout: float) -> list[Row]:
+    """Run reader faults in worker processes, replacing a worker that dies or hangs."""
+    for i, fault in enumerate(faults):
+        fault["id"] = i
+    pending = {f["id"]: f for f in faults}
+    rows: dict[int, list[Row]] = {}
+    attempt = 0
+    while pending:
+        attempt += 1
+        spec_path = scratch / f"readers_{attempt}.json"
+        results_path = scratch / f"readers_{attempt}.jsonl"
+        spec_path.write_text(
+            json.dumps(
+                {"base": str(base), "scratch": str(scratch), "faults": list(pending.values())}
+            )
+        )
+        log = open(scratch / f"readers_{attempt}.log", "w")  # noqa: SIM115 - the worker's
+        worker = subprocess.Popen(
+            worker_command("readers", spec_path, results_path),
+            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
+        )  # fmt: skip
+        current, since, seen = None, time.monotonic(), 0
+        while True:
+            done = worker.poll() is not None
+            lines = results_path.read_text().splitlines() if results_path.exists() else []
+            for line in lines[seen:]:
+                event = json.loads(line)
+                if "start" in event:
+                    current, since = event["start"], time.monotonic()
+                else:
+                    rows[event["id"]] = [Row(**r) for r in event["rows"]]
+                    pending.pop(event["id"], None)
+                    current = None
+            seen = len(lines)
+            if done or not pending:
+                break
+            if current is not None and time.monotonic() - since > fault_timeout:
+                worker.kill()
+                worker.wait()
+                done = True
+                break
+            time.sleep(0.2)
+        worker.wait()
+        log.close()
+        if current is not None and current in pending:
+            fault = pending.pop(current)
+            what = "hung" if worker.returncode == -9 else f"died (exit {worker.returncode})"
+            tail = (scratch / f"readers_{attempt}.log").read_text()[-300:]
+            rows[current] = [
+                Row(fault=f"{fault.get('label', fault.get('file'))}: {fault.get('damage', '')}",
+                    group=fault["group"], expected="no crash, no hang", verdict=FLAWED,
+                    observed=" ".join(f"the worker {what} on this fault: {tail}".split()))
+            ]  # fmt: skip
+        elif pending and worker.returncode != 0:
+            raise RuntimeError(
+                f"the reader worker failed between faults (exit {worker.returncode}): "
+                f"{(scratch / f'readers_{attempt}.log').read_text()[-3000:]}"
+            )
+    return [row for i in sorted(rows) for row in rows[i]]
+
+
+def run_suite(
+    out: Path, *, kills: int = 4, seed: int = 0, only: str = "", fault_timeout: float = 120.0
+) -> list[Row]:
+    """Every fault, in the order: build, SIGKILLs, readers (damaged files, imports, resumes)
+    beside the disk-full and read-only children."""
+    scratch = out / "scratch"
+    shutil.rmtree(scratch, ignore_errors=True)
+    base = scratch / "base"
+    base.mkdir(parents=True)
+    _build(base, timeout=600)
+
+    kill_specs = (
+        environment_faults.kill_faults(base, scratch, kills, seed, timeout=300) if kills else []
+    )
+    faults = (
+        file_faults.step_damage_specs(base / "ckpt" / "2") + file_faults.import_specs() + kill_specs
+    )
+    if only:
+        faults = [f for f in faults if only in json.dumps(f)]
+    rows = run_readers(faults, base, scratch, fault_timeout)
+    if not only or "disk" in only:
+        rows += environment_faults.disk_full_faults(base, scratch, timeout=600)
+    if not only or "read-only" in only:
+        rows += environment_faults.read_only_faults(base, scratch, timeout=600)
+    return rows
