@@ -27,14 +27,15 @@ from zerojax.bridge.remat import CHECKPOINT_TAG
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """The cache in a fresh directory; `cache.loads` counts entries served from it."""
+    """The cache in a fresh directory; `cache.loads` lists the entries served from it."""
     monkeypatch.setattr(decomposition_cache, "cache_directory", lambda: str(tmp_path))
     loads = []
     load = decomposition_cache._load
 
     def counting_load(path, exported):
+        loaded = load(path, exported)
         loads.append(path)
-        return load(path, exported)
+        return loaded
 
     monkeypatch.setattr(decomposition_cache, "_load", counting_load)
 

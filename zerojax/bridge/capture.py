@@ -39,6 +39,7 @@ from zerojax.bridge.value_inputs import (
     reads_values_on_host,
 )
 from zerojax.compat.torch_export import correct_recorded_values, exporting
+from zerojax.runtime.private_directory import UnsafeDirectoryError
 
 aten = torch.ops.aten
 log = logging.getLogger("zerojax")
@@ -137,6 +138,8 @@ def capture(
                 table = custom_ops.without_kept_whole(decomposition_table())
                 decomposed = decomposition_cache.decompose(exported, table, _run_decompositions)
                 decomposed = custom_ops.decompose_unlowered(decomposed, table)
+        except UnsafeDirectoryError:
+            raise  # the cache's directory, not the model, is at fault
         except Exception as error:  # torch raises many types here; all mean "cannot capture"
             reason = f"{type(error).__name__}: {error}"
             raise CaptureError(

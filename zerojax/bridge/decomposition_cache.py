@@ -32,22 +32,29 @@ import hashlib
 import logging
 import operator
 import os
-import pickle
 import tempfile
+import warnings
 from collections.abc import Callable
 
 import jax
 import torch
 import torch.utils._pytree as torch_pytree
 
-from zerojax.compat.torch_export import serialize_without_weights
+from zerojax.bridge import program_data
+from zerojax.runtime.private_directory import check_private_directory
 
 log = logging.getLogger("zerojax")
 
-FORMAT = 2
+FORMAT = 3
 """Bumped whenever what is cached, or how it is keyed, changes."""
 
 SUBDIRECTORY = "zerojax-capture"
+
+SUFFIX = ".json"
+"""An entry is `<directory>/<key>.json` (`program_data`'s document)."""
+
+_OLD_SUFFIXES = (".pickle",)
+"""Entries of earlier formats: never read, evicted like the others (they are the oldest)."""
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 """The directory's size bound when JAX's compilation cache has none (its default, -1): a few
@@ -68,7 +75,10 @@ _NODE_META = (
     "seq_nr",
 )
 
-_CORE_NAMESPACES = ("aten", "prims")
+
+class CaptureCacheWarning(UserWarning):
+    """A capture cache entry did not load (it is captured again and replaced)."""
+
 
 # Ops whose lowering reads their input's storage offset (bridge/lowerings/shape.py).
 _READS_STORAGE_OFFSET = (
@@ -91,10 +101,15 @@ def decompose(
     table: dict,
     run: Callable[[torch.export.ExportedProgram, dict], torch.export.ExportedProgram],
 ) -> torch.export.ExportedProgram:
-    """`run(exported, table)`, or its result from the cache when the key matches."""
+    """`run(exported, table)`, or its result from the cache when the key matches.
+
+    UnsafeDirectoryError if the cache directory, or JAX's cache directory holding it, can be
+    written by other users (`runtime/private_directory.py`)."""
     directory = cache_directory()
     if directory is None:
         return run(exported, table)
+    check_private_directory(os.path.dirname(directory), "the compilation cache directory")
+    check_private_directory(directory, "the capture cache directory")
     try:
         key = cache_key(exported, table)
     except Exception as error:  # noqa: BLE001 - a graph the key trips on is just not cached
@@ -102,14 +117,22 @@ def decompose(
         key = None
     if key is None:
         return run(exported, table)
-    path = os.path.join(directory, f"{key}.pickle")
-    if os.path.exists(path):
-        try:
-            loaded = _load(path, exported)
-            os.utime(path)  # recently used: the last to be evicted
-            return loaded
-        except Exception as error:  # noqa: BLE001 - a bad entry only costs the decomposition
-            log.debug("zerojax: capture cache entry %s did not load (%s); decomposing", path, error)
+    path = os.path.join(directory, key + SUFFIX)
+    try:
+        loaded = _load(path, exported)
+    except FileNotFoundError:
+        pass  # not cached (or just evicted by another process)
+    except Exception as error:  # noqa: BLE001 - a bad entry only costs the decomposition
+        reason = f"{type(error).__name__}: {error}"
+        warnings.warn(
+            f"zerojax: capture cache entry {path} did not load ({reason[:500]}); capturing "
+            "again and replacing it",
+            CaptureCacheWarning,
+            stacklevel=2,
+        )
+    else:
+        os.utime(path)  # recently used: the last to be evicted
+        return loaded
     decomposed = run(exported, table)
     try:
         _save(decomposed, exported, directory, path)
@@ -131,7 +154,7 @@ def evict_least_recently_used(directory: str, budget: int) -> None:
     skipped, and a process that finds its entry gone decomposes again."""
     entries = []
     for entry in os.scandir(directory):
-        if entry.name.endswith(".pickle"):
+        if entry.name.endswith((SUFFIX, *_OLD_SUFFIXES)):
             try:
                 status = entry.stat()
             except FileNotFoundError:
@@ -154,23 +177,26 @@ def _save(
     directory: str,
     path: str,
 ) -> None:
-    """torch.export's serialized form of the program, without weights or example inputs (the
-    fresh capture's are used), pickled: torch's own JSON reader (`torch.export.load`) took
-    0.4 s for the bench GPT-2, as long as decomposing. Written atomically, and only if loading
-    it back gives the same graph as the lowerings read it (the serializer gives every view a
-    storage offset of 0: a graph with `as_strided`, whose lowering reads them, is not cached)."""
-    serialized = serialize_without_weights(decomposed)
+    """The program as data (`program_data.encode`), written atomically, and only if decoding it
+    back gives the same graph as the lowerings read it: the serializer gives every view a
+    storage offset of 0, so a graph with `as_strided`, whose lowering reads them, is not cached,
+    and an entry this process could not load (`program_data` refuses it) is never written."""
+    try:
+        encoded = program_data.encode(decomposed)
+    except program_data.ProgramDataError as error:
+        log.debug("zerojax: the decomposed graph is not cached: %s", error)
+        return
     # The serializer drops views' storage offsets; only `as_strided` reads them.
     offsets = any(node.target in _READS_STORAGE_OFFSET for node in decomposed.graph.nodes)
-    loaded = _deserialize(serialized, exported)
+    loaded = _deserialize(encoded, exported)
     if _graph_description(loaded, offsets) != _graph_description(decomposed, offsets):
         log.debug("zerojax: the decomposed graph does not survive serialization; not cached")
         return
-    os.makedirs(directory, exist_ok=True)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as file:
-            pickle.dump(serialized, file, protocol=pickle.HIGHEST_PROTOCOL)
+            file.write(encoded)
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
@@ -179,7 +205,7 @@ def _save(
 
 def _load(path: str, exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     with open(path, "rb") as file:
-        return _deserialize(pickle.load(file), exported)
+        return _deserialize(file.read(), exported)
 
 
 def _graph_description(program: torch.export.ExportedProgram, storage_offsets: bool) -> list[str]:
@@ -195,15 +221,8 @@ def _graph_description(program: torch.export.ExportedProgram, storage_offsets: b
     return described
 
 
-def _deserialize(serialized, exported: torch.export.ExportedProgram):
-    from torch._export.serde.serialize import ExportedProgramDeserializer
-
-    loaded = ExportedProgramDeserializer().deserialize(
-        serialized.exported_program,
-        exported.state_dict,
-        serialized.constants,
-        exported.example_inputs,
-    )
+def _deserialize(encoded: bytes, exported: torch.export.ExportedProgram):
+    loaded = program_data.decode(encoded, exported.state_dict, exported.example_inputs)
     # The deserializer gives every output of a multi-output op a getitem node, used or not
     # (`native_layer_norm_unused_1 = native_layer_norm[1]`); decomposition leaves none.
     graph = loaded.graph_module.graph
@@ -282,7 +301,7 @@ _UNDESCRIBED = "<undescribed>"
 
 def _is_plain_function(target) -> bool:
     if isinstance(target, torch._ops.OpOverload):
-        return target.namespace in _CORE_NAMESPACES
+        return target.namespace in program_data.CORE_NAMESPACES
     return getattr(target, "__module__", None) in ("_operator", "operator") and hasattr(
         operator, getattr(target, "__name__", "")
     )
