@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -33,24 +32,15 @@ from zerojax.ckpt.errors import CheckpointError
 from zerojax.ckpt.inspect import list_steps
 from zerojax.ckpt.manifest import write_manifest
 from zerojax.ckpt.safetensors_io import read_safetensors
-from zerojax.ckpt.torch_io import NUMPY_DTYPES, is_floating, tensor_to_numpy, torch_dtype_name
+from zerojax.ckpt.torch_io import (
+    NUMPY_DTYPES,
+    is_floating,
+    load_torch_file,
+    tensor_to_numpy,
+    torch_dtype_name,
+)
 
 __all__ = ["import_weights", "read_state_dict_file"]
-
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-
-
-def _torch_load(path: str) -> Any:
-    import torch
-
-    try:
-        # mmap: tensors are read from the page cache as Orbax writes them, not all loaded.
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError as exc:
-        if "mmap" not in str(exc) and "zip" not in str(exc):
-            raise
-    # Legacy (pre-1.6, non-zip) files cannot be memory-mapped.
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def read_state_dict_file(file: str | os.PathLike) -> list[tuple[str, np.ndarray, str, str | None]]:
@@ -74,15 +64,8 @@ def read_state_dict_file(file: str | os.PathLike) -> list[tuple[str, np.ndarray,
 
     import torch
 
-    try:
-        loaded = _torch_load(path)
-    except Exception as exc:  # unpickling raises anything; name the file
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-        raise ValueError(
-            f"import: {path!r} cannot be read by torch.load(weights_only=True): "
-            f"{type(exc).__name__}: {first}. Expected a file written by "
-            f"torch.save(model.state_dict()) ({', '.join(_TORCH_SUFFIXES)}) or a .safetensors file"
-        ) from exc
+    # Never runs code from the file: CheckpointFormatError naming it if it needs some.
+    loaded = load_torch_file(path)
     if not isinstance(loaded, Mapping):
         raise ValueError(  # noqa: TRY004 - the file's content is wrong, not an argument's type
             f"import: {path!r} holds a {type(loaded).__name__}, not a state_dict (a dict of "

@@ -1,4 +1,5 @@
-"""torch's checkpoint format, written one tensor at a time, and the torch <-> numpy dtype table.
+"""torch's checkpoint format, written one tensor at a time, read without running its code, and
+the torch <-> numpy dtype table.
 
 `torch.save` pickles the whole state_dict and then copies every storage into the zip, so it
 needs every tensor in memory at once -- the thing `zerojax ckpt export` exists to avoid.
@@ -12,25 +13,39 @@ loads with `torch.load(path, weights_only=True)` (and `mmap=True`) as an Ordered
     >>> with open(tmp, "wb") as f, TorchStateDictWriter(f, specs) as writer:
     ...     writer.write("w", w_array)        # numpy, in storage order
     ...     writer.write("b", b_array)
+
+A torch file is a pickle, and a pickle runs whatever its writer chose when it is loaded, so
+`load_torch_file` reads one only with `torch.load(weights_only=True)`: torch's restricted
+unpickler, which builds tensors and plain containers and refuses every other global. A file
+that needs anything else (a pickled class, or a planted `os.system`) is refused with a
+`CheckpointFormatError` naming the file and the global; nothing of it runs. zerojax never
+retries with `weights_only=False` (torch's own message suggests it), and no environment
+variable changes that: torch's TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only applies where
+`weights_only` is not passed.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
+import re
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import BinaryIO, Self
+from typing import Any, BinaryIO, Self
 
 import ml_dtypes
 import numpy as np
 import torch
 
+from zerojax.ckpt.errors import CheckpointFormatError
+
 __all__ = [
     "NUMPY_DTYPES",
     "TensorSpec",
     "TorchStateDictWriter",
+    "load_torch_file",
     "numpy_dtype",
     "tensor_to_numpy",
     "torch_dtype_name",
@@ -58,6 +73,50 @@ _FLOATING = {"float64", "float32", "float16", "bfloat16"}
 def torch_dtype_name(dtype: torch.dtype) -> str:
     """torch.float32 -> "float32" (the form `meta.parameters[...]["dtype"]` holds)."""
     return str(dtype).removeprefix("torch.")
+
+
+def load_torch_file(path: str | os.PathLike) -> Any:
+    """`torch.load(path, weights_only=True)` onto the CPU, memory-mapped where the file allows
+    (tensors are then read from the page cache as they are used, not all loaded).
+
+    CheckpointFormatError (a ValueError) naming the file if torch cannot read it, and, if the
+    file needs code to load, which global it asked for; nothing in the file runs (module
+    docstring)."""
+    path = os.fspath(path)
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc) and "zip" not in str(exc):
+                raise
+        # Legacy (pre-1.6, non-zip) files cannot be memory-mapped.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling raises anything; name the file
+        message = str(exc)
+        needed = _REFUSED_GLOBAL.search(message)
+        if isinstance(exc, pickle.UnpicklingError) and needed:
+            raise CheckpointFormatError(
+                f"{path!r} needs code to load (it asks for {needed.group(1)}), and zerojax "
+                f"never runs code from a checkpoint: it reads torch files with "
+                f"torch.load(weights_only=True), which builds only tensors and plain "
+                f"containers. If you trust the file, load it in torch yourself and save its "
+                f"state_dict (torch.save(model.state_dict(), ...)) or a .safetensors file",
+                path=path,
+            ) from None
+        # torch's restricted unpickler puts its reason after a long preamble.
+        reason = message.partition("WeightsUnpickler error:")[2].partition("Check the doc")[0]
+        reason = (reason or message).strip()
+        first = reason.splitlines()[0][:300] if reason else ""
+        raise CheckpointFormatError(
+            f"{path!r} cannot be read by torch.load(weights_only=True): "
+            f"{type(exc).__name__}: {first}. Expected a file written by "
+            f"torch.save(model.state_dict())",
+            path=path,
+        ) from exc
+
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+"""The global torch's restricted unpickler refused, as its message names it."""
 
 
 def numpy_dtype(name: str) -> np.dtype:
