@@ -92,7 +92,7 @@ def main() -> None:
     g = general_engine.state
 
     def general_forward_backward():
-        logits, _, pullback = vjp_program(g.params, g.buffers, (x,), {}, general_rng)
+        logits, _, pullback, _ = vjp_program(g.params, g.buffers, (x,), {}, general_rng)
         cotangent = jnp.full(logits.shape, 1.0 / (logits.shape[0] * logits.shape[1]), logits.dtype)
         return jax.block_until_ready(backward_program(pullback, g.params, cotangent, one))
 

@@ -27,6 +27,7 @@ from zerojax.bridge.value_inputs import (
 )
 
 if TYPE_CHECKING:
+    from zerojax.bridge.index_bounds import IndexBounds
     from zerojax.config import ActivationCheckpointingConfig, KernelsConfig
     from zerojax.parallel.plan import ParallelPlan
 
@@ -123,6 +124,7 @@ class Converted:
         remat: ActivationCheckpointingConfig | None = None,
         param_use: Callable[..., jax.Array] | None = None,
         regather_params: frozenset[str] = frozenset(),
+        index_bounds: IndexBounds | None = None,
         **kwargs: Any,
     ) -> tuple[Any, dict[str, jax.Array]]:
         """Run the module as JAX: (outputs, new_buffers); see the class docstring.
@@ -139,6 +141,9 @@ class Converted:
         each op that reads it (the engine's ZeRO-3 gather and compute-dtype cast: see
         `GraphFunction.__call__`); an op that reads a parameter named in `regather_params`
         gathers it again in the backward pass instead of keeping it (ZeRO-3, same place).
+        `index_bounds` (a `zerojax.bridge.index_bounds.IndexBounds`) records the out-of-range
+        checks of the indices the model reads: its `packed()` flag vector, returned from the
+        caller's jitted function, is what `raise_if_out_of_range` reads on the host.
         """
         args, kwargs = _unwrap_static((args, kwargs))
         program, in_spec, out_spec = self._program_for(
@@ -159,6 +164,7 @@ class Converted:
             remat=remat,
             param_use=param_use,
             regather_params=regather_params,
+            index_bounds=index_bounds,
         )
         outputs = torch_pytree.tree_unflatten(outputs, out_spec)
         if self.train and not _wants_cache(args, kwargs):

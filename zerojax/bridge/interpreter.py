@@ -26,6 +26,7 @@ from zerojax.bridge import custom_ops, fusion
 from zerojax.bridge import remat as remat_regions
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
+from zerojax.bridge.index_bounds import IndexBounds
 from zerojax.bridge.registry import LoweringContext, get_lowering
 from zerojax.config import ActivationCheckpointingConfig, KernelsConfig
 
@@ -187,6 +188,7 @@ class GraphFunction:
         remat: ActivationCheckpointingConfig | None = None,
         param_use: Callable[[str, jax.Array, list[jax.Array]], jax.Array] | None = None,
         regather_params: frozenset[str] = frozenset(),
+        index_bounds: IndexBounds | None = None,
     ) -> tuple[list, dict[str, jax.Array]]:
         """Run the graph. `param_use(name, value, operands)` is applied to a parameter where an
         op reads it (not once up front), `operands` being the op's other array inputs (its
@@ -195,7 +197,9 @@ class GraphFunction:
         pass gathers again instead of keeping every layer's gathered weights (FSDP's reshard
         after forward), and can be ordered after the activations the op waits for anyway.
         For the parameters in `regather_params` (ZeRO-3's) every op that reads one is such a
-        region of its own (`remat.find_gather_regions`)."""
+        region of its own (`remat.find_gather_regions`). With `index_bounds` (an
+        `IndexBounds`), every index an op reads is checked as torch checks it: the recorder
+        then holds the program's flag vector (`index_bounds.packed()`)."""
         if len(user_inputs) != self.num_user_inputs:
             raise TypeError(
                 f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "
@@ -270,10 +274,10 @@ class GraphFunction:
                 break
             region = regions.get(node)
             if region is not None:
-                _run_region(region, env, context, read)
+                _run_region(region, env, context, read, index_bounds)
                 skip.update(region.nodes)
                 continue
-            env[node] = _evaluate(node, env, context, read)
+            env[node] = _evaluate(node, env, context, read, index_bounds)
         outputs, new_buffers = [], dict(buffers)
         for value, (kind, name) in zip(results, self.outputs, strict=True):
             value = read(env, value) if isinstance(value, torch.fx.Node) else value
@@ -294,8 +298,15 @@ def _constant(tensor: torch.Tensor):
     return from_torch(tensor)
 
 
-def _evaluate(node: torch.fx.Node, env: dict, context: Callable, read: Callable) -> object:
-    """One node's value from its inputs' values in `env` (each taken through `read`)."""
+def _evaluate(
+    node: torch.fx.Node,
+    env: dict,
+    context: Callable,
+    read: Callable,
+    index_bounds: IndexBounds | None = None,
+) -> object:
+    """One node's value from its inputs' values in `env` (each taken through `read`); the
+    indices it reads recorded in `index_bounds` when given."""
     args = torch.fx.node.map_arg(node.args, lambda n: read(env, n, node))
     kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: read(env, n, node))
     if node.target in _PYTHON_FUNCTIONS:
@@ -309,32 +320,46 @@ def _evaluate(node: torch.fx.Node, env: dict, context: Callable, read: Callable)
     except Exception as error:
         error.add_note(f"while lowering {node.target} in {node_location(node)}")
         raise
+    if index_bounds is not None:
+        index_bounds.record(node, args, kwargs)
     return _conform(value, node.meta.get("val"), ctx, node)
 
 
-def _run_region(region: remat_regions.Region, env: dict, context: Callable, read: Callable) -> None:
+def _run_region(
+    region: remat_regions.Region,
+    env: dict,
+    context: Callable,
+    read: Callable,
+    index_bounds: IndexBounds | None = None,
+) -> None:
     """Evaluate a region's nodes as one function under `jax.checkpoint`; put its outputs in
     `env`. Values that are not arrays (sizes, None, flags) cross the boundary as static Python
-    values, closed over on the way in and recorded at trace time on the way out."""
+    values, closed over on the way in and recorded at trace time on the way out. The region's
+    index checks leave it as outputs too (values of the inner trace cannot be kept aside)."""
     leaves, tree = jax.tree.flatten([env[n] for n in region.inputs])
     traced = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
     static_outputs: dict[str, object] = {}
 
     def body(*arrays):
+        inner = static_outputs["index_bounds"] = None if index_bounds is None else IndexBounds()
         values = list(leaves)
         for i, array in zip(traced, arrays, strict=True):
             values[i] = array
         local = dict(zip(region.inputs, jax.tree.unflatten(tree, values), strict=True))
         for node in region.nodes:
-            local[node] = _evaluate(node, local, context, read)
+            local[node] = _evaluate(node, local, context, read, inner)
         out_leaves, static_outputs["tree"] = jax.tree.flatten([local[n] for n in region.outputs])
         static_outputs["leaves"] = [
             _TRACED if isinstance(leaf, jax.Array) else leaf for leaf in out_leaves
         ]
-        return [leaf for leaf in out_leaves if isinstance(leaf, jax.Array)]
+        checks = [] if inner is None else inner.extremes
+        return [leaf for leaf in out_leaves if isinstance(leaf, jax.Array)], checks
 
     policy = remat_regions.checkpoint_policy(region.policy, region.origin)
-    arrays = iter(jax.checkpoint(body, policy=policy)(*(leaves[i] for i in traced)))
+    arrays, checks = jax.checkpoint(body, policy=policy)(*(leaves[i] for i in traced))
+    if index_bounds is not None:
+        index_bounds.extend(static_outputs["index_bounds"].sites, checks)
+    arrays = iter(arrays)
     out_leaves = [next(arrays) if leaf is _TRACED else leaf for leaf in static_outputs["leaves"]]
     outputs = jax.tree.unflatten(static_outputs["tree"], out_leaves)
     env.update(zip(region.outputs, outputs, strict=True))

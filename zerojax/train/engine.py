@@ -44,6 +44,7 @@ import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted
+from zerojax.bridge.index_bounds import raise_if_out_of_range
 from zerojax.config import Config
 from zerojax.distributed.arrays import host_copy
 from zerojax.parallel.placement import placement_kind
@@ -162,6 +163,9 @@ class Engine:
         self._before_donation: list[Callable[[], None]] = []
         self._torch_optimizer: torch.optim.Optimizer | None = None
         self._update_prepared = False
+        # Index flag vectors of program calls whose results torch has not read yet
+        # (`zerojax.bridge.index_bounds`): read when they are, at the latest at the next call.
+        self._index_flags: list[jax.Array] = []
 
     # --- the state -------------------------------------------------------------------------
 
@@ -355,16 +359,18 @@ class Engine:
 
         `replay` (from `fused_forward`) runs that call again, with its random draws and the
         buffers it read, and leaves the buffers as they are (its call already updated them)."""
+        self.raise_index_errors()
         rng, buffers = replay if replay is not None else (self.next_rng(), self._state.buffers)
         params = self._state.params
         if differentiable is None:
             program = self.programs.forward(converted)
-            outputs, new_buffers = program(params, buffers, args, kwargs, rng)
+            outputs, new_buffers, flags = program(params, buffers, args, kwargs, rng)
             pullback = None
         else:
             program = self.programs.forward_vjp(converted, differentiable)
-            outputs, new_buffers, residuals = program(params, buffers, args, kwargs, rng)
+            outputs, new_buffers, residuals, flags = program(params, buffers, args, kwargs, rng)
             pullback = (residuals, params)
+        self._note_index_flags(flags)
         if replay is None:
             self._state = self._state.replace(buffers=new_buffers)
         return outputs, pullback
@@ -373,12 +379,14 @@ class Engine:
     def fused_forward(self, converted, args, kwargs, loss_path):
         """Outputs and the gradients of the model's own loss, in one program; and what
         `forward(..., replay=)` needs to run the same call again (random draws, buffers)."""
+        self.raise_index_errors()
         rng = self.next_rng()
         state = self._state
         program = self.programs.loss_and_grads(converted, loss_path)
-        outputs, new_buffers, grads = program(
+        outputs, new_buffers, grads, flags = program(
             state.params, state.buffers, args, kwargs, rng, self.scale
         )
+        self._note_index_flags(flags)
         self._state = self._state.replace(buffers=new_buffers)
         self._prepare_update(grads)
         return outputs, grads, (rng, state.buffers)
@@ -413,6 +421,7 @@ class Engine:
         )
 
     def backward(self, converted, pullback, cotangents):
+        self.raise_index_errors()
         residuals, params = pullback
         updated = [
             name
@@ -439,6 +448,7 @@ class Engine:
         """Add one backward's gradients into the sharded accumulator (torch sums into .grad),
         times `weight` (the loss's cotangent) and 1/gradient_accumulation_steps. Parameters
         with `requires_grad=False` get none, as in torch."""
+        self.raise_index_errors()
         frozen = self.frozen_names()
         if frozen:
             grads = {n: g for n, g in grads.items() if n not in frozen}
@@ -592,6 +602,7 @@ class Engine:
         torch optimizer's own step on live tensors) runs on every
         gradient_accumulation_steps-th call (every call without accumulation), after which
         the accumulated gradients are cleared when accumulating. Returns whether it applied."""
+        self.raise_index_errors()  # never an update from a step that read a bad index
         boundary = self.is_gradient_accumulation_boundary()
         self._state = self._state.replace(micro_step=self._state.micro_step + 1)
         if not boundary:
@@ -637,6 +648,34 @@ class Engine:
             step=state.step + 1,
             skipped_steps=skipped,
         )
+
+    # --- out-of-range indices (zerojax.bridge.index_bounds) ---------------------------------
+
+    def _note_index_flags(self, flags) -> None:
+        """Keep a program call's index flag vector until its results are read."""
+        if isinstance(flags, jax.Array):  # (an abstract engine's programs return shapes)
+            # One device's copy of the replicated vector: it is ready when that device's part
+            # of the program is (the one whose copy of a replicated loss torch has read), and
+            # holds every shard's minimum and maximum (an all-reduce computed it).
+            self._index_flags.append(flags.addressable_shards[0].data)
+
+    def raise_index_errors(self, *, wait: bool = True) -> None:
+        """Raise torch's error (IndexError, RuntimeError) for an index out of range in an
+        earlier program call, naming the op and module path.
+
+        With `wait=False` only the flags already computed are read: no host sync. That is how
+        `model(x)` reads them after handing its outputs to torch, which waited for the program
+        anyway. Every other entry into the engine (the next forward, `backward`, the gradient
+        accumulation, `optimizer.step()`) waits for those still pending, so an error surfaces
+        at the latest one call after its step, and never after an update that used it."""
+        pending = self._index_flags
+        if not pending:
+            return
+        if not wait and not all(flags.is_ready() for flags in pending):
+            return
+        self._index_flags = []
+        for flags in pending:
+            raise_if_out_of_range(flags)
 
     def moe_stats(self) -> dict[str, dict[str, Any]]:
         """Routing of the latest model call under expert parallelism (mesh axis `expert` > 1),

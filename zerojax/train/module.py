@@ -311,8 +311,11 @@ class ZeroModule(torch.nn.Module):
     def _zerojax_hand_over(self, leaves: list, kept) -> list[torch.Tensor]:
         """The outputs as torch tensors, by the engine's placement (one process: `hand_over`;
         several: this process's rows of each)."""
-        placement = self._zerojax_engine.placement
-        return placement.outputs_to_torch(leaves, kept, self._zerojax_global_rows)
+        engine = self._zerojax_engine
+        handed = engine.placement.outputs_to_torch(leaves, kept, self._zerojax_global_rows)
+        # The hand-over waited for the program: its index flags are read now, for free.
+        engine.raise_index_errors(wait=False)
+        return handed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients. nn.Module's version would read (gather) every

@@ -50,6 +50,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zerojax.bridge.convert import Converted
+from zerojax.bridge.index_bounds import IndexBounds
 from zerojax.compat.jax_api import on_host
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
@@ -285,8 +286,11 @@ class StepPrograms:
     # --- the model on compute-layout params -------------------------------------------------
 
     def apply(self, converted: Converted, params, buffers, args, kwargs, rng):
-        """The converted model on compute-dtype, compute-layout params (stage 3 gathers here);
-        `rng` is (base key, call number), as `Engine.next_rng` gives it."""
+        """(outputs, new_buffers, index flags): the converted model on compute-dtype,
+        compute-layout params (stage 3 gathers here); `rng` is (base key, call number), as
+        `Engine.next_rng` gives it. The flags are the out-of-range checks of the indices it
+        read (`zerojax.bridge.index_bounds`, config `train.check_index_bounds`): one small
+        int32 vector, or None when nothing is checked."""
         rng = jax.random.fold_in(*rng)
         policy = self.policy
 
@@ -310,6 +314,7 @@ class StepPrograms:
                 value = value.astype(policy.compute_dtype)
             return value
 
+        index_bounds = IndexBounds() if self.config.train.check_index_bounds else None
         outputs, new_buffers = converted.apply(
             params,
             buffers,
@@ -324,12 +329,17 @@ class StepPrograms:
             regather_params=frozenset(
                 n for n in params if self.plan.compute_params[n] != self.plan.params[n]
             ),
+            index_bounds=index_bounds,
             **kwargs,
         )
         outputs = jax.tree.map(
             lambda x: x.astype(policy.output_dtype) if is_float(x) else x, outputs
         )
-        return outputs, new_buffers
+        flags = None if index_bounds is None else index_bounds.packed()
+        if flags is not None:
+            # Replicated: each process reads its own copy on the host, no gather.
+            flags = jax.lax.with_sharding_constraint(flags, self.replicated)
+        return outputs, new_buffers, flags
 
     def as_grads(self, grads):
         """Float gradients in the grad dtype, placed per `plan.grads` (stage 2+: in shards;
@@ -351,7 +361,7 @@ class StepPrograms:
     # --- forward / backward -----------------------------------------------------------------
 
     def forward(self, converted: Converted) -> Program:
-        """(params, buffers, args, kwargs, rng) -> (outputs, new_buffers)."""
+        """(params, buffers, args, kwargs, rng) -> (outputs, new_buffers, index flags)."""
 
         def forward(params, buffers, args, kwargs, rng):
             return self.apply(converted, params, buffers, args, kwargs, rng)
@@ -359,18 +369,21 @@ class StepPrograms:
         return self._cached(("forward", id(converted)), lambda: Program("forward", forward))
 
     def forward_vjp(self, converted: Converted, differentiable: tuple[bool, ...]) -> Program:
-        """(params, buffers, args, kwargs, rng) -> (outputs, new_buffers, pullback);
-        `differentiable[i]` says whether positional input i gets an input gradient."""
+        """(params, buffers, args, kwargs, rng) -> (outputs, new_buffers, pullback, index
+        flags); `differentiable[i]` says whether positional input i gets an input gradient."""
 
         def forward(params, buffers, args, kwargs, rng):
             def f(params, diff_args):
                 merged = iter(diff_args)
                 full = [next(merged) if d else a for a, d in zip(args, differentiable)]
-                return self.apply(converted, params, buffers, full, kwargs, rng)
+                outputs, new_buffers, flags = self.apply(
+                    converted, params, buffers, full, kwargs, rng
+                )
+                return outputs, (new_buffers, flags)
 
             diff_args = [a for a, d in zip(args, differentiable) if d]
-            outputs, pullback, new_buffers = jax.vjp(f, params, diff_args, has_aux=True)
-            return outputs, new_buffers, Residuals.of(pullback, params)
+            outputs, pullback, (new_buffers, flags) = jax.vjp(f, params, diff_args, has_aux=True)
+            return outputs, new_buffers, Residuals.of(pullback, params), flags
 
         return self._cached(
             ("forward_vjp", id(converted), differentiable),
@@ -378,17 +391,20 @@ class StepPrograms:
         )
 
     def loss_and_grads(self, converted: Converted, loss_path) -> Program:
-        """(params, buffers, args, kwargs, rng, scale) -> (outputs, new_buffers, grads): the
-        gradients of `scale * loss` (fp16 loss scaling), the model's own loss at `loss_path`."""
+        """(params, buffers, args, kwargs, rng, scale) -> (outputs, new_buffers, grads, index
+        flags): the gradients of `scale * loss` (fp16 loss scaling), the model's own loss at
+        `loss_path`."""
 
         def fused(params, buffers, args, kwargs, rng, scale):
             def f(params):
-                outputs, new_buffers = self.apply(converted, params, buffers, args, kwargs, rng)
+                outputs, new_buffers, flags = self.apply(
+                    converted, params, buffers, args, kwargs, rng
+                )
                 loss = pick_loss(outputs, loss_path)
-                return loss.astype(jnp.float32) * scale, (outputs, new_buffers)
+                return loss.astype(jnp.float32) * scale, (outputs, new_buffers, flags)
 
-            (_, (outputs, new_buffers)), grads = jax.value_and_grad(f, has_aux=True)(params)
-            return outputs, new_buffers, self.as_grads(grads)
+            (_, (outputs, new_buffers, flags)), grads = jax.value_and_grad(f, has_aux=True)(params)
+            return outputs, new_buffers, self.as_grads(grads), flags
 
         return self._cached(
             ("loss_and_grads", id(converted), loss_path),
