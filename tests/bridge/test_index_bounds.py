@@ -64,7 +64,9 @@ def run_checked(fn, x, i, *, check=True):
         outputs, _ = converted.apply(params, buffers, x, i, index_bounds=bounds)
         return outputs, None if bounds is None else bounds.packed()
 
-    outputs, flags = jax.jit(apply)(converted.params, converted.buffers, from_torch(x), from_torch(i))
+    outputs, flags = jax.jit(apply)(
+        converted.params, converted.buffers, from_torch(x), from_torch(i)
+    )
     raise_if_out_of_range(flags)
     return to_torch(outputs)
 
@@ -84,6 +86,7 @@ def _expand(i):
 CASES = {
     "embedding": (_embedding, 0, 5),
     "index_select": (lambda x, i: x.index_select(1, i), 0, 5),
+    "index_select_rows": (lambda x, i: x.index_select(0, i), 0, 4),
     "gather": (lambda x, i: x.gather(1, _expand(i)), 0, 5),
     "take": (lambda x, i: torch.take(x, i), -20, 20),
     "index": (lambda x, i: x[:, i], -5, 5),
@@ -309,3 +312,20 @@ def test_error_waits_no_longer_than_the_next_engine_call():
     model(tokens, targets).backward()
     optimizer.step()
     assert np.isfinite(model(tokens, targets).item())
+
+
+@pytest.mark.multidevice
+def test_ops_on_live_tensors_raise_at_the_call():
+    """`zerojax.bridge.eager`: torch ops on a wrapped model's parameters run the same lowerings;
+    an index out of range raises there and then, and a good one computes torch's rows."""
+    module = TinyLM()
+    reference = copy.deepcopy(module)
+    model, _ = _initialize(module)
+    weight = model.wte.weight.detach()
+    rows = torch.tensor([3, 127])
+    torch.testing.assert_close(
+        weight.index_select(0, rows).numpy(), reference.wte.weight.detach()[rows].numpy()
+    )
+    expected = _torch_error(lambda w, i: w.index_select(0, i), reference.wte.weight, _index(128))
+    with pytest.raises(type(expected), match="index out of range in self"):
+        weight.index_select(0, _index(128))

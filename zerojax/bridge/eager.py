@@ -7,7 +7,9 @@ interpreter's own `_evaluate`, so a lowering sees exactly what it sees in a capt
 (`ctx.node.args[i].meta["val"]`, `ctx.out_dtype`) and its result is conformed the same way. The
 walk is jitted once per signature: the op, the non-tensor arguments (Python scalars are part of
 the key, as they are constants of a captured graph) and each tensor's shape and dtype. Inputs'
-shardings are JAX's business: a jitted call on ZeRO-sharded arrays runs on the shards.
+shardings are JAX's business: a jitted call on ZeRO-sharded arrays runs on the shards. An op
+that reads indices checks them as torch does and raises torch's error at the call
+(`zerojax.bridge.index_bounds`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding
 
+from zerojax.bridge.index_bounds import IndexBounds, raise_if_out_of_range
 from zerojax.bridge.interpreter import _evaluate
 from zerojax.bridge.registry import LoweringContext
 
@@ -92,7 +95,13 @@ class EagerCall:
                 rng_for_site=lambda: jax.random.fold_in(rng, next(draws)),
             )
 
-        return _evaluate(self._node, env, context, lambda values, n, consumer=None: values[n])
+        # An index out of range raises torch's error (zerojax.bridge.index_bounds): the flags
+        # leave the program beside its result.
+        bounds = IndexBounds()
+        value = _evaluate(
+            self._node, env, context, lambda values, n, consumer=None: values[n], bounds
+        )
+        return value, bounds.packed()
 
     def __call__(self, arrays: list, rng: Callable[[], jax.Array]):
         """The lowering's result: an array, or a tuple/list of them (as the op returns).
@@ -107,7 +116,7 @@ class EagerCall:
         time, they cannot; programs without collectives never wait on each other."""
         key = rng() if self.random else None
         try:
-            result = self._program(arrays, key)
+            result, index_flags = self._program(arrays, key)
         except jax.errors.ConcretizationTypeError:
             if not self.traced_scalars:
                 raise
@@ -117,6 +126,9 @@ class EagerCall:
             raise ScalarsMustBeConstant from None
         if self._has_collectives(arrays, key):
             jax.block_until_ready(result)
+        # An op that reads indices waits for its flags (one call at a time: eager index ops on
+        # live tensors are rare, and torch raises at the op too).
+        raise_if_out_of_range(index_flags)
         return result
 
     def _has_collectives(self, arrays: list, key) -> bool:

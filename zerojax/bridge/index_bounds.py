@@ -167,8 +167,10 @@ def sites_of(node: torch.fx.Node, args: tuple, kwargs: dict) -> list[tuple[Index
     if target == aten.index_select.default:
         self, dim, index = args[:3]
         dim, size = _dim_size(self, dim)
-        message = "INDICES element is out of DATA bounds, id={value} axis_dim={size}"
-        return [(_site(node, 0, size, RuntimeError, message, dim), index)]
+        if dim == 1 and self.ndim > 1:  # torch's CPU kernel for dim 1 has its own check
+            message = "INDICES element is out of DATA bounds, id={value} axis_dim={size}"
+            return [(_site(node, 0, size, RuntimeError, message, dim), index)]
+        return [(_site(node, 0, size, IndexError, "index out of range in self", dim), index)]
     if target == aten.gather.default:
         self, dim, index = args[:3]
         dim, size = _dim_size(self, dim)
