@@ -305,3 +305,46 @@ def test_valid_files_still_read_bit_for_bit(tmp_path):
     assert meta2 == {} and arrays2["empty"].shape == (0, 3)
     for name in state_dict:
         np.testing.assert_array_equal(arrays2[name], arrays[name])
+
+
+# --------------------------------------------------------------------------- beyond the header
+
+
+def test_torch_file_with_a_flipped_bit_is_refused(tmp_path):
+    """torch.load does not check the zip's crc32s: a bit flipped in a tensor's bytes imported
+    as a wrong weight (found by tools/fault_injection). The import checks them first."""
+    path = tmp_path / "model.pt"
+    torch.save({"encoder.weight": torch.randn(64, 64)}, path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"model/data/0") + 200  # inside the tensor's bytes (after its header)
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    target = tmp_path / "ckpt"
+    with pytest.raises(CheckpointFormatError, match="fails its crc32 check") as info:
+        import_weights(path, target)
+    assert str(path) in str(info.value)
+    assert not target.exists()
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    """A write that fails -- Orbax's (here: the directory's parent is a file) or the
+    manifest's after Orbax committed -- raises CheckpointError and keeps no step, no
+    temporary directory and no directory the import created."""
+    valid_file(tmp_path / "valid.safetensors")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="writing step 0 of .* failed, nothing was kept"):
+        import_weights(tmp_path / "valid.safetensors", tmp_path / "file" / "ckpt")
+
+    import zerojax.ckpt.import_weights as module
+
+    def full_disk(step_dir):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(module, "write_manifest", full_disk)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    for target in (tmp_path / "fresh", existing):
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            import_weights(tmp_path / "valid.safetensors", target, step=3)
+        assert not (tmp_path / "fresh").exists()
+        assert list(existing.iterdir()) == []

@@ -22,13 +22,15 @@ say which entries are parameters: floating-point entries get kind "parameter", t
 from __future__ import annotations
 
 import os
+import shutil
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from zerojax.ckpt import layout
-from zerojax.ckpt.errors import CheckpointError
+from zerojax.ckpt.errors import CheckpointError, CheckpointFormatError
 from zerojax.ckpt.inspect import list_steps
 from zerojax.ckpt.manifest import write_manifest
 from zerojax.ckpt.safetensors_io import read_safetensors
@@ -41,6 +43,27 @@ from zerojax.ckpt.torch_io import (
 )
 
 __all__ = ["import_weights", "read_state_dict_file"]
+
+
+def _check_zip_crcs(path: str) -> None:
+    """A torch zip file's members against their crc32s: torch.load does not check them, so a
+    flipped bit in a tensor's bytes loaded as a wrong value. One read of the file, in chunks,
+    before torch.load memory-maps it (from the page cache by then)."""
+    if not zipfile.is_zipfile(path):
+        return  # legacy pickles carry no checksum; torch.load reports what it cannot read
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as exc:
+        raise CheckpointFormatError(
+            f"import: {path!r} is a damaged zip file: {type(exc).__name__}: {exc}", path=path
+        ) from exc
+    if bad is not None:
+        raise CheckpointFormatError(
+            f"import: {path!r}: member {bad!r} fails its crc32 check: the file was damaged "
+            f"after it was written",
+            path=path,
+        )
 
 
 def read_state_dict_file(file: str | os.PathLike) -> list[tuple[str, np.ndarray, str, str | None]]:
@@ -64,6 +87,7 @@ def read_state_dict_file(file: str | os.PathLike) -> list[tuple[str, np.ndarray,
 
     import torch
 
+    _check_zip_crcs(path)
     # Never runs code from the file: CheckpointFormatError naming it if it needs some.
     loaded = load_torch_file(path)
     if not isinstance(loaded, Mapping):
@@ -113,13 +137,13 @@ def import_weights(file: str | os.PathLike, directory: str | os.PathLike, *, ste
     step directory. See the module docstring for what the step holds.
 
     Refuses (CheckpointError) when the step exists or a later one does (Orbax only appends
-    steps); ValueError for an unreadable file or a step < 0.
+    steps); ValueError for an unreadable file or a step < 0 (CheckpointFormatError, also a
+    CheckpointError, for a malformed safetensors file). A write that fails (a full disk, a
+    read-only directory) raises CheckpointError and leaves nothing behind.
 
     >>> import_weights("gpt2.safetensors", "runs/gpt2")
     PosixPath('runs/gpt2/0')
     """
-    import orbax.checkpoint as ocp
-
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"import: step={step!r}; use an integer >= 0")
     directory = Path(directory).absolute()
@@ -166,6 +190,27 @@ def import_weights(file: str | os.PathLike, directory: str | os.PathLike, *, ste
         "torch_rng": None,
         "extra": {},
     }
+    created = not directory.exists()
+    try:
+        _write_step(directory, step, tree, meta)
+    except BaseException as exc:
+        # Nothing half-written stays: this call's temporary directory, a step committed
+        # without its manifest, the directory if this call created it. The step did not
+        # exist before (checked above), so whatever carries its number is this call's.
+        _remove_partial(directory, step, created)
+        if not isinstance(exc, Exception):
+            raise
+        raise CheckpointError(
+            f"import: writing step {step} of {directory} failed, nothing was kept: "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        ) from exc
+    return directory / str(step)
+
+
+def _write_step(directory: Path, step: int, tree: dict, meta: dict) -> None:
+    """Orbax's save of the `model` and `meta` items, then the manifest."""
+    import orbax.checkpoint as ocp
+
     manager = ocp.CheckpointManager(
         directory,
         item_handlers={
@@ -186,6 +231,14 @@ def import_weights(file: str | os.PathLike, directory: str | os.PathLike, *, ste
         manager.close()
     if not saved:  # pragma: no cover - the step checks above make Orbax accept the save
         raise CheckpointError(f"import: Orbax declined to save step {step} in {directory}")
-    step_dir = directory / str(step)
-    write_manifest(step_dir)
-    return step_dir
+    write_manifest(directory / str(step))
+
+
+def _remove_partial(directory: Path, step: int, created: bool) -> None:
+    if not directory.is_dir():
+        return
+    for name in os.listdir(directory):
+        if name == str(step) or name.startswith(f"{step}.orbax-checkpoint-tmp"):
+            shutil.rmtree(directory / name, ignore_errors=True)
+    if created:
+        shutil.rmtree(directory, ignore_errors=True)
