@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -204,7 +205,7 @@ def _cli_must_fail(fault: str, group: str, argv: list[str], target: Path, step) 
                observed=one_line(observed))  # fmt: skip
 
 
-def child_save_without_close(base_root: Path, directory: Path, mount: str) -> None:
+def child_save_without_close(base_root: Path, directory: Path, mount: str, end: Path) -> None:
     """Save step 1, make step 2's save fail (fill `mount`, or `directory` is read-only),
     and end the script without close(): the process must exit non-zero."""
     from tools.fault_injection.base import make_model, restore_values_from
@@ -220,6 +221,7 @@ def child_save_without_close(base_root: Path, directory: Path, mount: str) -> No
     restore_values_from(model, optimizer, base_root / "ckpt", 2)
     ckpt.save(2 if mount else 3)
     print("SCRIPT_END", flush=True)
+    end.write_text("")  # the driver's clock for "hung at exit" starts here
 
 
 def child_read_only(base_root: Path, scratch: Path) -> list[Row]:
@@ -288,7 +290,8 @@ def child_read_only(base_root: Path, scratch: Path) -> list[Row]:
     try:
         _, diffs = _restored(ro_oldest / "ckpt", 3, base_root, seed=23)
         state = f"step 3 restores, {len(diffs)} values differ"
-        verdict = SILENT if diffs else (CAUGHT if error is not None else RECOVERED)
+        verdict = RECOVERED if error is None else judge_error(error, 1, [str(ro_oldest)])[0]
+        verdict = SILENT if diffs else verdict
     except Exception as exc:  # noqa: BLE001 - judged
         state = one_line(f"step 3 does not restore: {type(exc).__name__}: {exc}")
         verdict = FLAWED if error is not None else SILENT
@@ -387,6 +390,54 @@ def _namespace_ok() -> str | None:
     return None if probe.returncode == 0 else one_line(probe.stderr or probe.stdout)
 
 
+def run_child(
+    command: list[str], timeout: float, *, end_file: Path | None = None, exit_grace: float = 25.0,
+    **kwargs,
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """subprocess.run that survives a hang. A child that has not exited `exit_grace` seconds
+    after `end_file` appeared (its script's end), or after `timeout` in all, is hung: its
+    thread stacks are dumped (SIGUSR1, see worker.py), it is killed, and the result's `hung`
+    is set."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, text=True, **kwargs)
+        start, ended, hung = time.monotonic(), None, False
+        while child.poll() is None:
+            now = time.monotonic()
+            if ended is None and end_file is not None and end_file.exists():
+                ended = now
+            if now - start > timeout or (ended is not None and now - ended > exit_grace):
+                hung = True
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                child.kill()
+                child.wait()
+                break
+            time.sleep(0.2)
+        out.seek(0)
+        err.seek(0)
+        result = subprocess.CompletedProcess(command, child.returncode, out.read(), err.read())
+    result.hung = hung
+    return result
+
+
+def _stack_summary(err: str) -> str:
+    """The zerojax/orbax frames of the main thread's stack from a faulthandler dump."""
+    frames = [
+        line.strip()
+        for line in err.split("Current thread")[-1].splitlines()
+        if "File" in line and ("zerojax" in line or "orbax" in line or "threading" in line)
+    ]
+    return "; ".join(frames[:4])
+
+
+def _hang_row(fault: str, group: str, process) -> list[Row]:
+    if not getattr(process, "hung", False):
+        return []
+    return [Row(fault=fault, group=group, expected="the process exits", verdict=FLAWED,
+                observed=one_line(f"hung at exit, killed after the timeout: {_stack_summary(process.stderr)}"))]  # fmt: skip
+
+
 def _in_tmpfs(mount: Path, *worker_args: str) -> list[str]:
     script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
     return ["unshare", "-rm", "sh", "-c", script, "sh", TMPFS_SIZE, str(mount), *worker_command(*worker_args)]  # fmt: skip
@@ -395,7 +446,7 @@ def _in_tmpfs(mount: Path, *worker_args: str) -> list[str]:
 def _rows_from(
     path: Path, process: subprocess.CompletedProcess, fault: str, group: str
 ) -> list[Row]:
-    if path.is_file():
+    if path.is_file() and path.stat().st_size:
         return [Row(**r) for r in json.loads(path.read_text())]
     tail = one_line((process.stderr or "")[-400:])
     return [Row(fault=fault, group=group, expected="the scenario runs to its end", verdict=FLAWED,
@@ -405,6 +456,11 @@ def _rows_from(
 def _no_close_row(fault: str, group: str, process: subprocess.CompletedProcess, step: int) -> Row:
     expected = f"the script exits non-zero, naming step {step}, though it never called close()"
     err = process.stderr or ""
+    if getattr(process, "hung", False):
+        observed = f"reached its end: {'SCRIPT_END' in (process.stdout or '')}; then hung at exit: {_stack_summary(err)}"
+        return Row(
+            fault=fault, group=group, expected=expected, verdict=FLAWED, observed=one_line(observed)
+        )
     if "SCRIPT_END" not in (process.stdout or ""):
         observed = one_line(
             f"the script did not reach its end (exit {process.returncode}): {err[-300:]}"
@@ -433,16 +489,18 @@ def disk_full_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row
     mount = scratch / "tmpfs_a"
     mount.mkdir(parents=True, exist_ok=True)
     out = scratch / "disk_full.json"
-    process = subprocess.run(
+    process = run_child(
         _in_tmpfs(mount, "disk-full", base_root, mount, out),
-        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO,
+        timeout, end_file=out, env=_env(), cwd=REPO,
     )  # fmt: skip
     rows += _rows_from(out, process, "disk full: saves, import, export", "disk-full")
+    rows += _hang_row("disk full: the process after the failed saves", "disk-full", process)
     mount = scratch / "tmpfs_b"
     mount.mkdir(parents=True, exist_ok=True)
-    process = subprocess.run(
-        _in_tmpfs(mount, "save-without-close", base_root, mount / "ckpt", mount),
-        capture_output=True, text=True, timeout=timeout, env=_env(), cwd=REPO,
+    end = scratch / "disk_full_no_close.end"
+    process = run_child(
+        _in_tmpfs(mount, "save-without-close", base_root, mount / "ckpt", mount, end),
+        timeout, end_file=end, env=_env(), cwd=REPO,
     )  # fmt: skip
     rows.append(
         _no_close_row("disk full: async save, script ends without close()", "disk-full", process, 2)
@@ -451,44 +509,55 @@ def disk_full_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row
 
 
 def read_only_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row]:
-    """Copies of the base checkpoint with chmod taken away; the child runs as `nobody` when
-    this is root (root ignores permissions)."""
+    """Copies of the base checkpoint with write permission taken away by chmod. As root, who
+    writes anywhere, the child runs as `nobody` (setpriv), in a directory of its own under
+    the system's temporary directory (`scratch` may sit below a directory only root can
+    enter, as pytest's tmp_path does)."""
     as_user: list[str] = []
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             return [Row(fault="read-only directories", group="read-only", expected="-",
                         verdict=SKIPPED, observed="running as root without setpriv")]  # fmt: skip
         as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    ro = scratch / "read_only"
-    shutil.rmtree(ro, ignore_errors=True)
+    ro = Path(tempfile.mkdtemp(prefix="zerojax-faults-read-only-"))
+    try:
+        return _read_only_faults(base_root, ro, as_user, timeout)
+    finally:
+        for path in [ro, *ro.rglob("*")]:
+            with contextlib.suppress(OSError):
+                path.chmod(0o755 if path.is_dir() else 0o644)
+        shutil.rmtree(ro, ignore_errors=True)
+
+
+def _read_only_faults(base_root: Path, ro: Path, as_user: list[str], timeout: float) -> list[Row]:
+    base = ro / "base"
+    shutil.copytree(
+        base_root, base, ignore=lambda d, names: [n for n in names if n.endswith(".pt")]
+    )
     for name in ("ro_dir", "ro_step", "ro_oldest", "ro_no_close"):
         shutil.copytree(base_root / "ckpt", ro / name / "ckpt")
     (ro / "ro_dir" / "out").mkdir()
     (ro / "home").mkdir()
+    out = ro / "read_only.json"  # written by the child: its end
     if as_user:
         for path in [ro, *ro.rglob("*")]:
             os.chown(path, NOBODY, NOBODY)
-        os.chmod(scratch, 0o755)
     for directory in (ro / "ro_dir" / "ckpt", ro / "ro_dir" / "out", ro / "ro_no_close" / "ckpt"):
         directory.chmod(0o555)
     for step_dir in (ro / "ro_step" / "ckpt" / "2", ro / "ro_oldest" / "ckpt" / "1"):
         for path in [*step_dir.rglob("*"), step_dir]:
             path.chmod(0o555 if path.is_dir() else 0o444)
     env = {**_env(), "HOME": str(ro / "home")}
-    out = ro / "read_only.json"
-    if as_user:
-        out.touch()
-        os.chown(out, NOBODY, NOBODY)
-        out.unlink()
-        os.chown(ro, NOBODY, NOBODY)
-    process = subprocess.run(
-        [*as_user, *worker_command("read-only", base_root, ro, out)],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+    process = run_child(
+        [*as_user, *worker_command("read-only", base, ro, out)],
+        timeout, end_file=out, env=env, cwd=REPO,
     )  # fmt: skip
     rows = _rows_from(out, process, "read-only directories", "read-only")
-    process = subprocess.run(
-        [*as_user, *worker_command("save-without-close", base_root, ro / "ro_no_close" / "ckpt", "")],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+    rows += _hang_row("read-only: the process after the failed saves", "read-only", process)
+    end = ro / "no_close.end"
+    process = run_child(
+        [*as_user, *worker_command("save-without-close", base, ro / "ro_no_close" / "ckpt", "", end)],
+        timeout, end_file=end, env=env, cwd=REPO,
     )  # fmt: skip
     rows.append(
         _no_close_row(
@@ -498,9 +567,6 @@ def read_only_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row
             3,
         )
     )
-    for path in [ro, *ro.rglob("*")]:
-        with contextlib.suppress(OSError):
-            path.chmod(0o755 if path.is_dir() else 0o644)
     return rows
 
 

@@ -36,12 +36,16 @@ from tools.fault_injection.outcomes import (
     Row,
     judge_cli,
     judge_error,
+    names,
     one_line,
 )
+from zerojax.ckpt.layout import MANIFEST
 
 DAMAGED_STEP = 2
 GOOD_STEP = 1
 DAMAGES = ("flip", "truncate", "delete", "empty", "garbage")
+NO_MANIFEST_DAMAGES = ("flip", "truncate", "delete")
+"""The damages also applied to a step whose manifest is gone (fewer: the suite's time)."""
 ITEM_DIRS = ("model", "optimizer", "train_state", "meta")
 
 _KINDS = [  # (pattern on the path inside an item or the step, kind)
@@ -180,7 +184,7 @@ def restore_row(
             with contextlib.suppress(Exception):
                 ckpt.close()
     diffs = differences(state_values(model), values[state.step]) if state.step in values else ["?"]
-    named = [w for w in warned if re.search(rf"\b{DAMAGED_STEP}\b", w)]
+    named = [w for w in warned if names(w, DAMAGED_STEP, paths)]
     if diffs:
         return SILENT, one_line(
             f"restored step {state.step} with {len(diffs)} values not as saved: "
@@ -243,6 +247,11 @@ def run_step_damage(spec: dict, base_root: Path, scratch: Path, seed: int) -> li
     target = directory / str(DAMAGED_STEP) / spec["target"]
     did = damage(target, spec["damage"], seed)
     damaged = [str(target)]
+    where = "step 2"
+    if spec.get("without_manifest"):
+        # A crash between Orbax's commit and the manifest's write left the step without one.
+        (directory / str(DAMAGED_STEP) / MANIFEST).unlink()
+        where = "step 2 without its manifest,"
     before = listing(directory)
     (work / "export").mkdir()
     readers = {
@@ -274,7 +283,7 @@ def run_step_damage(spec: dict, base_root: Path, scratch: Path, seed: int) -> li
             before = after
         rows.append(
             Row(
-                fault=f"step 2 {spec['label']}: {spec['damage']} | {reader}",
+                fault=f"{where} {spec['label']}: {spec['damage']} | {reader}",
                 group=spec["group"],
                 expected=expected[reader],
                 observed=one_line(f"[{did}] {observed}"),
@@ -301,6 +310,13 @@ def step_damage_specs(step_dir: Path) -> list[dict]:
                 {"type": "step", "group": "item", "label": f"{item}/ directory",
                  "target": item, "damage": "delete"}
             )  # fmt: skip
+    # The same step as a crash between commit and manifest leaves it: nothing but the
+    # restore's own checks stands between a damaged file and the model.
+    for spec in list(specs):
+        if MANIFEST not in spec["target"] and spec["damage"] in NO_MANIFEST_DAMAGES:
+            specs.append(
+                {**spec, "group": f"{spec['group']}-no-manifest", "without_manifest": True}
+            )
     return specs
 
 

@@ -5,7 +5,7 @@
                                         of JSON per fault started and per rows found, so the
                                         driver can replace a worker that crashes or hangs
     disk-full ROOT MOUNT OUT            inside a private namespace with a tmpfs at MOUNT
-    save-without-close ROOT DIR MOUNT   ends without close() after a failing async save
+    save-without-close ROOT DIR MOUNT END  ends without close() after a failing async save
     read-only ROOT SCRATCH OUT          as a user chmod applies to
     kill-save ROOT DIR                  saves step 3 and waits for SIGKILL
 
@@ -15,14 +15,19 @@ It sets up the 8 simulated devices before anything imports jax.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
 from tools.fault_injection.base import simulated_devices
 
 simulated_devices()
+# The driver sends SIGUSR1 to a process that hangs, before it kills it: the stacks of every
+# thread then say where (on stderr, into the report).
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _write_rows(path: str, rows) -> None:
@@ -67,7 +72,7 @@ def main(argv: list[str]) -> None:
     elif command == "save-without-close":
         from tools.fault_injection.environment_faults import child_save_without_close
 
-        child_save_without_close(Path(args[0]), Path(args[1]), args[2])
+        child_save_without_close(Path(args[0]), Path(args[1]), args[2], Path(args[3]))
     elif command == "read-only":
         from tools.fault_injection.environment_faults import child_read_only
 
