@@ -9,10 +9,19 @@ or torch version changes it; what the key cannot describe (custom ops) is not ca
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import operator
 import os
+import pickle
+import re
+import shlex
+import stat
 import types
+import warnings
 
+import jax
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +32,9 @@ from zerojax.bridge import capture as capture_module
 from zerojax.bridge import decomposition_cache
 from zerojax.bridge.capture import capture
 from zerojax.bridge.remat import CHECKPOINT_TAG
+from zerojax.runtime import compilation_cache
+from zerojax.runtime.compilation_cache import enable_compilation_cache
+from zerojax.runtime.private_directory import UnsafeDirectoryError
 
 
 @pytest.fixture
@@ -190,13 +202,207 @@ def test_custom_ops_are_not_cached(cache):
     assert cache.entries() == []
 
 
-def test_an_unreadable_entry_is_ignored(cache, monkeypatch):
+# --------------------------------------------------------------------------------------------
+# Trust: an entry is data, never code (bridge/program_data.py, runtime/private_directory.py)
+
+
+class _RunsAShellCommand:
+    """Pickles to `os.system("touch <marker>")`: what unpickling it runs."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def _document(entry_bytes: bytes) -> dict:
+    return json.loads(entry_bytes.partition(b"\n")[2])
+
+
+def _refiled(entry_bytes: bytes, document: dict) -> bytes:
+    """`document` under the entry's header, with its digest recomputed, as a writer who means
+    harm would (the digest finds damage, not intent)."""
+    header = entry_bytes.partition(b"\n")[0].split(b" ")
+    body = json.dumps(document).encode()
+    header[3] = hashlib.sha256(body).hexdigest().encode()
+    return b" ".join(header) + b"\n" + body
+
+
+def _first_node(document):
+    return document["program"]["graph_module"]["graph"]["nodes"][0]
+
+
+def _shape_expression(entry_bytes, marker):
+    """A tensor size as a symbolic expression: torch's reader evaluates its text (sympify)."""
+    document = _document(entry_bytes)
+    values = document["program"]["graph_module"]["graph"]["tensor_values"]
+    sizes = next(iter(values.values()))["sizes"]
+    command = f"__import__('os').system('touch {marker}')"
+    sizes[0] = {"as_expr": {"expr_str": command, "hint": {"as_int": sizes[0]["as_int"]}}}
+    return _refiled(entry_bytes, document)
+
+
+def _target_outside_aten(entry_bytes, marker):
+    document = _document(entry_bytes)
+    _first_node(document)["target"] = "torch.load"
+    return _refiled(entry_bytes, document)
+
+
+def _carriage_return_in_a_stack_trace(entry_bytes, marker):
+    """FX writes stack-trace summaries into generated code, where `\\r` ends a comment line."""
+    document = _document(entry_bytes)
+    code = f"x\rimport os; os.system('touch {marker}')"
+    _first_node(document)["metadata"]["stack_trace"] = f'File "m.py", line 1, in f\n    {code}\n'
+    return _refiled(entry_bytes, document)
+
+
+PLANTED = {
+    "a pickle under the entry's name": lambda entry, marker: pickle.dumps(
+        _RunsAShellCommand(marker)
+    ),
+    "a shape that is a Python expression": _shape_expression,
+    "a node target outside core ATen": _target_outside_aten,
+    "a carriage return in a stack trace": _carriage_return_in_a_stack_trace,
+}
+
+
+def _assert_one_cache_warning(records, path):
+    warned = [r for r in records if issubclass(r.category, decomposition_cache.CaptureCacheWarning)]
+    assert len(warned) == 1, [str(r.message) for r in records]
+    assert str(path) in str(warned[0].message)
+    return str(warned[0].message)
+
+
+def test_a_pickle_planted_under_the_old_name_runs_nothing(cache, tmp_path, monkeypatch):
+    """The issue's attack: `<key>.pickle`, which the cache once loaded with pickle.load."""
     module, x = Heads(), torch.randn(2, 5, 16)
     capture(module, (x,), {}, train=True)
     (entry,) = cache.directory.iterdir()
-    entry.write_bytes(b"not a pickle")
+    key = entry.name.split(".")[0]
+    marker = tmp_path.parent / f"{tmp_path.name}-ran"
+    (cache.directory / f"{key}.pickle").write_bytes(pickle.dumps(_RunsAShellCommand(marker)))
     got = capture(module, (x,), {}, train=True)
+    assert not marker.exists(), "a planted cache entry ran a shell command"
+    assert cache.loads == [str(entry)]
     assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+
+
+@pytest.mark.parametrize("planted", list(PLANTED))
+def test_a_planted_entry_runs_nothing_warns_and_is_recaptured(
+    planted, cache, tmp_path, monkeypatch
+):
+    module, x = Heads(), torch.randn(2, 5, 16)
+    capture(module, (x,), {}, train=True)
+    (entry,) = cache.directory.iterdir()
+    marker = tmp_path.parent / f"{tmp_path.name}-ran"
+    entry.write_bytes(PLANTED[planted](entry.read_bytes(), marker))
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        got = capture(module, (x,), {}, train=True)
+    assert not marker.exists(), f"{planted}: a planted cache entry ran a shell command"
+    _assert_one_cache_warning(records, entry)
+    assert not cache.loads
+    assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+    # The entry was replaced by the program decomposition gives: served from now on.
+    capture(module, (x,), {}, train=True)
+    assert cache.loads == [str(entry)]
+
+
+def test_a_shape_expression_is_code_to_torch_own_json_reader(cache, tmp_path):
+    """Why a JSON format alone is not enough: torch's own reader (what torch.export.load uses)
+    runs the planted shape expression that program_data refuses."""
+    from torch._export.serde import schema
+    from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
+
+    module, x = Heads(), torch.randn(2, 5, 16)
+    capture(module, (x,), {}, train=True)
+    (entry,) = cache.directory.iterdir()
+    marker = tmp_path.parent / f"{tmp_path.name}-ran"
+    document = _document(_shape_expression(entry.read_bytes(), marker))
+    exported = torch.export.export(module, (x,), strict=False)
+    with contextlib.suppress(Exception):  # it fails after running the command
+        ExportedProgramDeserializer().deserialize(
+            _dict_to_dataclass(schema.ExportedProgram, document["program"]),
+            exported.state_dict,
+            {},
+            exported.example_inputs,
+        )
+    assert marker.exists()
+
+
+DAMAGED = {
+    "empty": lambda data: b"",
+    "truncated to half": lambda data: data[: len(data) // 2],
+    "truncated by one byte": lambda data: data[:-1],
+    "a digit changed": lambda data: data.replace(b'"as_int": 16', b'"as_int": 17', 1),
+    "not a program": lambda data: b"not a program",
+    "another key's entry": lambda data: data.replace(data.split(b" ")[2], b"0" * 64, 1),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_a_damaged_entry_warns_and_is_recaptured(damage, cache, monkeypatch):
+    module, x = Heads(), torch.randn(2, 5, 16)
+    capture(module, (x,), {}, train=True)
+    (entry,) = cache.directory.iterdir()
+    damaged = DAMAGED[damage](entry.read_bytes())
+    assert damaged != entry.read_bytes()
+    entry.write_bytes(damaged)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        got = capture(module, (x,), {}, train=True)
+    message = _assert_one_cache_warning(records, entry)
+    assert "ProgramDataError" in message, message
+    assert not cache.loads
+    assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+    capture(module, (x,), {}, train=True)
+    assert cache.loads == [str(entry)]
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o757], ids=lambda mode: f"{mode:04o}")
+def test_a_cache_directory_others_can_write_is_refused(mode, cache, monkeypatch):
+    """As ssh refuses a key others can write: a planted entry would change what trains."""
+    module, x = Heads(), torch.randn(2, 5, 16)
+    os.chmod(cache.directory, mode)
+    with pytest.raises(UnsafeDirectoryError) as refused:
+        capture(module, (x,), {}, train=True)
+    message = str(refused.value)
+    assert str(cache.directory) in message and f"mode {mode:04o}" in message, message
+    assert "every user can write to it" in message
+    assert cache.entries() == []
+    os.chmod(cache.directory, 0o755)
+    capture(module, (x,), {}, train=True)
+    assert len(cache.entries()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_a_cache_directory_of_another_user_or_group_is_refused(cache, monkeypatch):
+    module, x = Heads(), torch.randn(2, 5, 16)
+    os.chown(cache.directory, 1, -1)  # uid 1: a system account (daemon)
+    with pytest.raises(UnsafeDirectoryError, match=r"it is owned by .*uid 1\)"):
+        capture(module, (x,), {}, train=True)
+    os.chown(cache.directory, 0, 1)  # gid 1: a system group, not root's private group
+    os.chmod(cache.directory, 0o770)
+    with pytest.raises(UnsafeDirectoryError, match=r"the users of group .*gid 1\) can write"):
+        capture(module, (x,), {}, train=True)
+    assert cache.entries() == []
+
+
+def test_jax_compilation_cache_directory_others_can_write_is_refused(tmp_path, monkeypatch):
+    """Its entries are compiled executables: code by nature, loaded by JAX as they are."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    before = jax.config.jax_compilation_cache_dir
+    with pytest.raises(UnsafeDirectoryError, match=re.escape(f"{str(shared)!r} (mode 0777")):
+        enable_compilation_cache(str(shared))
+    assert jax.config.jax_compilation_cache_dir == before
+    created = tmp_path / "new" / "jax"
+    monkeypatch.setattr(jax.config, "update", lambda *args: None)  # keep the suite's cache
+    monkeypatch.setattr(compilation_cache.compilation_cache, "reset_cache", lambda: None)
+    enable_compilation_cache(str(created))
+    assert stat.S_IMODE(created.stat().st_mode) == 0o700
 
 
 def test_a_graph_the_key_cannot_describe_is_decomposed_uncached(cache, monkeypatch):

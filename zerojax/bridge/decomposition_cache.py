@@ -50,8 +50,8 @@ FORMAT = 3
 
 SUBDIRECTORY = "zerojax-capture"
 
-SUFFIX = ".json"
-"""An entry is `<directory>/<key>.json` (`program_data`'s document)."""
+SUFFIX = ".program"
+"""An entry is `<directory>/<key>.program`, a program as `program_data` writes it."""
 
 _OLD_SUFFIXES = (".pickle",)
 """Entries of earlier formats: never read, evicted like the others (they are the oldest)."""
@@ -182,13 +182,13 @@ def _save(
     storage offset of 0, so a graph with `as_strided`, whose lowering reads them, is not cached,
     and an entry this process could not load (`program_data` refuses it) is never written."""
     try:
-        encoded = program_data.encode(decomposed)
+        encoded = program_data.encode(decomposed, _key_of(path))
     except program_data.ProgramDataError as error:
         log.debug("zerojax: the decomposed graph is not cached: %s", error)
         return
     # The serializer drops views' storage offsets; only `as_strided` reads them.
     offsets = any(node.target in _READS_STORAGE_OFFSET for node in decomposed.graph.nodes)
-    loaded = _deserialize(encoded, exported)
+    loaded = _deserialize(encoded, _key_of(path), exported)
     if _graph_description(loaded, offsets) != _graph_description(decomposed, offsets):
         log.debug("zerojax: the decomposed graph does not survive serialization; not cached")
         return
@@ -205,7 +205,11 @@ def _save(
 
 def _load(path: str, exported: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     with open(path, "rb") as file:
-        return _deserialize(file.read(), exported)
+        return _deserialize(file.read(), _key_of(path), exported)
+
+
+def _key_of(path: str) -> str:
+    return os.path.basename(path).removesuffix(SUFFIX)
 
 
 def _graph_description(program: torch.export.ExportedProgram, storage_offsets: bool) -> list[str]:
@@ -221,8 +225,8 @@ def _graph_description(program: torch.export.ExportedProgram, storage_offsets: b
     return described
 
 
-def _deserialize(encoded: bytes, exported: torch.export.ExportedProgram):
-    loaded = program_data.decode(encoded, exported.state_dict, exported.example_inputs)
+def _deserialize(encoded: bytes, key: str, exported: torch.export.ExportedProgram):
+    loaded = program_data.decode(encoded, key, exported.state_dict, exported.example_inputs)
     # The deserializer gives every output of a multi-output op a getitem node, used or not
     # (`native_layer_norm_unused_1 = native_layer_norm[1]`); decomposition leaves none.
     graph = loaded.graph_module.graph

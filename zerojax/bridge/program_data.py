@@ -3,12 +3,19 @@ running anything the bytes say.
 
 The capture cache (`decomposition_cache.py`) keeps programs on disk between processes, so
 whatever reads them back must treat the file as data: a pickle (what the cache used before)
-runs any code its writer chose when it is loaded. Here an entry is one JSON document:
+runs any code its writer chose when it is loaded. Here a program is a header line, then one
+JSON document:
 
+    zerojax-program 1 <label> <sha256 of the document>
     {"format": 1,
      "program": <torch.export's schema.ExportedProgram, as torch's own JSON writer gives it>,
      "constants": {name: {"dtype", "size", "stride", "storage_offset", "requires_grad",
                           "storage": <the tensor's whole storage, base64>}}}
+
+The label is what the writer filed the program under (the capture cache's key), so a file
+copied or renamed to another key is refused; the digest finds a truncated or damaged file
+(it is no defence against a writer who means harm: anyone able to write the file can compute
+it, which is why the cache's directory must be writable by its user alone).
 
 Weights and example inputs are not stored (the fresh capture's are used). The constants are
 stored here, not as torch's `torch.save` bytes, because reading those means `torch.load`, and
@@ -31,7 +38,7 @@ zerojax caches never holds and what would reach an evaluator:
 - control characters other than tab and newline in any string: FX writes some node metadata
   into the Python source it generates, where a carriage return would end a comment line.
 
-Anything else wrong (not JSON, a missing or unknown field, a wrong type, an unknown dtype, a
+Anything else wrong (a wrong header, label or digest, not JSON, a missing or unknown field, a wrong type, an unknown dtype, a
 storage too small for its tensor) raises `ProgramDataError` naming the field.
 """
 
@@ -42,6 +49,7 @@ import binascii
 import dataclasses
 import enum
 import functools
+import hashlib
 import json
 import math
 import operator
@@ -55,6 +63,8 @@ import torch
 
 FORMAT = 1
 """Bumped whenever the document's layout changes."""
+
+MAGIC = b"zerojax-program"
 
 CORE_NAMESPACES = ("aten", "prims")
 """Op namespaces whose overloads a loaded program may call (the cache key admits no others)."""
@@ -90,14 +100,16 @@ class ProgramDataError(ValueError):
     program may not (module docstring). The message names the field."""
 
 
-def encode(program: torch.export.ExportedProgram) -> bytes:
-    """`program` without its weights or example inputs, as the JSON document `decode` reads.
-    ProgramDataError if a constant cannot be stored as data (not a plain dense CPU tensor of
-    a dtype in the table)."""
+def encode(program: torch.export.ExportedProgram, label: str) -> bytes:
+    """`program` without its weights or example inputs, filed under `label` (letters, digits,
+    `_` and `-`), as `decode` reads it. ProgramDataError if a constant cannot be stored as data
+    (not a plain dense CPU tensor of a dtype in the table)."""
     from torch._export.serde.serialize import EnumEncoder, _dataclass_to_dict
 
     from zerojax.compat.torch_export import serialize_without_weights
 
+    if not _LABEL.fullmatch(label):
+        raise ValueError(f"program_data: label {label!r} is not letters, digits, _ and -")
     constants = {name: _encode_tensor(name, value) for name, value in program.constants.items()}
     serialized = serialize_without_weights(program)
     document = {
@@ -105,22 +117,38 @@ def encode(program: torch.export.ExportedProgram) -> bytes:
         "program": _dataclass_to_dict(serialized.exported_program),
         "constants": constants,
     }
-    return json.dumps(document, cls=EnumEncoder, allow_nan=False).encode()
+    body = json.dumps(document, cls=EnumEncoder, allow_nan=False).encode()
+    digest = hashlib.sha256(body).hexdigest()
+    return b"%s %d %s %s\n" % (MAGIC, FORMAT, label.encode(), digest.encode()) + body
 
 
 def decode(
     data: bytes,
+    label: str,
     state_dict: dict[str, torch.Tensor],
     example_inputs: tuple | None,
 ) -> torch.export.ExportedProgram:
-    """The program `encode` wrote, with `state_dict` and `example_inputs` as its weights and
-    example inputs (the fresh capture's). ProgramDataError for anything else (module
-    docstring); nothing in `data` is run."""
+    """The program `encode` filed under `label`, with `state_dict` and `example_inputs` as its
+    weights and example inputs (the fresh capture's). ProgramDataError for anything else
+    (module docstring); nothing in `data` is run."""
     from torch._export.serde import schema
     from torch._export.serde.serialize import ExportedProgramDeserializer
 
+    header, _, body = data.partition(b"\n")
+    fields = header.split(b" ")
+    if len(fields) != 4 or fields[0] != MAGIC:
+        raise ProgramDataError(f"not a zerojax program: the file starts {header[:60]!r}")
+    if fields[1] != b"%d" % FORMAT:
+        raise ProgramDataError(f"format {fields[1][:20]!r}, expected {FORMAT}")
+    if fields[2] != label.encode():
+        raise ProgramDataError(f"filed under {fields[2][:80]!r}, not {label!r}")
+    if hashlib.sha256(body).hexdigest().encode() != fields[3]:
+        raise ProgramDataError(
+            f"the document's sha256 is not the one its header records: the file is truncated "
+            f"or damaged ({len(data)} bytes)"
+        )
     try:
-        document = json.loads(data)
+        document = json.loads(body)
     except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise ProgramDataError(f"not JSON: {error}") from error
     if not isinstance(document, dict) or set(document) != {"format", "program", "constants"}:
@@ -144,6 +172,9 @@ def decode(
     return ExportedProgramDeserializer().deserialize(
         serialized, dict(state_dict), tensors, example_inputs
     )
+
+
+_LABEL = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _encode_tensor(name: str, tensor: torch.Tensor) -> dict[str, Any]:
