@@ -33,7 +33,7 @@ from typing import TextIO
 import numpy as np
 
 from zerojax.ckpt import layout
-from zerojax.ckpt.errors import CheckpointCorruptedError
+from zerojax.ckpt.errors import CheckpointCorruptedError, CheckpointError
 from zerojax.ckpt.inspect import OpenedStep, human_bytes, open_step
 from zerojax.ckpt.manifest import verify_manifest
 from zerojax.ckpt.safetensors_io import SafetensorsWriter
@@ -182,6 +182,11 @@ def export_checkpoint(
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, out)
+        except OSError as exc:  # reading errors are CheckpointCorruptedError by here
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"export: cannot write {str(out)!r} (step {opened.step}): {exc}"
+            ) from exc
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
