@@ -189,18 +189,29 @@ def _fits(report, device_gb: float | None, host_gb: float | None) -> tuple[bool,
 def _cmd_ckpt_inspect(opts: argparse.Namespace) -> int:
     import json
 
-    from zerojax.ckpt.inspect import describe_checkpoint, format_description
-    from zerojax.ckpt.manifest import verify_manifest
+    from zerojax.ckpt.inspect import describe_checkpoint, format_description, verify_step
 
     info = describe_checkpoint(opts.directory, opts.step)
+    problems = verify_step(info) if opts.verify else []
     if opts.verify:
-        verify_manifest(os.path.join(info["directory"], str(info["step"])))
+        info["verified"], info["problems"] = not problems, problems
     if opts.json:
         print(json.dumps(info, indent=2))
     else:
         print(format_description(info))
-        if opts.verify:
-            print("manifest verified: every file has its saved size and crc32")
+        if opts.verify and not problems:
+            print("verified: every file has its saved size and crc32, every item is there")
+    if problems:
+        # Anything not verified is a failure: a script that checks `inspect --verify` before
+        # exporting or resuming must not go on (exit status 1).
+        print(
+            f"zerojax ckpt inspect: step {info['step']} is NOT verified "
+            f"({len(problems)} problem{'s' * (len(problems) > 1)}):",
+            file=sys.stderr,
+        )
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -254,7 +265,10 @@ def _add_ckpt_commands(commands) -> None:
     inspect.add_argument("--step", type=int, help="step to describe (default: the latest)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.add_argument(
-        "--verify", action="store_true", help="also check every file against the manifest"
+        "--verify",
+        action="store_true",
+        help="also check every file against the manifest and every item and array; exit "
+        "status 1 if anything cannot be verified (no manifest, a damaged or missing file)",
     )
     inspect.set_defaults(run=_cmd_ckpt_inspect, name="ckpt inspect")
 

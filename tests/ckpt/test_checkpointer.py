@@ -28,6 +28,7 @@ from zerojax.ckpt.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
 )
+from zerojax.ckpt.manifest import write_manifest
 
 pytestmark = pytest.mark.multidevice
 
@@ -380,6 +381,7 @@ def test_weights_only_checkpoint_keeps_fresh_optimizer_state(tmp_path):
                 model=ocp.args.PyTreeSave(weights), meta=ocp.args.JsonSave(meta)
             ),
         )
+    write_manifest(tmp_path / "0")  # as `ckpt import` does: a step has its manifest
     other, other_opt = make(seed=2)
     calls_before = other.engine.num_calls
     fresh = jax.tree.map(np.asarray, other.engine.opt_state)

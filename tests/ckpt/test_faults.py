@@ -4,8 +4,8 @@ Run: `.venv/bin/python -m pytest -q tests/ckpt/test_faults.py -p no:cacheprovide
 Why: issue 5 -- a process SIGKILLed in the middle of an asynchronous save leaves the previous
 step restorable and the partial one invisible (a later writer removes it; readers never touch
 it); a truncated or altered file is reported as CheckpointCorruptedError naming the file (from
-the manifest), and even without a manifest the user sees a CheckpointCorruptedError, never a
-raw tensorstore traceback.
+the manifest), and damage the manifest cannot see still gives a CheckpointCorruptedError, never
+a raw tensorstore traceback. Issue 41: a step without its manifest is never read.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from torch import nn
 import zerojax
 from zerojax.ckpt import layout
 from zerojax.ckpt.checkpointer import Checkpointer, save_checkpoint
-from zerojax.ckpt.errors import CheckpointCorruptedError
+from zerojax.ckpt.errors import CheckpointCorruptedError, CheckpointNotFoundError
+from zerojax.ckpt.manifest import write_manifest
 
 pytestmark = pytest.mark.multidevice
 
@@ -199,13 +200,15 @@ def test_flipped_bytes_are_named(tmp_path):
 
 # Orbax's failed read leaves a callback on its closed asyncio loop; nothing of ours.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_damage_without_manifest_is_still_a_checkpoint_error(tmp_path):
+def test_damage_the_manifest_agrees_with_is_still_a_checkpoint_error(tmp_path):
+    """Damage from before the manifest was written (a bad write the crc32s then recorded):
+    Orbax's read fails, and the user sees a CheckpointCorruptedError naming the file."""
     model, optimizer, step_dir = small_checkpoint(tmp_path)
-    (step_dir / layout.MANIFEST).unlink()
     # The model item's OCDBT data file (Orbax merges the per-process stores into `d/`).
     victim = largest_file(step_dir / layout.MODEL / "d")
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
+    write_manifest(step_dir)
     with pytest.raises(CheckpointCorruptedError) as info:
         Checkpointer(tmp_path, model, optimizer).restore()
     assert str(step_dir) in str(info.value)
@@ -214,23 +217,37 @@ def test_damage_without_manifest_is_still_a_checkpoint_error(tmp_path):
     assert not isinstance(info.value.__cause__, CheckpointCorruptedError)
 
 
-def test_unreadable_meta_without_manifest(tmp_path):
+def test_unreadable_meta_the_manifest_agrees_with(tmp_path):
     model, optimizer, step_dir = small_checkpoint(tmp_path)
-    (step_dir / layout.MANIFEST).unlink()
     meta = largest_file(step_dir / layout.META)
     meta.write_text('{"format": ')
+    write_manifest(step_dir)
     with pytest.raises(CheckpointCorruptedError, match=str(step_dir)):
         Checkpointer(tmp_path, model, optimizer).restore()
 
 
-def test_a_step_without_manifest_restores(tmp_path):
-    """A crash between Orbax's commit and the manifest leaves a good, unverified step."""
-    model, _, step_dir = small_checkpoint(tmp_path)
+def test_a_step_without_manifest_is_never_restored(tmp_path):
+    """Issue 41: a step whose manifest is gone (a crash of the zerojax that wrote it after
+    the commit, a copy cut short) restored with no integrity check at all, a flipped byte
+    included. Now it is no step: not listed, not restored as the latest, and refused by
+    number, naming the missing manifest; the current weights stay as they are."""
+    _, _, step_dir = small_checkpoint(tmp_path)
     (step_dir / layout.MANIFEST).unlink()
-    weights = {n: np.asarray(a) for n, a in model.engine.params.items()}
+    victim = largest_file(step_dir / layout.MODEL / "d")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
     torch.manual_seed(5)
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
     other, other_opt = zerojax.initialize(net, torch.optim.AdamW(net.parameters()), config=ZERO3)
-    assert Checkpointer(tmp_path, other, other_opt).restore().step == 1
-    for name, value in weights.items():
+    before = {n: np.asarray(a) for n, a in other.engine.params.items()}
+    ckpt = Checkpointer(tmp_path, other, other_opt)
+    assert ckpt.all_steps() == [] and ckpt.latest_step() is None
+    with pytest.raises(CheckpointNotFoundError, match=r"uncommitted .*\[1\]"):
+        ckpt.restore()
+    with pytest.raises(CheckpointCorruptedError, match="has no zerojax_manifest.json") as info:
+        ckpt.restore(1)
+    assert info.value.path == str(step_dir / layout.MANIFEST)
+    for name, value in before.items():
         np.testing.assert_array_equal(np.asarray(other.engine.params[name]), value)
+    assert victim.read_bytes() == bytes(data), "a read must not touch the step"

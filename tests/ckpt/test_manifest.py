@@ -3,7 +3,7 @@
 Run: .venv/bin/python -m pytest -q tests/ckpt/test_manifest.py -p no:cacheprovider
 Why: a checkpoint copied halfway, truncated by a full disk or edited by hand must fail with
 the file's name and what differs, before any restore or export reads garbage; a step without
-a manifest (older or foreign) must still be readable.
+a manifest cannot be verified and is refused (issue 41).
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ import pytest
 
 from zerojax.ckpt import layout
 from zerojax.ckpt.errors import CheckpointCorruptedError, CheckpointError
-from zerojax.ckpt.manifest import file_crc32, verify_manifest, write_manifest
+from zerojax.ckpt.manifest import (
+    file_crc32,
+    manifest_problems,
+    verify_manifest,
+    write_manifest,
+)
 
 
 @pytest.fixture
@@ -96,17 +101,43 @@ def test_missing_and_grown_files(step_dir):
         verify_manifest(root)
 
 
-def test_no_manifest_is_accepted_and_damaged_manifest_is_not(step_dir):
+def test_no_manifest_and_a_damaged_manifest_are_refused(step_dir):
+    """Issue 41: a step without a manifest used to be accepted silently (no check at all)."""
     root, _ = step_dir
-    verify_manifest(root)  # a step without a manifest: nothing to check
+    with pytest.raises(CheckpointCorruptedError, match="has no zerojax_manifest.json") as info:
+        verify_manifest(root)
+    assert info.value.path == str(root / layout.MANIFEST)
+    assert [p.path for p in manifest_problems(root)] == [str(root / layout.MANIFEST)]
     write_manifest(root)
     (root / layout.MANIFEST).write_text('{"files": ')  # cut short
     with pytest.raises(CheckpointCorruptedError, match="manifest .* is unreadable"):
         verify_manifest(root)
+    # Entries of the wrong form, or outside the step, are a damaged manifest, never a
+    # KeyError or a read of another file.
+    for files in (
+        {"meta/metadata": {"size": 3}},
+        {"meta/metadata": [1, 2]},
+        {"../../etc/passwd": {"size": 1, "crc32": 0}},
+        {"/etc/passwd": {"size": 1, "crc32": 0}},
+    ):
+        (root / layout.MANIFEST).write_text(json.dumps({"files": files}))
+        with pytest.raises(CheckpointCorruptedError, match="manifest .* is unreadable"):
+            verify_manifest(root)
     # Files added after the manifest (not listed) are not corruption.
     write_manifest(root)
     (root / "later.txt").write_text("x")
     verify_manifest(root)
+
+
+def test_every_problem_is_listed(step_dir):
+    root, _ = step_dir
+    write_manifest(root)
+    (root / "empty_file").unlink()
+    with open(root / "meta/metadata", "ab") as f:
+        f.write(b" ")
+    problems = manifest_problems(root)
+    assert [p.path for p in problems] == [str(root / "empty_file"), str(root / "meta/metadata")]
+    assert "is missing" in str(problems[0]) and "is grown" in str(problems[1])
 
 
 def test_write_manifest_needs_a_directory(tmp_path):

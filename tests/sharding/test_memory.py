@@ -91,7 +91,9 @@ def test_measured_matches_zero_formula_fp32(mlp, stage):
         "formula",
         "ratio",
     ]
-    assert re.search(r"^total +[\d,]+ +[\d,]+ +\S+Ψ +1\.000$", text, re.MULTILINE)
+    # Adam's int32 step count per parameter tensor (8 tensors: 32 B, replicated on every
+    # device) is outside the formula: a ratio up to 1.002 on this 7,440-parameter model.
+    assert re.search(r"^total +[\d,]+ +[\d,]+ +\S+Ψ +1\.00[0-2]$", text, re.MULTILINE)
     assert "replicated parameters (not split as intended): none" in text
     if stage == 3:
         # The MLP returns logits: the general path (forward with vjp, backward), then update.
@@ -103,7 +105,8 @@ def test_measured_matches_zero_formula_fp32(mlp, stage):
         assert update.alias >= report["params"].measured + report["opt_state"].measured
         assert "compiled programs, memory_analysis() per device:" in text
         assert re.search(r"^  update: arguments [\d,]+ B", text, re.MULTILINE)
-        assert re.search(r"^optimizer state +[\d,]+ +[\d,]+ +8Ψ/N_d +1\.000$", text, re.MULTILINE)
+        # 7,472 B measured: 8Ψ/N_d plus the 8 replicated step counts (1.004).
+        assert re.search(r"^optimizer state +[\d,]+ +[\d,]+ +8Ψ/N_d +1\.00[0-4]$", text, re.M)
     else:
         assert report.programs == {}
 
@@ -240,12 +243,12 @@ DEEPSPEED_STATE_BYTES = [
 )
 def test_deepspeed_low_precision_states_bytes_per_parameter(mlp, section, expected):
     """Each DeepSpeed combination, ZeRO-3 over 8 devices: every device holds exactly the table's
-    bytes x Psi / 8 of each component (plus Adam's replicated int32 step count)."""
+    bytes x Psi / 8 of each component (plus Adam's replicated int32 step counts)."""
     converted, args = mlp
     config = {"zero_optimization": {"stage": 3}, **section}
     report = memory_report(converted, args, config, run_step=False)
     psi = report.num_params
-    step_count = 4  # one int32 per param group, on every device
+    step_count = 4 * len(converted.params)  # one int32 per parameter, on every device
     for component, bytes_per_param in expected.items():
         extra = step_count if component == "opt_state" else 0
         assert report[component].measured == bytes_per_param * psi // 8 + extra, component

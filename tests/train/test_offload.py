@@ -269,8 +269,9 @@ def test_update_computes_on_the_host(precision):
     """The element-wise step is one host computation on the host shards: one call marked for
     the host, with nothing inside it placed on the device, for this CPU and in the program
     lowered for a GPU; there the only
-    arrays moved to the device are scalars (step counts, for Adam's bias corrections) before
-    it, and the new params (in the params' dtype) after it.
+    arrays moved to the device are scalars and each param group's int32 vector of per-parameter
+    step counts (for Adam's bias corrections) before it, and the new params (in the params'
+    dtype) after it.
 
     What XLA:CPU cannot show: `memory_analysis()` here counts host-resident arguments in
     `argument_size_in_bytes` and reports every `host_*` figure as 0, host and device are one
@@ -293,7 +294,12 @@ def test_update_computes_on_the_host(precision):
         assert not any("annotate_device_placement" in op for op in operations), platform
     before, after = module.split(call)
     after = after.split("func.func private")[0]
-    assert all("x" not in kind for place, kind in transfers(before) if place == "device")
+    step_counts = f"tensor<{len(model.state_dict())}xi32>"  # one param group
+    assert all(
+        "x" not in kind or kind == step_counts
+        for place, kind in transfers(before)
+        if place == "device"
+    )
     assert any(place == "pinned_host" for place, _ in transfers(before))  # gradients
     param_dtype = "bf16" if precision else "f32"
     back = [kind for place, kind in transfers(after) if place == "device"]

@@ -19,6 +19,8 @@ from zerojax.ckpt.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointWarning,
 )
 
 __all__ = [
@@ -26,6 +28,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointWarning",
     "Checkpointer",
     "RestoredState",
     "restore_checkpoint",

@@ -22,8 +22,10 @@ Concurrency contract:
 
 - One writer per directory: one `Checkpointer` (one per process on multi-host, all calling
   `save` with the same steps) saves into a directory at a time. Its first `save` deletes
-  temporary step directories left by a writer that died (`<step>.orbax-checkpoint-tmp*`);
-  a Checkpointer that only restores never deletes anything.
+  temporary step directories left by a writer that died (`<step>.orbax-checkpoint-tmp*`), a
+  failed save its own, and a save replaces an uncommitted directory of its step (numbered,
+  without a manifest: `zerojax.ckpt.commit`); a Checkpointer that only restores never deletes
+  anything.
 - `save` is asynchronous by default. In a single process it only reads the state's arrays
   and hands them to the Checkpointer's thread, which enqueues a snapshot of them
   (`zerojax.ckpt.snapshot`: copies made on the devices, or into pinned host memory, that no
@@ -39,22 +41,29 @@ Concurrency contract:
   deadlock across processes). The files are written by a background thread; a step directory
   appears under its final name only when every item is committed (Orbax renames it), so a
   crash mid-save leaves the previous steps intact and the partial one invisible. The manifest
-  (sizes and crc32s) is written just after the commit.
+  (sizes and crc32s) is written inside the temporary directory just before that rename
+  (`zerojax.ckpt.commit`): a step never appears without it.
 - `save` waits for the previous save to finish before starting another; `wait`, `restore`,
-  `close` and leaving a `with` block wait too. Call a Checkpointer from one thread.
+  `close` and leaving a `with` block wait too, and each raises CheckpointSaveError (naming the
+  step and its directory) when that save failed; the interpreter's exit waits for a save still
+  in flight, and a failed one makes the process exit with status 1 (`zerojax.ckpt.at_exit`).
+  Orbax's own tracebacks of a failed save go to the `zerojax.orbax` logger at DEBUG
+  (`zerojax.ckpt.quiet_orbax`): the user sees the one error. Call a Checkpointer from one thread.
 - Readers (another process restoring or `zerojax ckpt inspect`) may run while a writer
   saves: they only ever see committed steps. A step deleted by `max_to_keep` while being read
   fails with CheckpointCorruptedError.
-- `restore` checks the manifest on a helper thread while it reads the arrays, and writes
-  nothing into the model, optimizer or scheduler until both are done: a damaged file raises
-  CheckpointCorruptedError (naming it) and leaves the current state untouched.
+- `restore` checks the manifest on a helper thread while it reads the arrays, and every item
+  the step says it holds (a missing `optimizer/` would otherwise leave the moments as they
+  are), and writes nothing into the model, optimizer or scheduler until both are done: a
+  damaged file raises CheckpointCorruptedError (naming it) and leaves the current state
+  untouched. `restore()` of the latest step takes the newest step that verifies, and names
+  every newer step it skipped (damaged, or uncommitted) in a CheckpointWarning; it never
+  deletes them. A step asked for by number that does not verify raises.
 """
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
-import concurrent.futures.thread  # registers its exit hook before ours (_finish_saves_at_exit)
 import dataclasses
 import functools
 import json
@@ -63,7 +72,7 @@ import os
 import re
 import shutil
 import threading
-import weakref
+import warnings
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -72,15 +81,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax.ckpt import layout
+from zerojax.ckpt import at_exit, commit, layout, quiet_orbax
 from zerojax.ckpt import training_state as ts
 from zerojax.ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointWarning,
 )
-from zerojax.ckpt.manifest import verify_manifest, write_manifest
+from zerojax.ckpt.manifest import verify_manifest
 from zerojax.ckpt.snapshot import Method, snapshot
 from zerojax.runtime.effective_time import LEDGER
 
@@ -88,7 +99,6 @@ __all__ = ["Checkpointer", "RestoredState", "restore_checkpoint", "save_checkpoi
 
 log = logging.getLogger("zerojax")
 
-_TMP_MARKER = ".orbax-checkpoint-tmp"
 _UNSET: Any = object()
 _ORBAX_TREE_METADATA = "_METADATA"  # an Orbax PyTree item's tree of leaf names (JSON)
 
@@ -297,10 +307,12 @@ class Checkpointer:
             )
         self._manager: ocp.CheckpointManager | None = None
         self._cleaned = False
-        # The in-flight async save (snapshot, Orbax's save and commit, then the manifest), on
-        # one thread kept for the Checkpointer's life: starting a thread per save cost the
-        # loop 5-20 ms (Thread.start waits until the new thread runs; longer under load).
+        # The in-flight async save (snapshot, Orbax's save, the manifest and the commit) of
+        # step `_pending_step`, on one thread kept for the Checkpointer's life: starting a
+        # thread per save cost the loop 5-20 ms (Thread.start waits until the new thread runs;
+        # longer under load).
         self._pending: concurrent.futures.Future | None = None
+        self._pending_step: int | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # Where the snapshot of a single-process save lives (`zerojax.ckpt.snapshot`); tests
         # force each method.
@@ -308,13 +320,13 @@ class Checkpointer:
         # Orbax's manager is not thread-safe: its save (on the background thread) and the
         # reload of `all_steps` (no barrier: each process lists the directory) take turns.
         self._orbax_lock = threading.Lock()
-        _LIVE.add(self)  # its last save is finished at interpreter exit (_finish_saves_at_exit)
+        quiet_orbax.install()  # a failed save is one CheckpointSaveError, not pages
 
     # --- Orbax ------------------------------------------------------------------------------
 
     def _mgr(self) -> ocp.CheckpointManager:
         if self._manager is None:
-            options = ocp.CheckpointManagerOptions(
+            options = commit.manager_options(
                 max_to_keep=self.max_to_keep,
                 enable_async_checkpointing=self.async_save,
                 # The interval is ours (save() decides); Orbax saves whatever it is given.
@@ -333,20 +345,11 @@ class Checkpointer:
     # --- listing ----------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """Every committed step in the directory, ascending. Partial saves are not listed, nor
-        is a save still in flight until it commits (`wait()` first to include it)."""
-        if not os.path.isdir(self.directory):
-            return []
-        if self._manager is None:
-            # Read the directory without creating a manager (which would create files).
-            return sorted(
-                int(n)
-                for n in os.listdir(self.directory)
-                if n.isdigit() and os.path.isdir(os.path.join(self.directory, n))
-            )
-        with self._orbax_lock:
-            self._manager.reload()
-            return sorted(self._manager.all_steps())
+        """Every committed step in the directory, ascending. Partial saves and uncommitted
+        step directories (no manifest: `zerojax.ckpt.commit`) are not listed, nor is a save
+        still in flight until it commits (`wait()` first to include it). Reads the directory
+        listing only (each process its own, no barrier)."""
+        return commit.scan(self.directory).committed
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -381,17 +384,31 @@ class Checkpointer:
 
     def _save(self, engine, step: int, meta: dict) -> None:
         self._finish_pending()
-        # A committed step is the directory named by its number (Orbax renames a save's
-        # temporary directory to it at commit): one stat, where all_steps() would reload every
-        # step's metadata (~25 ms with a few steps) on the training loop's time.
-        if os.path.isdir(self.step_dir(step)):
+        # One stat or two: all_steps() would list every step on the training loop's time.
+        step_dir = self.step_dir(step)
+        if commit.is_committed(step_dir):
             raise CheckpointError(
-                f"step {step} already exists at {self.step_dir(step)}; save under a new step "
-                f"number or delete that directory first"
+                f"step {step} already exists at {step_dir}; save under a new step number or "
+                f"delete that directory first"
             )
         if not self._cleaned:
             self._clean_partial_saves()
         items = ts.gather_items(engine, with_optimizer=self._optimizer is not None)
+        # What restore checks is there (`commit.check_items`).
+        meta = {**meta, "items": sorted([*items, layout.META])}
+        try:
+            if os.path.isdir(step_dir) and jax.process_index() == 0:
+                # Numbered, no manifest: never a step (an interrupted copy or import, or a
+                # crash of an older zerojax between its commit and its manifest); this save
+                # replaces it.
+                log.warning("zerojax: replacing uncommitted step directory %s", step_dir)
+                shutil.rmtree(step_dir)
+            self._dispatch(engine, step, items, meta)
+        except Exception as error:  # noqa: BLE001 - Orbax's, tensorstore's, the OS's: ours
+            raise self._save_failed(step, error) from None
+
+    def _dispatch(self, engine, step: int, items: dict, meta: dict) -> None:
+        """Orbax's save of `items`: in the background (`_pending`) or, synchronously, here."""
         # Set before the manager exists: its creation synchronises the processes too.
         background = self.async_save and (jax.process_count() == 1 or _use_distributed_barriers())
         manager = self._mgr()
@@ -404,16 +421,19 @@ class Checkpointer:
             # barriers they issue no device work but per-device copies to host
             # (`_use_distributed_barriers`).
             items = snapshot(items, method=self._snapshot_method)
-            self._pending = self._worker().submit(
-                self._write, manager, step, _save_args(items, meta)
+            self._set_pending(
+                step, self._worker().submit(self._write, manager, step, _save_args(items, meta))
             )
             return
         if background:
             # Even enqueueing the snapshot (~3,000 shard buffers: 20-50 ms of dispatch) runs
             # on the worker, and the next update waits for it, not this call.
             enqueued = threading.Event()
-            self._pending = self._worker().submit(
-                self._snapshot_and_write, manager, step, items, meta, enqueued
+            self._set_pending(
+                step,
+                self._worker().submit(
+                    self._snapshot_and_write, manager, step, items, meta, enqueued
+                ),
             )
             engine.before_next_update(functools.partial(_await_snapshot, enqueued, step))
             return
@@ -424,9 +444,13 @@ class Checkpointer:
             # order on every process; it copies each process's shards to host before returning
             # (on CPU devices a zero-copy view, which the runtime then declines to donate).
             self._start_write(manager, step, args)
-            self._pending = self._worker().submit(self._commit, step)
+            self._set_pending(step, self._worker().submit(self._commit, step))
         else:
             self._write(manager, step, args)
+
+    def _set_pending(self, step: int, future: concurrent.futures.Future) -> None:
+        self._pending, self._pending_step = future, step
+        at_exit.track(self)  # not lost if the script ends without wait() or close()
 
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
@@ -460,53 +484,98 @@ class Checkpointer:
             manager.save(step, args=args, force=True)
 
     def _commit(self, step: int) -> None:
+        # The manifest is written inside the temporary directory before Orbax's rename
+        # (`commit.ManifestedRename`): once this returns, the step is there with it.
         self._mgr().wait_until_finished()
-        self._write_manifest(step)
-
-    def _write_manifest(self, step: int) -> None:
-        if jax.process_index() == 0 and os.path.isdir(self.step_dir(step)):
-            write_manifest(self.step_dir(step))
 
     def _finish_pending(self) -> None:
-        """Wait for the in-flight save and its manifest; re-raise what failed in the background."""
-        pending, self._pending = self._pending, None
+        """Wait for the in-flight save; raise CheckpointSaveError if it failed."""
+        pending, step = self._pending, self._pending_step
+        self._pending = self._pending_step = None
         if pending is None:
             return
         try:
             pending.result()
-        except BaseException as error:
-            raise CheckpointError(f"background checkpoint save failed: {error}") from error
+        except Exception as error:  # noqa: BLE001 - whatever failed: a CheckpointSaveError
+            raise self._save_failed(step, error) from None
+        finally:
+            at_exit.untrack(self)
+
+    def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
+        """After a save of `step` failed: drop Orbax's manager (its threads and its view of
+        the failed save; the next save opens a new one), remove the step's temporary
+        directory (a full disk gets its space back), and name the step and the cause."""
+        log.debug("zerojax: checkpoint save of step %d failed", step, exc_info=error)
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            try:
+                with self._orbax_lock:
+                    manager.close()  # re-raises the failed save: already being reported
+            except Exception:
+                log.debug("zerojax: closing Orbax's manager after the failed save", exc_info=True)
+        removed = []
+        if jax.process_index() == 0:
+            removed = commit.remove_temporary(self.directory, step, settle_s=3.0)
+        self._cleaned = False  # the next save removes whatever a straggling write left
+        step_dir = self.step_dir(step)
+        if isinstance(error, CheckpointError):
+            reason = str(error)
+        else:
+            lines = str(error).strip().splitlines()
+            reason = f"{type(error).__name__}: {lines[0][:500] if lines else ''}"
+        latest = self.latest_step()
+        cleaned = f"; removed its partial directory {removed[0]}" if removed else ""
+        return CheckpointSaveError(
+            f"checkpoint step {step} was not saved to {step_dir}: {reason}{cleaned}; the "
+            f"latest committed step is {latest if latest is not None else 'none'}",
+            step=step,
+            path=step_dir,
+        )
 
     def _clean_partial_saves(self) -> None:
         """Remove step directories a dead writer left half-written (never listed as steps)."""
         self._cleaned = True
         # Several processes share the directory: only process 0 cleans, before it creates this
         # step's temporary directory (another process cleaning later would delete that).
-        if jax.process_index() != 0 or not os.path.isdir(self.directory):
+        if jax.process_index() != 0:
             return
-        for name in os.listdir(self.directory):
-            if _TMP_MARKER in name:
-                log.warning("zerojax: removing partial checkpoint %s", name)
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        for name in commit.remove_temporary(self.directory):
+            log.warning("zerojax: removed partial checkpoint %s", name)
 
     def wait(self) -> None:
-        """Block until the last save is committed and its manifest written."""
+        """Block until the last save is committed (with its manifest); raise
+        CheckpointSaveError if it failed."""
         if self._pending is None:
             return
         with LEDGER.measure("checkpoint_blocking"):
             self._finish_pending()
 
     def close(self) -> None:
-        """Wait for the last save, then release Orbax's threads."""
+        """Wait for the last save, then release Orbax's manager and the save thread (always,
+        even when the save failed); raise CheckpointSaveError if it failed."""
+        error: BaseException | None = None
         try:
             self._finish_pending()
-        finally:
-            if self._manager is not None:
-                self._manager.close()
-                self._manager = None
-            if self._executor is not None:
-                self._executor.shutdown()
-                self._executor = None
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the release
+            error = e
+        at_exit.untrack(self)
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception as e:
+                log.debug("zerojax: closing Orbax's manager failed", exc_info=True)
+                if error is None:
+                    error = CheckpointError(
+                        f"closing the checkpoint manager of {self.directory} failed: "
+                        f"{type(e).__name__}: {e}"
+                    )
+                    error.__cause__ = e
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> Self:
         return self
@@ -520,11 +589,18 @@ class Checkpointer:
         """Load a step (default: the latest committed one) into the model, optimizer and
         scheduler given at construction, on the *current* mesh, ZeRO stage and precision.
 
+        Every file is checked against the step's manifest, and every item the step says it
+        holds must be there. Without `step`, the newest step that verifies is restored: a
+        newer one that does not (damaged, or uncommitted: no manifest) is named in a
+        CheckpointWarning and left as it is, so a job that resumes from the latest step
+        survives a damaged last checkpoint.
+
         Raises CheckpointNotFoundError (no such step), CheckpointMismatchError (parameters or
         optimizer state differ; every difference listed), CheckpointCorruptedError (a damaged
-        file, named). `load_optimizer=False` loads weights, buffers and RNG only (fine-tuning
-        with a different optimizer). A checkpoint made by `zerojax ckpt import` has weights
-        only: the optimizer state stays as it is.
+        or missing file or item, named; without `step`: no step verifies). `load_optimizer=
+        False` loads weights, buffers and RNG only (fine-tuning with a different optimizer).
+        A checkpoint made by `zerojax ckpt import` has weights only: the optimizer state
+        stays as it is.
 
         >>> state = ckpt.restore()
         >>> start_step = state.step + 1
@@ -535,15 +611,60 @@ class Checkpointer:
             return self._restore(engine, step, load_optimizer)
 
     def _restore(self, engine, step: int | None, load_optimizer: bool) -> RestoredState:
-        steps = self.all_steps()
+        listing = commit.scan(self.directory)
+        steps = listing.committed
+        if step is not None:
+            if step in listing.uncommitted:
+                verify_manifest(self.step_dir(step))  # raises: it has none
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"step {step} not found in {self.directory}; available steps: {steps}"
+                )
+            return self._restore_step(engine, step, load_optimizer)
         if not steps:
-            raise CheckpointNotFoundError(f"no complete checkpoint in {self.directory}")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointNotFoundError(
-                f"step {step} not found in {self.directory}; available steps: {steps}"
+            uncommitted = (
+                f" (uncommitted step directories without a manifest: {listing.uncommitted})"
+                if listing.uncommitted
+                else ""
             )
+            raise CheckpointNotFoundError(
+                f"no complete checkpoint in {self.directory}{uncommitted}"
+            )
+        failed: list[tuple[int, CheckpointCorruptedError]] = []
+        for candidate in reversed(steps):
+            try:
+                restored = self._restore_step(engine, candidate, load_optimizer)
+            except CheckpointCorruptedError as error:
+                failed.append((candidate, error))
+                continue
+            self._warn_skipped(candidate, failed, listing.uncommitted)
+            return restored
+        error = failed[0][1]
+        if len(failed) == 1:
+            raise error
+        raise CheckpointCorruptedError(
+            f"no step of {self.directory} verifies; each was tried, newest first:\n"
+            + "\n".join(f"  step {s}: {e}" for s, e in failed),
+            path=error.path,
+        ) from error
+
+    def _warn_skipped(
+        self, restored: int, failed: list[tuple[int, CheckpointError]], uncommitted: list[int]
+    ) -> None:
+        """Name every step newer than `restored` that `restore()` did not take."""
+        for step in sorted({s for s in uncommitted if s > restored} | {s for s, _ in failed}):
+            if step in uncommitted:
+                why = "is not committed (no manifest: a save or copy cut short)"
+            else:
+                why = f"does not verify ({dict(failed)[step]})"
+            warnings.warn(
+                f"checkpoint step {step} at {self.step_dir(step)} {why}; restored step "
+                f"{restored} instead. Step {step} is left as it is.",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+
+    def _restore_step(self, engine, step: int, load_optimizer: bool) -> RestoredState:
         step_dir = self.step_dir(step)
         # The crc32 pass over every file runs while Orbax reads them (zlib releases the GIL);
         # nothing read is written into the engine before it passes, and when it fails its
@@ -562,6 +683,9 @@ class Checkpointer:
         function that writes them into the engine, optimizer and scheduler."""
         meta = self._read(step, {layout.META: ocp.args.JsonRestore()})[layout.META]
         ts.check_format(meta)
+        # A missing item would otherwise restore as "not saved": the optimizer moments, the
+        # step counters and the RNG left as they are, without a word.
+        items = commit.check_items(step_dir, meta)
 
         differences = ts.parameter_differences(meta["parameters"], ts.parameter_table(engine))
         if differences:
@@ -570,12 +694,11 @@ class Checkpointer:
                 f"({len(differences)} difference{'s' * (len(differences) > 1)}):",
                 differences,
             )
-        has = lambda item: os.path.isdir(os.path.join(step_dir, item))
         with_optimizer = (
             load_optimizer
             and self._optimizer is not None
             and engine.state.opt_state is not None
-            and has(layout.OPTIMIZER)
+            and layout.OPTIMIZER in items
         )
         optimizer = self._optimizer
         if with_optimizer:
@@ -589,7 +712,7 @@ class Checkpointer:
             abstract, _ = ts.optimizer_target(engine)
             opt_state = self._read_arrays(step, layout.OPTIMIZER, abstract, "state")
         train_state = None
-        if has(layout.TRAIN_STATE):
+        if layout.TRAIN_STATE in items:
             saved = self._saved_paths(step_dir, layout.TRAIN_STATE)
             abstract, restore_args = ts.train_state_target(
                 engine, saved_loss_scale=any(p[:1] == ("loss_scale",) for p in saved)
@@ -794,36 +917,11 @@ class Checkpointer:
 # --------------------------------------------------------------------------- one-shot functions
 
 _in_flight: list[Checkpointer] = []
-_LIVE: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
 def _wait_all() -> None:
     while _in_flight:
         _in_flight.pop().close()
-
-
-def _finish_saves_at_exit() -> None:
-    """A script that ends without `close()` (or `save_checkpoint(async_save=True)` last) still
-    gets its last save: wait for every Checkpointer's in-flight save at interpreter exit.
-
-    It must run before `concurrent.futures` shuts its executors down at exit: from then on
-    Orbax cannot schedule the threads its save still needs ("cannot schedule new futures after
-    interpreter shutdown") and the step was lost. That shutdown is a `threading` exit hook, and
-    those run before `atexit`'s, last registered first; so this one is registered the same way
-    (CPython's `threading._register_atexit`, what concurrent.futures itself uses), after
-    concurrent.futures was imported (this module imports it), and runs before it."""
-    for checkpointer in list(_LIVE):
-        try:
-            checkpointer._finish_pending()
-        except CheckpointError as error:
-            log.error("zerojax: %s", error)
-    _wait_all()
-
-
-if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_finish_saves_at_exit)
-else:  # not CPython: the best available, after the executors' shutdown
-    atexit.register(_finish_saves_at_exit)
 
 
 def save_checkpoint(
@@ -841,7 +939,8 @@ def save_checkpoint(
     >>> save_checkpoint("runs/gpt", model, optimizer, step=1000, scheduler=sched)
 
     With `async_save=True` it returns at once, as `Checkpointer.save` does; the next
-    save_checkpoint / restore_checkpoint call, or the interpreter's exit, waits for the write.
+    save_checkpoint / restore_checkpoint call, or the interpreter's exit, waits for the write
+    (and raises CheckpointSaveError, or at exit exits with status 1, if it failed).
     """
     _wait_all()
     ckpt = Checkpointer(

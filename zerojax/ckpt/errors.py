@@ -6,6 +6,9 @@ Every error is a `CheckpointError`, so callers can catch one class:
     ...     ckpt.restore()
     ... except CheckpointError as e:
     ...     print("cannot resume:", e)
+
+Each names the step and the path it is about. Orbax's and tensorstore's own exceptions never
+reach the caller bare: they are the `__cause__` of the CheckpointError that reports them.
 """
 
 from __future__ import annotations
@@ -53,3 +56,23 @@ class CheckpointFormatError(CheckpointError, ValueError):
         self.path = path
         self.tensor = tensor
         super().__init__(message)
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save did not commit: the step was not written (disk full, a path that cannot be
+    created, Orbax refusing the state). Raised by `save` (synchronous saves), and for an
+    asynchronous save by the next `save`, `wait`, `close` or `restore` -- or, when the script
+    ended first, by the interpreter's exit (which then exits with status 1).
+
+    `step` is the step that was not saved, `path` its directory (which does not exist: the
+    save's temporary directory was removed)."""
+
+    def __init__(self, message: str, *, step: int, path: str) -> None:
+        self.step = step
+        self.path = path
+        super().__init__(message)
+
+
+class CheckpointWarning(UserWarning):
+    """Something a reader skipped: `restore()` fell back past a damaged or uncommitted newer
+    step (named in the message; it stays on disk as it is)."""

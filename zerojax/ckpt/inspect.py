@@ -1,9 +1,12 @@
 """What a checkpoint directory holds, read from `meta` and Orbax's metadata -- no array data.
 
-`zerojax ckpt inspect DIR [--step S] [--json]` prints `format_description(describe(DIR))`:
-the committed steps (and partial saves, which restore and export ignore), then for one step
-every state_dict entry with shape, torch dtype, dtype on disk and bytes, whether optimizer
-state is present, the step, the `extra` dict and the saving run's config.
+`zerojax ckpt inspect DIR [--step S] [--json] [--verify]` prints
+`format_description(describe(DIR))`: the committed steps (and uncommitted step directories and
+partial saves, which restore and export ignore), then for one step every state_dict entry with
+shape, torch dtype, dtype on disk and bytes, whether optimizer state is present, the step, the
+`extra` dict and the saving run's config. `verify_step` lists everything about a step that
+could not be verified (no manifest, a damaged file, a missing item or array); `--verify`
+prints it and exits non-zero unless it is empty.
 
     >>> info = describe_checkpoint("runs/gpt")           # latest step
     >>> info["step"], info["total_bytes"], info["optimizer_state"]["present"]
@@ -25,12 +28,13 @@ from typing import Any, Self
 
 import numpy as np
 
-from zerojax.ckpt import layout
+from zerojax.ckpt import commit, layout
 from zerojax.ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
     CheckpointNotFoundError,
 )
+from zerojax.ckpt.manifest import manifest_problems, verify_manifest
 
 __all__ = [
     "OpenedStep",
@@ -38,33 +42,30 @@ __all__ = [
     "format_description",
     "list_steps",
     "open_step",
+    "verify_step",
 ]
-
-_TMP_MARKER = ".orbax-checkpoint-tmp"  # Orbax names a step's directory this until it commits
 
 
 def list_steps(directory: str | os.PathLike) -> tuple[list[int], list[str]]:
-    """(committed steps ascending, names of partial step directories) of a checkpoint dir.
+    """(committed steps ascending, names of the other step directories) of a checkpoint dir.
 
-    A partial directory (`<step>.orbax-checkpoint-tmp-<time>`) is a save that never
-    committed -- the process died mid-write; readers ignore it.
+    The others are never read: partial saves (`<step>.orbax-checkpoint-tmp`, a save that
+    never committed: the process died mid-write) and uncommitted steps (numbered, without a
+    manifest: `zerojax.ckpt.commit`).
 
     >>> list_steps("runs/gpt")
-    ([100, 200], ['300.orbax-checkpoint-tmp-1732088000'])
+    ([100, 200], ['300', '400.orbax-checkpoint-tmp'])
     """
+    listing = _scan(directory)
+    return listing.committed, sorted([*map(str, listing.uncommitted), *listing.partial])
+
+
+def _scan(directory: str | os.PathLike) -> commit.StepListing:
     directory = Path(directory)
     if not directory.is_dir():
         problem = "is not a directory" if directory.exists() else "does not exist"
         raise CheckpointNotFoundError(f"checkpoint directory {str(directory)!r} {problem}")
-    steps, partial = [], []
-    for entry in directory.iterdir():
-        if not entry.is_dir():
-            continue
-        if entry.name.isdigit():
-            steps.append(int(entry.name))
-        elif _TMP_MARKER in entry.name:
-            partial.append(entry.name)
-    return sorted(steps), sorted(partial)
+    return commit.scan(directory)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -114,12 +115,17 @@ def _handlers() -> dict:
     }
 
 
-def open_step(directory: str | os.PathLike, step: int | None = None) -> OpenedStep:
+def open_step(
+    directory: str | os.PathLike, step: int | None = None, *, uncommitted: bool = False
+) -> OpenedStep:
     """Resolve `step` (None: the latest committed one) and read its `meta`.
 
+    An uncommitted step (no manifest) is opened only when asked for by number with
+    `uncommitted=True` (`zerojax ckpt inspect --step S` shows one; nothing reads it).
+
     Raises CheckpointNotFoundError (no directory, no steps, or not that step; lists the
-    steps there are), CheckpointCorruptedError (no readable meta), CheckpointError (meta of
-    another format).
+    steps there are), CheckpointCorruptedError (an uncommitted step; no readable meta),
+    CheckpointError (meta of another format).
 
     >>> opened = open_step("runs/gpt", 200)
     >>> opened.meta["parameters"]["lm_head.weight"]["tied_to"]
@@ -128,13 +134,18 @@ def open_step(directory: str | os.PathLike, step: int | None = None) -> OpenedSt
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
-    steps, partial = list_steps(directory)
-    if not steps:
-        extra = f" (partial saves only: {', '.join(partial)})" if partial else ""
+    listing = _scan(directory)
+    steps = listing.committed
+    if step is not None and step in listing.uncommitted:
+        if not uncommitted:
+            verify_manifest(directory / str(step))  # raises: it has none
+    elif not steps:
+        others = [*map(str, listing.uncommitted), *listing.partial]
+        extra = f" (uncommitted or partial only: {', '.join(others)})" if others else ""
         raise CheckpointNotFoundError(f"no committed checkpoint step in {directory}{extra}")
     if step is None:
         step = steps[-1]
-    elif step not in steps:
+    elif step not in steps and step not in listing.uncommitted:
         raise CheckpointNotFoundError(
             f"step {step} not found in {directory}; available steps: {', '.join(map(str, steps))}"
         )
@@ -148,7 +159,7 @@ def open_step(directory: str | os.PathLike, step: int | None = None) -> OpenedSt
         )
     # create=False: opening a manager must never create or clean anything in the directory.
     manager = ocp.CheckpointManager(
-        directory, item_handlers=_handlers(), options=ocp.CheckpointManagerOptions(create=False)
+        directory, item_handlers=_handlers(), options=commit.manager_options(create=False)
     )
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -193,12 +204,36 @@ def describe_checkpoint(directory: str | os.PathLike, step: int | None = None) -
     {'name': 'transformer.wte.weight', 'shape': [50, 64], 'dtype': 'float32',
      'stored_dtype': 'float32', 'kind': 'parameter', 'tied_to': None, 'bytes': 12800}
     """
-    with open_step(directory, step) as opened:
+    with open_step(directory, step, uncommitted=step is not None) as opened:
         return _describe(opened)
 
 
+def verify_step(info: Mapping) -> list[str]:
+    """Everything about the step `info` (a `describe_checkpoint` result) that could not be
+    verified, one line each; empty when every file matches the manifest, every item the
+    step says it holds is there and every stored entry has its array. Reads every file
+    (crc32).
+
+    >>> verify_step(describe_checkpoint("runs/gpt"))
+    []
+    """
+    step_dir = Path(info["directory"]) / str(info["step"])
+    problems = [str(p) for p in manifest_problems(step_dir)]
+    problems += [
+        f"item {item!r} is missing ({step_dir / item}), although the step says it holds it"
+        for item in info["items"]
+        if not (step_dir / item).is_dir()
+    ]
+    problems += [
+        f"{p['name']}: listed in meta with shape {p['shape']}, no array in the model item"
+        for p in info["parameters"]
+        if p.get("missing")
+    ]
+    return problems
+
+
 def _describe(opened: OpenedStep) -> dict:
-    steps, partial = list_steps(opened.directory)
+    listing = _scan(opened.directory)
     meta = opened.meta
     model_tree = opened.item_tree(layout.MODEL) or {}
     entries, total, elements, tied = [], 0, 0, 0
@@ -231,9 +266,11 @@ def _describe(opened: OpenedStep) -> dict:
     manifest = opened.step_dir / layout.MANIFEST
     return {
         "directory": str(opened.directory),
-        "steps": steps,
-        "partial": partial,
+        "steps": listing.committed,
+        "uncommitted": listing.uncommitted,
+        "partial": listing.partial,
         "step": opened.step,
+        "committed": opened.step in listing.committed,
         "format": meta.get("format"),
         "parameters": entries,
         "num_entries": len(entries),
@@ -247,6 +284,7 @@ def _describe(opened: OpenedStep) -> dict:
             "bytes": sum(_leaf_bytes(leaf) for leaf in optimizer_leaves),
         },
         "train_state": (opened.step_dir / layout.TRAIN_STATE).is_dir(),
+        "items": commit.expected_items(opened.step_dir, meta),
         "scheduler": meta.get("scheduler"),
         "engine": meta.get("engine"),
         "extra": meta.get("extra"),
@@ -271,11 +309,15 @@ def _table(rows: list[list[str]]) -> list[str]:
 
 def format_description(info: dict) -> str:
     """The human-readable report `zerojax ckpt inspect` prints for `describe_checkpoint`."""
-    steps = ", ".join(map(str, info["steps"]))
-    lines = [f"checkpoint {info['directory']}: steps {steps} (latest {info['steps'][-1]})"]
+    steps = ", ".join(map(str, info["steps"])) or "none"
+    latest = f" (latest {info['steps'][-1]})" if info["steps"] else ""
+    lines = [f"checkpoint {info['directory']}: steps {steps}{latest}"]
+    for step in info.get("uncommitted", []):
+        lines.append(f"  ignored: {step} (uncommitted: no manifest; never restored)")
     for name in info["partial"]:
         lines.append(f"  ignored: {name} (partial save that never committed)")
-    lines += ["", f"step {info['step']} ({info['format']})"]
+    state = "" if info.get("committed", True) else ", UNCOMMITTED: no manifest"
+    lines += ["", f"step {info['step']} ({info['format']}{state})"]
     rows = [["name", "shape", "dtype", "stored", "kind", "bytes"]]
     for p in info["parameters"]:
         if p["tied_to"] is not None:
@@ -312,7 +354,9 @@ def format_description(info: dict) -> str:
     engine = info["engine"] or {}
     lines.append("engine: " + ", ".join(f"{k}={v}" for k, v in engine.items()))
     lines.append(f"extra: {json.dumps(info['extra'] or {}, sort_keys=True)}")
-    lines.append(f"manifest: {'present' if info['manifest'] else 'absent (not verified)'}")
+    lines.append(
+        f"manifest: {'present' if info['manifest'] else 'ABSENT: the step cannot be verified'}"
+    )
     if info["config"] is None:
         lines.append("config: none (imported weights)")
     else:

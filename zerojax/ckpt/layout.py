@@ -2,8 +2,10 @@
 `zerojax ckpt` tools.
 
 A checkpoint directory holds one Orbax step directory per saved step; Orbax writes each into a
-temporary directory and renames it when every item is committed, so a step directory that
-exists is complete. Inside a step directory each item is its own Orbax item:
+temporary directory and renames it when every item is committed, with the manifest written
+just before (`zerojax.ckpt.commit`), so a step directory that exists is complete and
+verifiable. A numbered directory without the manifest is not a step. Inside a step directory
+each item is its own Orbax item:
 
     DIR/
       <step>/
@@ -18,7 +20,8 @@ exists is complete. Inside a step directory each item is its own Orbax item:
         train_state/  PyTreeSave  {"rng": uint32 key data, "loss_scale": {...}} (absent after
                                   `ckpt import`)
         meta/         JsonSave    see `Meta` below
-        zerojax_manifest.json     size and crc32 of every file, written after Orbax commits
+        zerojax_manifest.json     size and crc32 of every file, written before Orbax's
+                                  commit renames the directory
 
 Orbax keys may contain dots: a flat dict {"h.0.attn.weight": ...} is stored leaf by leaf and
 can be restored one leaf at a time with `PyTreeRestore(..., partial_restore=True)`.
@@ -54,3 +57,6 @@ directory except itself."""
 #   engine      {"num_calls": int, "skipped_steps": int}
 #   torch_rng   torch.get_rng_state() as a list of ints (so user-side torch randomness resumes)
 #   extra       the user's JSON-serialisable dict
+#   items       the items the step holds, sorted (["meta", "model", "optimizer",
+#               "train_state"]); restore refuses a step missing one. Absent in steps written
+#               before it was recorded: Orbax's `_CHECKPOINT_METADATA` lists them too

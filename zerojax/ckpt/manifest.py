@@ -1,12 +1,16 @@
-"""The step manifest: size and crc32 of every file of a committed step directory.
+"""The step manifest: size and crc32 of every file of a step directory.
 
 Orbax's commit (a rename) guarantees a step directory is complete when it appears; it says
 nothing about what happens to the files afterwards -- a copy cut short, a disk error, an
-edited file. The manifest is written once the step is committed and checked before a
-restore or an export, so such damage is reported by file name instead of surfacing as a
-tensorstore error or, worse, as silently wrong weights.
+edited file. The manifest is written inside the step's temporary directory, after every item
+and Orbax's own metadata, just before the rename that commits the step
+(`zerojax.ckpt.commit`): a step directory never exists without its manifest. It is checked
+before a restore, an export or `inspect --verify`, so damage is reported by file name instead
+of surfacing as a tensorstore error or, worse, as silently wrong weights. A step directory
+without a manifest was not committed by zerojax (a copy cut short, a crash of an older
+version, a deleted file): it is refused, never read unverified.
 
-    >>> write_manifest("ckpt/100")      # after the save has committed
+    >>> write_manifest("ckpt/100.orbax-checkpoint-tmp")   # before the commit's rename
     >>> verify_manifest("ckpt/100")     # raises CheckpointCorruptedError naming the file
 
 Format (`layout.MANIFEST`): {"files": {relative posix path: {"size": int, "crc32": int}}}.
@@ -22,7 +26,13 @@ from pathlib import Path
 from zerojax.ckpt import layout
 from zerojax.ckpt.errors import CheckpointCorruptedError
 
-__all__ = ["file_crc32", "verify_manifest", "write_manifest"]
+__all__ = [
+    "file_crc32",
+    "has_manifest",
+    "manifest_problems",
+    "verify_manifest",
+    "write_manifest",
+]
 
 _CHUNK = 1 << 20  # streamed: a checkpoint file can be far larger than memory
 
@@ -45,6 +55,11 @@ def _files(step_dir: Path) -> list[str]:
             if rel != layout.MANIFEST and not rel.startswith(layout.MANIFEST + "."):
                 found.append(rel)
     return found
+
+
+def has_manifest(step_dir: str | os.PathLike) -> bool:
+    """Whether `step_dir` holds a manifest (a step committed by zerojax); nothing is read."""
+    return os.path.isfile(os.path.join(step_dir, layout.MANIFEST))
 
 
 def write_manifest(step_dir: str | os.PathLike) -> None:
@@ -75,43 +90,70 @@ def write_manifest(step_dir: str | os.PathLike) -> None:
 def verify_manifest(step_dir: str | os.PathLike) -> None:
     """Check every file the manifest lists: present, same size, same crc32.
 
-    Raises CheckpointCorruptedError naming the first file that differs and how. A step
-    directory without a manifest (older or foreign checkpoint) is accepted silently; files
-    added after the manifest was written are not checked.
+    Raises CheckpointCorruptedError naming the first file that differs and how, or the
+    missing manifest itself: a step without one cannot be verified, and nothing unverified is
+    read. Files added after the manifest was written are not checked (nothing reads them).
 
     >>> verify_manifest("ckpt/100")
+    """
+    for problem in manifest_problems(step_dir, first_only=True):
+        raise problem
+
+
+def manifest_problems(
+    step_dir: str | os.PathLike, *, first_only: bool = False
+) -> list[CheckpointCorruptedError]:
+    """Every way `step_dir` differs from its manifest (empty: verified), one
+    CheckpointCorruptedError each, naming the file; `verify_manifest` raises the first.
+
+    >>> [str(p) for p in manifest_problems("ckpt/100")]
+    ["checkpoint file 'ckpt/100/model/d/3f2a' changed since it was saved: crc32 ..."]
     """
     step_dir = Path(step_dir)
     manifest_path = step_dir / layout.MANIFEST
     if not manifest_path.is_file():
-        return
+        return [
+            CheckpointCorruptedError(
+                f"checkpoint step {str(step_dir)!r} has no {layout.MANIFEST}: it was not "
+                "committed by zerojax (a save or copy cut short, or the manifest was deleted), "
+                "so nothing vouches for its files; restore another step",
+                path=str(manifest_path),
+            )
+        ]
     try:
         files = json.loads(manifest_path.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointCorruptedError(
+        # Every entry {"size": int, "crc32": int}; anything else is a damaged manifest (a
+        # KeyError below would name nothing).
+        for rel, expected in files.items():
+            if not all(type(expected.get(k)) is int for k in ("size", "crc32")):
+                raise ValueError(f"entry {rel!r}: {expected!r} is not {{size, crc32}}")
+            if Path(rel).is_absolute() or ".." in Path(rel).parts:
+                raise ValueError(f"entry {rel!r} lies outside the step directory")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        error = CheckpointCorruptedError(
             f"checkpoint manifest {str(manifest_path)!r} is unreadable ({exc}); the step "
             "directory was damaged after it was saved",
             path=str(manifest_path),
-        ) from exc
+        )
+        error.__cause__ = exc
+        return [error]
+    problems = []
     for rel, expected in sorted(files.items()):
         path = step_dir / rel
         where = f"checkpoint file {str(path)!r}"
         if not path.is_file():
-            raise CheckpointCorruptedError(
-                f"{where} is missing (listed in {layout.MANIFEST}, {expected['size']} bytes)",
-                path=str(path),
-            )
-        size = path.stat().st_size
-        if size != expected["size"]:
+            problem = f"{where} is missing (listed in {layout.MANIFEST}, {expected['size']} bytes)"
+        elif (size := path.stat().st_size) != expected["size"]:
             kind = "truncated" if size < expected["size"] else "grown"
-            raise CheckpointCorruptedError(
-                f"{where} is {kind}: size {size} bytes vs {expected['size']} when saved",
-                path=str(path),
-            )
-        crc = file_crc32(path)
-        if crc != expected["crc32"]:
-            raise CheckpointCorruptedError(
+            problem = f"{where} is {kind}: size {size} bytes vs {expected['size']} when saved"
+        elif (crc := file_crc32(path)) != expected["crc32"]:
+            problem = (
                 f"{where} changed since it was saved: crc32 {crc:#010x} vs "
-                f"{expected['crc32']:#010x}",
-                path=str(path),
+                f"{expected['crc32']:#010x}"
             )
+        else:
+            continue
+        problems.append(CheckpointCorruptedError(problem, path=str(path)))
+        if first_only:
+            break
+    return problems

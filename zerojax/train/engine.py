@@ -61,6 +61,7 @@ from zerojax.train.programs import (
     clip_host_grads,
     find_scalar_loss,
     is_float,
+    zeros_like_grads,
 )
 from zerojax.train.state import TrainState
 
@@ -387,6 +388,7 @@ class Engine:
             state.params, state.buffers, args, kwargs, rng, self.scale
         )
         self._note_index_flags(flags)
+        grads = _reached_only(grads, program.last_reached[2])
         self._state = self._state.replace(buffers=new_buffers)
         self._prepare_update(grads)
         return outputs, grads, (rng, state.buffers)
@@ -420,7 +422,10 @@ class Engine:
             state.loss_scale,
         )
 
-    def backward(self, converted, pullback, cotangents):
+    def backward(self, converted, pullback, cotangents, absent: tuple[bool, ...] = ()):
+        """The pullback of `cotangents` into the gradient accumulator; returns the input
+        gradients. `absent[i]`: output leaf i got no gradient from torch (its cotangent is
+        zeros); parameters the loss reaches through such outputs only get no gradient."""
         self.raise_index_errors()
         residuals, params = pullback
         updated = [
@@ -438,16 +443,17 @@ class Engine:
                 "by optimizer.step() after the forward pass this backward belongs to. Call "
                 "backward() before the step that follows its forward pass."
             )
-        grads, input_grads = self.programs.backward(converted)(
-            residuals, params, cotangents, self.scale
-        )
-        self.accumulate(grads)
+        program = self.programs.backward(converted, absent)
+        grads, input_grads = program(residuals, params, cotangents, self.scale)
+        self.accumulate(_reached_only(grads, program.last_reached[0]))
         return input_grads
 
     def accumulate(self, grads, weight=None):
         """Add one backward's gradients into the sharded accumulator (torch sums into .grad),
         times `weight` (the loss's cotangent) and 1/gradient_accumulation_steps. Parameters
-        with `requires_grad=False` get none, as in torch."""
+        with `requires_grad=False` get none, as in torch; `grads` holds only the parameters
+        this loss reached, so a parameter another backward reached keeps what it has, and one
+        no backward reached has no entry (torch's None)."""
         self.raise_index_errors()
         frozen = self.frozen_names()
         if frozen:
@@ -460,14 +466,19 @@ class Engine:
         # One pass over the gradients at most: `loss.backward()`'s cotangent is 1, which
         # needs no multiply (x * 1.0 == x exactly), and a weight is folded into the add.
         ops = HOST_GRADIENT_OPS if self.grads_offloaded else DEVICE_GRADIENT_OPS
-        current = self._state.grads
-        if current is None:
-            accumulated = grads if weight is None else ops.scale(grads, weight)
-        elif weight is None:
-            accumulated = ops.add(current, grads)
-        else:
-            accumulated = ops.add_scaled(current, grads, weight)
-        self._state = self._state.replace(grads=accumulated)
+        current = self._state.grads or {}
+        kept = {n: g for n, g in current.items() if n not in grads}
+        new = {n: g for n, g in grads.items() if n not in current}
+        summed = {}
+        if len(new) < len(grads):  # some already have a gradient: add into it
+            ours = {n: g for n, g in grads.items() if n in current}
+            theirs = {n: current[n] for n in ours}
+            summed = (
+                ops.add(theirs, ours) if weight is None else ops.add_scaled(theirs, ours, weight)
+            )
+        if new and weight is not None:
+            new = ops.scale(new, weight)
+        self._state = self._state.replace(grads={**kept, **summed, **new})
 
     @property
     def grads_offloaded(self) -> bool:
@@ -483,18 +494,23 @@ class Engine:
         """Whether the next `step()` applies the update (DeepSpeed's name and meaning)."""
         return (self._state.micro_step + 1) % self.gradient_accumulation_steps == 0
 
-    def zero_grad(self, names: frozenset[str] | None = None) -> None:
+    def zero_grad(self, names: frozenset[str] | None = None, *, set_to_none: bool = True) -> None:
         """Drop the accumulated gradients (of `names` only, when given: one of several
-        optimizers); ignored inside an accumulation window (as DeepSpeed ignores it before the
-        boundary), where the boundary step clears them instead."""
+        optimizers), or with `set_to_none=False` set those that exist to zeros, which the next
+        update steps with as torch does (a parameter without one stays without); ignored
+        inside an accumulation window (as DeepSpeed ignores it before the boundary), where the
+        boundary step clears them instead."""
         if self.in_accumulation_window():
             return
         grads = self._state.grads
-        if names is not None and grads is not None:
-            grads = {n: g for n, g in grads.items() if n not in names} or None
-        else:
-            grads = None
-        self._state = self._state.replace(grads=grads)
+        if grads is None:
+            return
+        chosen = {n: g for n, g in grads.items() if names is None or n in names}
+        rest = {n: g for n, g in grads.items() if n not in chosen}
+        if set_to_none:
+            self._state = self._state.replace(grads=rest or None)
+        elif chosen:
+            self._state = self._state.replace(grads={**rest, **zeros_like_grads(chosen)})
 
     def drop_grad(self, name: str) -> None:
         """`p.grad = None` for one parameter."""
@@ -628,9 +644,12 @@ class Engine:
         for wait in waits:
             wait()
         program = self.programs.update(optimizers.for_hyper(self.optimizer_spec, hyper))
+        compiled = program.num_compiled()
         params, master, opt_state, loss_scale, finite = program(
             state.params, state.master, state.opt_state, state.grads, hyper, state.loss_scale
         )
+        if compiled and program.num_compiled() > compiled:
+            self._log_new_update(state.grads)
         skipped = state.skipped_steps
         # Reading `finite` is a host sync: only with fp16 loss scaling (and values).
         if state.loss_scale is not None and not self.placement.all_finite(finite):
@@ -647,6 +666,18 @@ class Engine:
             loss_scale=loss_scale,
             step=state.step + 1,
             skipped_steps=skipped,
+        )
+
+    def _log_new_update(self, grads) -> None:
+        """Say why the update compiled again when the set of parameters with a gradient is
+        what changed (each set is its own program, compiled once)."""
+        without = sorted(n for n in self.optimizer_spec.param_names if n not in grads)
+        log.info(
+            "zerojax: a new optimizer update program is compiled for %d parameters with "
+            "gradients (without: %s%s); cached for later steps with the same set",
+            len(grads),
+            ", ".join(without[:5]) or "none",
+            " ..." if len(without) > 5 else "",
         )
 
     # --- out-of-range indices (zerojax.bridge.index_bounds) ---------------------------------
@@ -713,6 +744,11 @@ class Engine:
             elif canonical in buffers:
                 buffers[canonical] = jnp.asarray(value).astype(buffers[canonical].dtype)
         self.load(state.with_weights(weights).replace(buffers=buffers))
+
+
+def _reached_only(grads: dict, reached: dict) -> dict:
+    """The gradients the loss reached (`Program.last_reached`): the others are torch's None."""
+    return {n: g for n, g in grads.items() if reached[n]}
 
 
 @functools.partial(jax.jit, static_argnames="dtype")

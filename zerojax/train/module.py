@@ -318,9 +318,9 @@ class ZeroModule(torch.nn.Module):
         return handed
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the accumulated gradients. nn.Module's version would read (gather) every
-        `p.grad` first; either way the next backward starts from nothing."""
-        self._zerojax_engine.zero_grad()
+        """Drop the accumulated gradients (`set_to_none=False`: set those that exist to zeros,
+        as torch does). nn.Module's version would read (gather) every `p.grad` first."""
+        self._zerojax_engine.zero_grad(set_to_none=set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the accumulated gradients' global norm to `max_norm`, on the shards (as FSDP's
@@ -429,7 +429,14 @@ def _backward_through(engine: Engine, converted, pullback, specs, treedef, globa
             placement.cotangent(spec, grad, global_rows)
             for spec, grad in zip(specs, grad_leaves, strict=True)
         ]
-        input_grads = engine.backward(converted, pullback, jax.tree.unflatten(treedef, cotangents))
+        # Outputs torch sent no gradient: what reaches the loss only through them gets none.
+        absent = tuple(
+            grad is None or not jnp.issubdtype(spec.dtype, jnp.floating)
+            for spec, grad in zip(specs, grad_leaves, strict=True)
+        )
+        input_grads = engine.backward(
+            converted, pullback, jax.tree.unflatten(treedef, cotangents), absent
+        )
         return placement.input_grads_to_torch(input_grads, global_rows)
 
     return backward

@@ -176,13 +176,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._engine.is_gradient_accumulation_boundary()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the accumulated gradients (ignored between the micro-steps of a gradient
-        accumulation, as DeepSpeed does); on the live path, of this optimizer's parameters
-        only (another optimizer may own the rest)."""
+        """Drop the accumulated gradients, or with `set_to_none=False` set those that exist to
+        zeros, which the next `step()` uses as torch does (ignored between the micro-steps of
+        a gradient accumulation, as DeepSpeed does); on the live path, of this optimizer's
+        parameters only (another optimizer may own the rest)."""
         if self._compiled:
-            self._engine.zero_grad()
+            self._engine.zero_grad(set_to_none=set_to_none)
         else:
-            self._engine.zero_grad(frozenset(self._param_names.values()))
+            self._engine.zero_grad(frozenset(self._param_names.values()), set_to_none=set_to_none)
 
     def state_dict(self):
         if self._held_state is not None:

@@ -29,17 +29,18 @@ Design points:
 - **Shardable.** Every per-parameter operation is elementwise and the scalars are replicated,
   so with ZeRO-sharded params/grads/state under `jax.jit` each device updates its own shard and
   the outputs keep the inputs' shardings; no collective is emitted.
-- **Step count per group.** torch keeps `step` per parameter; here it is one int32 per group
-  (the same value, because zerojax updates every trainable parameter each step).
+- **Step count per parameter.** torch keeps `step` per parameter, advanced only on the steps
+  where the parameter has a gradient; here it is one int32 vector per group (one entry per
+  trainable parameter, in the group's order): a leaf per group, not per parameter.
 - **Precision.** Updates compute in float32 whatever the storage dtypes; moments are stored in
   `state_dtype` (e.g. bfloat16) and parameters are written back in their own dtype (pass fp32
   master weights as `params` for a master-weight policy).
 
-Deliberate differences from torch: a parameter whose `.grad` is None is skipped by torch
-(no decay, no moment update); `apply_update` updates every trainable parameter, so callers pass
-zeros for unused ones (zerojax's backward always produces a gradient). Parameters with
-`requires_grad=False` when the spec is built are "frozen": never updated and without state,
-as in torch.
+Parameters without a gradient (no entry in `grads`: the loss does not reach them, or their
+`.grad` was set to None) are skipped as torch skips them: no decay, no moment update, no step
+count. Which ones have gradients is static (the keys of `grads`), so each set of them is its own
+compiled update. Parameters with `requires_grad=False` when the spec is built are "frozen":
+never updated and without state, as in torch.
 """
 
 from __future__ import annotations
@@ -402,14 +403,17 @@ def _state_names(spec: OptimizerSpec) -> dict[str, list[str]]:
 def init_state(
     spec: OptimizerSpec, params: Mapping[str, jax.Array], state_dtype: Any = None
 ) -> dict[str, Any]:
-    """Fresh optimizer state: `{"step": (int32 per group,), <state key>: {name: zeros}}`.
+    """Fresh optimizer state: `{"step": (int32 vector per group,), <state key>: {name: zeros}}`.
 
-    State keys are torch's: Adam/AdamW `exp_avg`, `exp_avg_sq` (+ `max_exp_avg_sq` for amsgrad
-    groups), SGD `momentum_buffer` (groups with momentum). Tensors have their parameter's shape
-    and sharding and `state_dtype` (default: the parameter's dtype, as torch).
+    `step[g][i]` is the step count of group g's i-th trainable parameter (torch's per-parameter
+    `step`). State keys are torch's: Adam/AdamW `exp_avg`, `exp_avg_sq` (+ `max_exp_avg_sq` for
+    amsgrad groups), SGD `momentum_buffer` (groups with momentum). Tensors have their
+    parameter's shape and sharding and `state_dtype` (default: the parameter's dtype, as torch).
     """
     _check_params(spec, params, "params")
-    state: dict[str, Any] = {"step": tuple(jnp.zeros((), jnp.int32) for _ in spec.groups)}
+    state: dict[str, Any] = {
+        "step": tuple(jnp.zeros((len(g.trainable_names),), jnp.int32) for g in spec.groups)
+    }
     for key, names in _state_names(spec).items():
         state[key] = {n: _zeros_like(params[n], state_dtype or params[n].dtype) for n in names}
     return state
@@ -469,6 +473,41 @@ def _sgd_param(group: ParamGroupSpec, h, first_step, p, g, buf):
     return p + (-h["lr"]) * g, buf
 
 
+def stepped_parameters(
+    spec: OptimizerSpec, grads: Mapping[str, Any]
+) -> tuple[tuple[int, int, str], ...]:
+    """(group index, position among the group's trainable parameters, name) of every parameter
+    this update steps: the trainable ones with a gradient, in the spec's order."""
+    return tuple(
+        (gi, i, n)
+        for gi, group in enumerate(spec.groups)
+        for i, n in enumerate(group.trainable_names)
+        if n in grads
+    )
+
+
+def new_step_counts(spec: OptimizerSpec, steps: Sequence[Any], grads: Mapping[str, Any]):
+    """Each group's step vector after an update with `grads`: +1 where a parameter has one."""
+    return tuple(
+        s + np.asarray([n in grads for n in g.trainable_names], np.int32)
+        for g, s in zip(spec.groups, steps, strict=True)
+    )
+
+
+def adam_step_corrections(
+    spec: OptimizerSpec, new_steps: Sequence[Any], grads: Mapping[str, Any], hyper
+) -> tuple[jax.Array, jax.Array]:
+    """`adam_bias_corrections` of each stepped parameter's new step count (its group's
+    hyperparameters), in `stepped_parameters` order: one vectorised computation."""
+    stepped = stepped_parameters(spec, grads)
+    if not stepped:
+        return jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32)
+    groups = np.asarray([gi for gi, _, _ in stepped], np.int32)
+    counts = jnp.stack([new_steps[gi][i] for gi, i, _ in stepped])
+    hyper_arrays = {k: jnp.asarray(v, jnp.float32)[groups] for k, v in hyper.items()}
+    return adam_bias_corrections(counts, hyper_arrays)
+
+
 def apply_update(
     spec: OptimizerSpec,
     params: Mapping[str, jax.Array],
@@ -478,76 +517,80 @@ def apply_update(
     *,
     adam_kernel: Callable | None = None,
     bias_corrections: tuple[jax.Array, jax.Array] | None = None,
+    new_steps: tuple[jax.Array, ...] | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, Any]]:
     """One `optimizer.step()`: returns `(new_params, new_state)`; pure and jit-able.
 
     `adam_kernel(group, hyper, params, grads, exp_avg, exp_avg_sq, max_exp_avg_sq)` (dicts by
-    name; `hyper` holds the group's scalars and its new `step`) replaces the per-parameter
-    Adam/AdamW arithmetic for each group, e.g. with the fused kernel of
-    `zerojax.pallas_kernels.adamw`; it returns the four updated dicts (the last None without
-    amsgrad).
+    name; `hyper` holds the group's scalars and the parameter's new `step`) replaces the
+    per-parameter Adam/AdamW arithmetic, e.g. with the fused kernel of
+    `zerojax.pallas_kernels.adamw`; it is called once per parameter (step counts are
+    per parameter) and returns the four updated dicts (the last None without amsgrad).
 
-    `params` may hold more entries than the optimizer's (they pass through unchanged), `grads`
-    needs one per trainable parameter, `state` comes from `init_state` or
+    `params` may hold more entries than the optimizer's (they pass through unchanged); a
+    trainable parameter without an entry in `grads` is skipped as torch skips a `.grad` of
+    None (no decay, no moment update, its step count kept). `state` comes from `init_state` or
     `load_state_dict_into_jax`, `hyper` from `hyper_from_torch`. Computation is float32;
     results keep the dtypes (and shardings) of `params` and `state`.
 
-    `bias_corrections` (Adam/AdamW): `adam_bias_corrections` of the new steps, computed
-    elsewhere (the host-offloaded update computes these per-group scalars on the device: their
-    loop does not trace under `compute_on("device_host")`).
+    `bias_corrections` (Adam/AdamW): `adam_step_corrections` of the new steps, computed
+    elsewhere (the host-offloaded update computes these per-parameter scalars on the device:
+    their loop does not trace under `compute_on("device_host")`), and `new_steps` likewise
+    (`new_step_counts`: its increments are a constant in device memory).
     """
-    _check_params(spec, grads, "grads")
     f32 = jnp.float32
     hyper_arrays = {k: jnp.asarray(v, f32) for k, v in hyper.items()}
     new_params = dict(params)
     new_state = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in state.items()}
-    new_steps = tuple(s + 1 for s in state["step"])
-    if spec.family == "adam":
-        if bias_corrections is None:
-            bias_corrections = adam_bias_corrections(jnp.stack(new_steps), hyper_arrays)
-        step_sizes_neg, bc2_sqrts = bias_corrections
-    for index, group in enumerate(spec.groups):
-        h = {k: v[index] for k, v in hyper_arrays.items()}
-        step = state["step"][index]
-        if spec.family == "adam":
-            step_size_neg, bc2_sqrt = step_sizes_neg[index], bc2_sqrts[index]
-            # A zero XLA cannot prove to be zero (the step count is never negative).
-            zero_bits = step >> 31
+    if new_steps is None:
+        new_steps = new_step_counts(spec, state["step"], grads)
+    new_state["step"] = tuple(new_steps)
+    stepped = stepped_parameters(spec, grads)
+    if not stepped:
+        return new_params, new_state
+    if spec.family == "adam" and bias_corrections is None:
+        bias_corrections = adam_step_corrections(spec, new_steps, grads, hyper_arrays)
+    for k, (index, i, n) in enumerate(stepped):
+        group = spec.groups[index]
+        h = {key: v[index] for key, v in hyper_arrays.items()}
+        step = state["step"][index][i]
         if spec.family == "adam" and adam_kernel is not None:
-            names = group.trainable_names
             results = adam_kernel(
                 group,
-                dict(h, step=new_steps[index]),
-                {n: params[n] for n in names},
-                {n: grads[n] for n in names},
-                {n: state["exp_avg"][n] for n in names},
-                {n: state["exp_avg_sq"][n] for n in names},
-                {n: state["max_exp_avg_sq"][n] for n in names} if group.amsgrad else None,
+                dict(h, step=new_steps[index][i]),
+                {n: params[n]},
+                {n: grads[n]},
+                {n: state["exp_avg"][n]},
+                {n: state["exp_avg_sq"][n]},
+                {n: state["max_exp_avg_sq"][n]} if group.amsgrad else None,
             )
             new_params.update(results[0])
             for key, value in zip(_STATE_KEYS["adam"], results[1:], strict=True):
                 if value is not None:
                     new_state[key].update(value)
             continue
-        for n in group.trainable_names:
-            p, g = params[n].astype(f32), grads[n].astype(f32)
-            if spec.family == "adam":
-                m = state["exp_avg"][n].astype(f32)
-                v = state["exp_avg_sq"][n].astype(f32)
-                v_max = state["max_exp_avg_sq"][n].astype(f32) if group.amsgrad else None
-                p, m, v, v_max = _adam_param(
-                    group, h, zero_bits, step_size_neg, bc2_sqrt, p, g, m, v, v_max
-                )
-                updated = {"exp_avg": m, "exp_avg_sq": v, "max_exp_avg_sq": v_max}
-            else:
-                buf = state["momentum_buffer"][n].astype(f32) if group.has_momentum else None
-                p, buf = _sgd_param(group, h, step == 0, p, g, buf)
-                updated = {"momentum_buffer": buf}
-            new_params[n] = p.astype(params[n].dtype)
-            for key, value in updated.items():
-                if value is not None:
-                    new_state[key][n] = value.astype(state[key][n].dtype)
-    new_state["step"] = new_steps
+        p, g = params[n].astype(f32), grads[n].astype(f32)
+        if spec.family == "adam":
+            assert bias_corrections is not None  # computed above
+            step_sizes_neg, bc2_sqrts = bias_corrections
+            # A zero XLA cannot prove to be zero (the step count is never negative).
+            zero_bits = step >> 31
+            m = state["exp_avg"][n].astype(f32)
+            v = state["exp_avg_sq"][n].astype(f32)
+            v_max = state["max_exp_avg_sq"][n].astype(f32) if group.amsgrad else None
+            p, m, v, v_max = _adam_param(
+                group, h, zero_bits, step_sizes_neg[k], bc2_sqrts[k], p, g, m, v, v_max
+            )
+            updated = {"exp_avg": m, "exp_avg_sq": v, "max_exp_avg_sq": v_max}
+        else:
+            buf = state["momentum_buffer"][n].astype(f32) if group.has_momentum else None
+            # torch creates the momentum buffer at the parameter's own first step.
+            p, buf = _sgd_param(group, h, step == 0, p, g, buf)
+            updated = {"momentum_buffer": buf}
+        new_params[n] = p.astype(params[n].dtype)
+        for key, value in updated.items():
+            if value is not None:
+                new_state[key][n] = value.astype(state[key][n].dtype)
     return new_params, new_state
 
 
@@ -570,7 +613,7 @@ def state_dict_from_jax(
     """Our state as torch's `optimizer.state_dict()`: `{'state': {index: {...}}, 'param_groups'}`.
 
     Indices number the parameters in param_groups order, as torch does. A parameter gets a
-    state entry once its group has stepped (torch creates state lazily), with torch's keys
+    state entry once it has stepped (torch creates state lazily), with torch's keys
     (`step` as a float32 scalar tensor for Adam/AdamW). `param_groups` (e.g. the live torch
     optimizer's, where schedulers write `lr` and `initial_lr`) supplies the group options;
     without it the options captured when the spec was built are used. Gathers sharded arrays
@@ -585,14 +628,15 @@ def state_dict_from_jax(
     index = 0
     state_names = {k: set(v) for k, v in _state_names(spec).items()}
     for gi, group in enumerate(spec.groups):
-        step = int(jax.device_get(state["step"][gi]))
+        steps = dict(zip(group.trainable_names, np.asarray(host_copy(state["step"][gi]))))
         source = group.options if param_groups is None else param_groups[gi]
         group_out = {k: v for k, v in source.items() if k != "params"}
         group_out["params"] = list(range(index, index + len(group.param_names)))
         groups_out.append(group_out)
         for n in group.param_names:
             entry: dict[str, torch.Tensor] = {}
-            if step > 0 and n in group.trainable_names:
+            step = int(steps.get(n, 0))
+            if step > 0:
                 if spec.family == "adam":
                     entry["step"] = torch.tensor(float(step), dtype=torch.float32)
                 for key in _STATE_KEYS[spec.family]:
@@ -622,11 +666,11 @@ def load_state_dict_into_jax(
 
     Saved indices are matched to parameters by position in param_groups order, as torch's
     `load_state_dict` does. Tensors take `state_dtype` (default: the parameter's dtype, as
-    torch casts on load) and the parameter's sharding. Raises ValueError if the groups do not
-    match the spec, a compiled-in option differs, or the parameters of one group have
-    different step counts (torch allows that when some `.grad` was None; zerojax keeps one
-    step per group). The group options themselves (lr, ...) are not part of our state: load
-    the state_dict into the torch optimizer too, or read them with `hyper_from_torch`.
+    torch casts on load) and the parameter's sharding; each parameter keeps its own step
+    count (torch's SGD keeps none: 1 where a momentum buffer exists, which is all SGD reads of
+    it). Raises ValueError if the groups do not match the spec or a compiled-in option
+    differs. The group options themselves (lr, ...) are not part of our state: load the
+    state_dict into the torch optimizer too, or read them with `hyper_from_torch`.
     """
     _check_params(spec, params, "params")
     saved_groups = state_dict["param_groups"]
@@ -666,13 +710,7 @@ def load_state_dict_into_jax(
                     state[key][n] = _from_torch(entry[key], like.dtype, params[n])
                 elif n in state[key] and group_steps[n] > 0:
                     raise ValueError(f"param group {gi}: parameter {n!r} has no saved {key!r}")
-        distinct = sorted(set(group_steps.values()))
-        if len(distinct) > 1:
-            by_step = {s: [n for n, t in group_steps.items() if t == s][:3] for s in distinct}
-            raise ValueError(
-                f"param group {gi}: parameters have different step counts {by_step}; zerojax"
-                " keeps one step per group (torch diverges when some .grad was None)"
-            )
-        steps.append(jnp.asarray(distinct[0] if distinct else 0, jnp.int32))
+        counts = np.asarray([group_steps[n] for n in group.trainable_names], np.int32)
+        steps.append(jax.device_put(counts, getattr(fresh["step"][gi], "sharding", None)))
     state["step"] = tuple(steps)
     return state

@@ -12,6 +12,11 @@ function of its inputs, jitted and compiled once per input signature:
 - `backward`: the pullback of torch's cotangents, gradients placed per `plan.grads`;
 - `update`: unscale (fp16), clip, the torch-exact optimizer update, loss-scale bookkeeping.
 
+The two gradient programs also say, once per compiled signature, which gradients the loss
+reaches (`Program.last_reached`, `zerojax.train.gradient_reach`): the others are torch's `None`,
+left out of the accumulated gradients, so the update (compiled per set of parameters with a
+gradient) skips them as torch's optimizers do.
+
 ZeRO is nothing but where arrays live, so each program is ordinary JAX with sharding
 constraints where the stage decides: params -> `plan.compute_params` where an op of the model
 reads them (stage 3 all-gathers there, per step, freed after use; each op reading one is a
@@ -57,6 +62,7 @@ from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.parallel import ExpertLoadLog
 from zerojax.sharding.zero import HOST_MEMORY_KIND, ShardingPlan
 from zerojax.train import optimizers
+from zerojax.train.gradient_reach import flat_argument_marks, reached_outputs
 from zerojax.train.precision import PrecisionPolicy, next_loss_scale_state
 from zerojax.train.state import weights_of
 from zerojax.train.xla_options import compiler_options
@@ -121,20 +127,28 @@ def _sharding_key(sharding, ndim: int):
 class Program:
     """One jitted function compiled ahead of time, once per input signature (tree structure,
     shapes, dtypes, shardings: what `jax.jit` keys its own cache on). Calling it runs the
-    compiled executable; `last` is the one the latest call ran, for `memory_analysis()`."""
+    compiled executable; `last` is the one the latest call ran, for `memory_analysis()`.
 
-    def __init__(self, name: str, fn: Callable, **jit_options):
+    With `reached_from=i`, each signature's traced jaxpr also says which outputs are computed
+    from positional argument i (`zerojax.train.gradient_reach`): `last_reached` is that tree
+    of booleans (the outputs' structure) for the latest call."""
+
+    def __init__(self, name: str, fn: Callable, *, reached_from: int | None = None, **jit_options):
         self.name = name
         self._jitted = jax.jit(fn, **jit_options)
+        self._reached_from = reached_from
+        # Signature -> (executable, reached tree or None).
         self._compiled: dict[Any, Any] = {}
         self._by_avals: dict[Any, Any] = {}
         self.last = None
+        self.last_reached = None
 
     def __call__(self, *args):
         """Run the program; with `jax.ShapeDtypeStruct` arguments (an abstract engine) only
         compile it and return its results' shapes and shardings."""
         leaves, treedef = jax.tree.flatten(args)
-        compiled = self.last = self._executable(args, leaves, treedef)
+        compiled, self.last_reached = self._executable(args, leaves, treedef)
+        self.last = compiled
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             return compiled.out_info
         return compiled(*args)
@@ -143,7 +157,7 @@ class Program:
         """The executable for these arguments' signature, compiled now if it is not yet (or
         loaded from the persistent cache); nothing runs, and no argument's value is read, so
         arrays still being computed can be passed."""
-        return self._executable(args, *jax.tree.flatten(args))
+        return self._executable(args, *jax.tree.flatten(args))[0]
 
     def _executable(self, args, leaves, treedef):
         # A step's arguments are mostly the last step's outputs: the same avals and sharding
@@ -160,17 +174,22 @@ class Program:
                 ]
             ),
         )
-        compiled = self._by_avals.get(quick)
-        if compiled is not None:
-            return compiled
+        entry = self._by_avals.get(quick)
+        if entry is not None:
+            return entry
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            lowered = self._jitted.lower(*args)
+        entry = self._compiled.get(key)
+        if entry is None:
+            traced = self._jitted.trace(*args)
+            reached = None
+            if self._reached_from is not None:
+                marks = flat_argument_marks(args, self._reached_from)
+                reached = jax.tree.unflatten(traced.out_tree, reached_outputs(traced.jaxpr, marks))
             options = compiler_options(_platform(leaves))
-            compiled = self._compiled[key] = lowered.compile(compiler_options=options or None)
-        self._by_avals[quick] = compiled
-        return compiled
+            compiled = traced.lower().compile(compiler_options=options or None)
+            entry = self._compiled[key] = (compiled, reached)
+        self._by_avals[quick] = entry
+        return entry
 
     def num_compiled(self) -> int:
         """How many signatures this program has been compiled for."""
@@ -406,24 +425,32 @@ class StepPrograms:
             (_, (outputs, new_buffers, flags)), grads = jax.value_and_grad(f, has_aux=True)(params)
             return outputs, new_buffers, self.as_grads(grads), flags
 
+        # Which gradients the loss reaches: those computed from `scale` (gradient_reach).
         return self._cached(
             ("loss_and_grads", id(converted), loss_path),
-            lambda: Program("loss_and_grads", fused),
+            lambda: Program("loss_and_grads", fused, reached_from=5),
         )
 
-    def backward(self, converted: Converted) -> Program:
+    def backward(self, converted: Converted, absent: tuple[bool, ...] = ()) -> Program:
         """(residuals, params, cotangents, scale) -> (grads, input grads); `params`: the
-        arrays the forward program read."""
+        arrays the forward program read. `absent[i]`: torch sent no gradient for output leaf
+        i (its cotangent is zeros), so nothing reached through it alone gets a gradient
+        (`Program.last_reached`, from `scale`: `zerojax.train.gradient_reach`)."""
 
         def backward(residuals, params, cotangents, scale):
             pullback = residuals.pullback(params)
-            cotangents = jax.tree.map(
-                lambda c: None if c is None else (c * scale).astype(c.dtype), cotangents
-            )
-            param_grads, input_grads = pullback(cotangents)
+            leaves, treedef = jax.tree.flatten(cotangents)
+            leaves = [
+                c if i < len(absent) and absent[i] else (c * scale).astype(c.dtype)
+                for i, c in enumerate(leaves)
+            ]
+            param_grads, input_grads = pullback(jax.tree.unflatten(treedef, leaves))
             return self.as_grads(param_grads), input_grads
 
-        return self._cached(("backward", id(converted)), lambda: Program("backward", backward))
+        return self._cached(
+            ("backward", id(converted), absent),
+            lambda: Program("backward", backward, reached_from=3),
+        )
 
     # --- the optimizer update ---------------------------------------------------------------
 
@@ -556,25 +583,37 @@ class StepPrograms:
         host_hyper = jax.tree.map(host_scalar, hyper)
         host_finite, host_scale, host_coef = map(host_scalar, (finite, scale, clip_coef))
         param_dtypes = {n: params[n].dtype for n in weights}
+        # The new step counts and Adam's per-parameter scalars from them: on the device (their
+        # increments are a device constant; the corrections a fori_loop, whose counter XLA's
+        # host computation rejects), then moved in as the hyperparameters.
+        steps = optimizers.new_step_counts(
+            spec, [jax.device_put(s, self.replicated) for s in opt_state["step"]], grads
+        )
         corrections = None
         if spec.family == "adam":
-            # Per-group scalars from the step counts: on the device (a fori_loop, whose
-            # counter XLA's host computation rejects), then moved in as the hyperparameters.
-            steps = jnp.stack([jax.device_put(s, self.replicated) + 1 for s in opt_state["step"]])
-            hyper_arrays = {k: jnp.asarray(v, jnp.float32) for k, v in hyper.items()}
             corrections = jax.tree.map(
                 lambda c: jax.device_put(c, replicated_host),
-                optimizers.adam_bias_corrections(steps, hyper_arrays),
+                optimizers.adam_step_corrections(spec, steps, grads, hyper),
             )
+        host_steps = tuple(jax.device_put(s, replicated_host) for s in steps)
 
         @on_host
-        def step_on_host(weights, grads, opt_state, hyper, finite, scale, coef, corrections):
+        def step_on_host(
+            weights, grads, opt_state, hyper, finite, scale, coef, corrections, new_steps
+        ):
             if scale is not None or coef is not None:  # host gradients, as the device does it
                 grads = unscaled(grads, scale)
                 if coef is not None:
                     grads = {n: (g * coef).astype(g.dtype) for n, g in grads.items()}
             new_weights, new_state = _stepped(
-                spec, weights, grads, opt_state, hyper, finite, bias_corrections=corrections
+                spec,
+                weights,
+                grads,
+                opt_state,
+                hyper,
+                finite,
+                bias_corrections=corrections,
+                new_steps=new_steps,
             )
             new_low = {n: w.astype(param_dtypes[n]) for n, w in new_weights.items()}
             return new_weights, new_state, new_low
@@ -588,6 +627,7 @@ class StepPrograms:
             host_scale,
             host_coef,
             corrections,
+            host_steps,
         )
 
         def new_param(name, param):
@@ -663,26 +703,13 @@ class StepPrograms:
 
 
 def _stepped(spec, weights, grads, opt_state, hyper, finite, adam_kernel=None, **update_options):
-    """(new weights, new optimizer state): `optimizers.apply_update` with torch's handling of
-    parameters without a gradient, and with fp16 loss scaling's skip of a non-finite step
+    """(new weights, new optimizer state): `optimizers.apply_update` (which skips parameters
+    without a gradient, as torch does), with fp16 loss scaling's skip of a non-finite step
     (`finite` a boolean scalar, or None). The element-wise part of the update, wherever it
     runs (device, or host under offload)."""
-    full_grads = {
-        n: grads[n] if n in grads else jnp.zeros_like(weights[n])
-        for n in spec.param_names
-        if n in weights
-    }
     new_weights, new_state = optimizers.apply_update(
-        spec, weights, full_grads, opt_state, hyper, adam_kernel=adam_kernel, **update_options
+        spec, weights, grads, opt_state, hyper, adam_kernel=adam_kernel, **update_options
     )
-    # torch skips parameters whose .grad is None (frozen after initialize, or cleared
-    # one by one): no decay, no moment update.
-    for n in spec.param_names:
-        if n in weights and n not in grads:
-            new_weights[n] = weights[n]
-            for key, value in new_state.items():
-                if isinstance(value, dict) and n in value:
-                    value[n] = opt_state[key][n]
     if finite is not None:
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_weights, new_state = keep(new_weights, weights), keep(new_state, opt_state)
@@ -720,6 +747,23 @@ def _on_host(fn):
 
 DEVICE_GRADIENT_OPS = GradientOps(jax.jit(_add), jax.jit(_add_scaled), jax.jit(_scale))
 HOST_GRADIENT_OPS = GradientOps(_on_host(_add), _on_host(_add_scaled), _on_host(_scale))
+
+
+def zeros_like_grads(grads: dict) -> dict:
+    """Zeros with each gradient's shape, dtype and sharding (host memory included), made by one
+    program: `zero_grad(set_to_none=False)`."""
+    if any(isinstance(g, jax.ShapeDtypeStruct) for g in grads.values()):
+        return dict(grads)  # an abstract engine: zeros have the same shapes
+    layout = tuple(sorted((n, g.shape, g.dtype, g.sharding) for n, g in grads.items()))
+    return _zeros_program(layout)()
+
+
+@lru_cache(maxsize=64)
+def _zeros_program(layout: tuple) -> Callable[[], dict]:
+    return jax.jit(
+        lambda: {n: jnp.zeros(shape, dtype) for n, shape, dtype, _ in layout},
+        out_shardings={n: sharding for n, _, _, sharding in layout},
+    )
 
 
 def unscaled(grads, scale):
