@@ -44,7 +44,7 @@ from zerojax.ckpt.layout import MANIFEST
 DAMAGED_STEP = 2
 GOOD_STEP = 1
 DAMAGES = ("flip", "truncate", "delete", "empty", "garbage")
-NO_MANIFEST_DAMAGES = ("flip", "truncate", "delete")
+NO_MANIFEST_DAMAGES = ("flip", "delete")
 """The damages also applied to a step whose manifest is gone (fewer: the suite's time)."""
 ITEM_DIRS = ("model", "optimizer", "train_state", "meta")
 

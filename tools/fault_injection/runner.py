@@ -2,7 +2,7 @@
 
 No jax here: every fault runs in a worker process (`worker.py`), so a fault that crashes or
 hangs a process is itself a finding rather than the end of the suite. Reader faults run in
-one worker, in order; when it dies or a fault takes longer than `fault_timeout`, the fault
+one worker per lane, in order; when it dies or a fault takes longer than `fault_timeout`, the fault
 is recorded as flawed and a new worker takes the rest.
 """
 
@@ -34,7 +34,7 @@ def run_readers(
 ) -> list[Row]:
     """Run reader faults in worker processes, replacing a worker that dies or hangs."""
     for i, fault in enumerate(faults):
-        fault["id"] = i
+        fault.setdefault("id", i)  # ids (and the seeds and work directories made from them)
     pending = {f["id"]: f for f in faults}
     rows: dict[int, list[Row]] = {}
     attempt = 0
@@ -97,9 +97,9 @@ def run_readers(
 def run_suite(
     out: Path, *, kills: int = 4, seed: int = 0, only: str = "", fault_timeout: float = 120.0
 ) -> list[Row]:
-    """Every fault. After the build, three lanes run side by side (most of each child's time
-    is starting Python and JAX): the damaged files; the SIGKILLs, then their resumes; the
-    full disk, then the read-only directories."""
+    """Every fault. After the build, four lanes run side by side (much of each child's time
+    is starting Python and JAX): the damaged files in two halves; the SIGKILLs, then their
+    resumes; the full disk, then the read-only directories."""
     scratch = out / "scratch"
     shutil.rmtree(scratch, ignore_errors=True)
     base = scratch / "base"
@@ -108,14 +108,19 @@ def run_suite(
 
     faults = file_faults.step_damage_specs(base / "ckpt" / "2") + file_faults.import_specs()
     faults = [f for f in faults if only in json.dumps(f)]
+    for i, fault in enumerate(faults):
+        fault["id"] = i  # unique across the two halves: their work directories differ
 
-    def files() -> list[Row]:
-        return run_readers(faults, base, scratch, fault_timeout, "readers") if faults else []
+    def files(half: int) -> list[Row]:
+        mine = faults[half::2]
+        return run_readers(mine, base, scratch, fault_timeout, f"readers{half}") if mine else []
 
     def killed() -> list[Row]:
         if not kills or (only and "sigkill" not in only):
             return []
         specs = environment_faults.kill_faults(base, scratch, kills, seed, timeout=300)
+        for i, spec in enumerate(specs):
+            spec["id"] = len(faults) + i
         return run_readers(specs, base, scratch, fault_timeout, "resume")
 
     def machine() -> list[Row]:
@@ -126,6 +131,10 @@ def run_suite(
             rows += environment_faults.read_only_faults(base, scratch, timeout=180)
         return rows
 
-    with concurrent.futures.ThreadPoolExecutor(3) as lanes:
-        results = [lanes.submit(lane) for lane in (files, killed, machine)]
-        return [row for result in results for row in result.result()]
+    with concurrent.futures.ThreadPoolExecutor(4) as lanes:
+        halves = [lanes.submit(files, 0), lanes.submit(files, 1)]
+        others = [lanes.submit(killed), lanes.submit(machine)]
+        rows = [row for result in halves for row in result.result()]
+        return sorted(rows, key=lambda r: (r.group, r.fault)) + [
+            row for result in others for row in result.result()
+        ]
