@@ -101,6 +101,10 @@ def test_judging_a_cli_failure():
     assert judge_cli(2, "error: '/x/2/model/d/ab' is missing\n", 2, ["/x/2"])[0] == CAUGHT
     assert judge_cli(2, "error: something failed\n", 2, ["/x/2"])[0] == FLAWED
     assert judge_cli(1, "Traceback (most recent call last):\n step 2\n", 2, [])[0] == FLAWED
+    # In the worker, stderr also holds other threads' noise: only the command's lines count.
+    noise = "Traceback (most recent call last):\n  RuntimeError: Event loop is closed\n"
+    own = "zerojax ckpt export: error: step 2 of /x: crc32\n"
+    assert judge_cli(2, noise + own, 2, [], in_process=True) == (CAUGHT, "exit 2: " + own.strip())
     assert names("step 12 is damaged", 2, []) is False
     assert names("checkpoint step 2: missing", 2, []) is True
     assert SILENT in VERDICTS

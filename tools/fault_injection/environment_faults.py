@@ -198,7 +198,9 @@ def _cli_must_fail(fault: str, group: str, argv: list[str], target: Path, step) 
     elif code == 0:
         verdict, observed = SILENT, "exit 0"
     else:
-        verdict, observed = judge_cli(code, err, step, [str(target), str(target.parent)])
+        verdict, observed = judge_cli(
+            code, err, step, [str(target), str(target.parent)], in_process=True
+        )
         if after != before:
             verdict, observed = FLAWED, f"{observed}; left {sorted(set(after) - set(before))[:4]}"
     return Row(fault=fault, group=group, expected=expected, verdict=verdict,

@@ -207,7 +207,7 @@ def verify_row(directory: Path, damaged: list[str]) -> tuple[str, str]:
         return FLAWED, one_line(f"traceback: {type(escaped).__name__}: {escaped}")
     if code == 0:
         return SILENT, "exit 0: the damaged step verified OK"
-    return judge_cli(code, err, DAMAGED_STEP, [str(directory / "2"), *damaged])
+    return judge_cli(code, err, DAMAGED_STEP, [str(directory / "2"), *damaged], in_process=True)
 
 
 def export_row(directory: Path, out: Path, values: dict, damaged: list[str]) -> tuple[str, str]:
@@ -220,7 +220,9 @@ def export_row(directory: Path, out: Path, values: dict, damaged: list[str]) -> 
         return FLAWED, one_line(f"traceback: {type(escaped).__name__}: {escaped}")
     leftovers = [p.name for p in out.parent.iterdir()]
     if code != 0:
-        verdict, observed = judge_cli(code, err, DAMAGED_STEP, [str(directory / "2"), *damaged])
+        verdict, observed = judge_cli(
+            code, err, DAMAGED_STEP, [str(directory / "2"), *damaged], in_process=True
+        )
         if leftovers:
             return FLAWED, f"{observed}; left {leftovers} behind"
         return verdict, observed
@@ -363,7 +365,7 @@ def run_import_damage(spec: dict, base_root: Path, scratch: Path, seed: int) -> 
     if escaped is not None:
         verdict, observed = FLAWED, one_line(f"traceback: {type(escaped).__name__}: {escaped}")
     elif code != 0:
-        verdict, observed = judge_cli(code, err, None, [str(source)])
+        verdict, observed = judge_cli(code, err, None, [str(source)], in_process=True)
         if (target / "0").exists():
             verdict, observed = FLAWED, f"{observed}; step 0 written anyway"
     else:

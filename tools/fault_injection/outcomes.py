@@ -56,11 +56,24 @@ def judge_error(error: BaseException, step: int | None, paths: list[str]) -> tup
     return CAUGHT, f"raised {observed}"
 
 
-def judge_cli(code: int | str, err: str, step: int | None, paths: list[str]) -> tuple[str, str]:
-    """(verdict, observed) of a `zerojax ckpt` command that exited non-zero."""
+def judge_cli(
+    code: int | str, err: str, step: int | None, paths: list[str], *, in_process: bool = False
+) -> tuple[str, str]:
+    """(verdict, observed) of a `zerojax ckpt` command that exited non-zero.
+
+    `in_process`: the command ran inside the worker (`file_faults.run_cli`), whose stderr
+    also catches what other threads print meanwhile (a previous fault's background thread),
+    so only the command's own lines count and a traceback there is not held against it; an
+    exception escaping the command is judged by the caller."""
     lines = [line for line in err.strip().splitlines() if line.strip()]
-    first = one_line(lines[-1] if lines else "(nothing on stderr)")
-    if "Traceback" in err:
+    if in_process:
+        own = [i for i, line in enumerate(lines) if line.startswith("zerojax ")]
+        lines = lines[own[0] :] if own else lines
+        err = "\n".join(lines)
+    first = one_line(
+        lines[0] if in_process and lines else lines[-1] if lines else "(nothing on stderr)"
+    )
+    if "Traceback" in err and not in_process:
         return FLAWED, f"exit {code} with a traceback: {first}"
     if not names(err, step, paths):
         return FLAWED, f"exit {code}, names neither step {step} nor path: {first}"
