@@ -37,8 +37,14 @@ def test_no_fault_is_silent(tmp_path):
     counts, rows = report["counts"], report["rows"]
     # Every fault group ran (a harness that skipped them all would find nothing silent).
     groups = {r["group"] for r in rows if r["verdict"] != "skipped"}
-    assert {"file", "item", "import", "sigkill"} <= groups, (groups, result.stdout[-3000:])
+    assert {"control", "file", "item", "import", "sigkill"} <= groups, (
+        groups,
+        result.stdout[-3000:],
+    )
     assert counts["faults"] >= 150, counts
+    # The undamaged copy reads as saved everywhere: else "caught" would mean nothing.
+    controls = [r for r in rows if r["group"] == "control"]
+    assert len(controls) == 4 and all(r["verdict"] == "recovered" for r in controls), controls
     silent = [f"{r['fault']}: {r['observed']}" for r in rows if r["verdict"] == SILENT]
     assert not silent, "SILENT faults:\n" + "\n".join(silent)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

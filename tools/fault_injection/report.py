@@ -7,12 +7,21 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from tools.fault_injection.outcomes import CAUGHT, SILENT, VERDICTS, Row
+from tools.fault_injection.outcomes import CAUGHT, RECOVERED, SILENT, VERDICTS, Row
 
 
 def counts(rows: list[Row]) -> dict[str, int]:
-    tally = Counter(r.verdict for r in rows)
-    return {"faults": len(rows), **{v: tally.get(v, 0) for v in VERDICTS}}
+    """{"faults": n, verdict: n, ..., "controls": n, "controls_ok": n}; the controls (the
+    undamaged copy) are not faults and are counted apart."""
+    faults = [r for r in rows if r.group != "control"]
+    controls = [r for r in rows if r.group == "control"]
+    tally = Counter(r.verdict for r in faults)
+    return {
+        "faults": len(faults),
+        **{v: tally.get(v, 0) for v in VERDICTS},
+        "controls": len(controls),
+        "controls_ok": sum(r.verdict == RECOVERED for r in controls),
+    }
 
 
 def table(rows: list[Row], *, everything: bool = False) -> str:
