@@ -15,6 +15,7 @@ import torch.utils._pytree as torch_pytree
 from torch.export._tree_utils import reorder_kwargs
 
 from zerojax.bridge.capture import capture, find_host_read_inputs
+from zerojax.bridge.dtype_checks import check_operand_dtypes
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch, to_torch_dtype
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import contains_cache, drop_caches, register_cache_pytrees
@@ -102,6 +103,8 @@ class Converted:
         # read_values=False: only the program (the caller holds the arrays, e.g. sharded).
         self.params, self.buffers, self.alias = state_arrays(module, read_values=read_values)
         self.value_inputs: frozenset[str] = frozenset()
+        # Input signatures (torch dtypes) and precisions whose dtypes were checked.
+        self._inputs_checked: set[tuple] = set()
         # Before the first program key is computed: a cache argument must flatten to its arrays.
         register_cache_pytrees(module)
         self._programs: dict[Any, tuple[GraphFunction, Any, Any]] = {}
@@ -146,6 +149,7 @@ class Converted:
         caller's jitted function, is what `raise_if_out_of_range` reads on the host.
         """
         args, kwargs = _unwrap_static((args, kwargs))
+        self.check_input_dtypes(args, kwargs, float_dtype)
         program, in_spec, out_spec = self._program_for(
             args, kwargs, reason="new input shapes or non-tensor arguments"
         )
@@ -172,6 +176,36 @@ class Converted:
         return outputs, new_buffers
 
     __call__ = apply
+
+    def check_input_dtypes(self, args, kwargs, float_dtype=None) -> None:
+        """Raise torch's error if torch would refuse these inputs' dtypes (a float64 input to a
+        float32 `nn.Linear`), for torch tensor inputs of a dtype JAX holds narrower (float64,
+        complex128: `narrows_inputs`), whose program key is the narrower dtype's. The model is
+        captured once more with the real dtypes and that graph checked
+        (`zerojax.bridge.dtype_checks`), once per signature and precision; the program that
+        runs stays the one for the narrower dtype, as JAX computes it (32-bit)."""
+        if not narrows_inputs(args, kwargs):
+            return
+        leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+        key = (
+            str(spec),
+            tuple(
+                (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
+                for x in leaves
+            ),
+            str(float_dtype),
+        )
+        if key in self._inputs_checked:
+            return
+        exported = capture(
+            self.module,
+            args,
+            kwargs,
+            train=self.train,
+            **({"value_inputs": self.value_inputs} if self.value_inputs else {}),
+        )
+        check_operand_dtypes(exported.graph, float_dtype)
+        self._inputs_checked.add(key)
 
     def output_shapes(self, *args, **kwargs):
         """The structure of `apply`'s outputs for these inputs, with `jax.ShapeDtypeStruct`
@@ -315,6 +349,20 @@ def _named_arrays(named_tensors, read_values: bool = True):
     return arrays, alias
 
 
+# torch dtypes JAX holds narrower here (no jax_enable_x64): their programs are the narrower
+# dtype's, so torch's checks on them need a capture of their own (`check_input_dtypes`).
+_NARROWER = {torch.float64: torch.float32, torch.complex128: torch.complex64}
+_NARROWED = frozenset(_NARROWER)
+
+
+def narrows_inputs(args, kwargs) -> bool:
+    """Whether a torch tensor among the inputs has a dtype JAX holds narrower (float64)."""
+    return any(
+        isinstance(leaf, torch.Tensor) and leaf.dtype in _NARROWED
+        for leaf in torch_pytree.tree_leaves((args, kwargs))
+    )
+
+
 def _unwrap_static(tree):
     return torch_pytree.tree_map_only(Static, lambda static: static.value, tree)
 
@@ -333,8 +381,12 @@ def _as_jax(leaf):
 
 
 def _as_torch_example(leaf):
-    """A torch tensor with `leaf`'s shape and dtype, to trace with (values when concrete)."""
-    if isinstance(leaf, torch.Tensor) or not _is_array(leaf):
+    """A torch tensor with `leaf`'s shape and dtype, to trace with (values when concrete). A
+    float64 tensor is traced as the float32 it runs as: its program is keyed, and serves, as
+    float32 (`check_input_dtypes` checks what torch would say of the float64 itself)."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.to(_NARROWER[leaf.dtype]) if leaf.dtype in _NARROWER else leaf
+    if not _is_array(leaf):
         return leaf
     dtype = jnp.result_type(leaf)
     # JAX holds torch's int64 (token ids, labels) as int32 unless x64 is on: trace as int64.

@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from zerojax.bridge import custom_ops, fusion
 from zerojax.bridge import remat as remat_regions
+from zerojax.bridge.dtype_checks import check_operand_dtypes
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype
 from zerojax.bridge.errors import MissingLoweringError, UnsupportedOpError, node_location
 from zerojax.bridge.index_bounds import IndexBounds
@@ -118,6 +119,8 @@ class GraphFunction:
         # One rewritten graph per set of enabled pattern kernels (see fusion.py).
         self._graphs: dict[frozenset[str], torch.fx.Graph] = {frozenset(): self.graph}
         self._regions: dict[tuple, dict[torch.fx.Node, remat_regions.Region]] = {}
+        # Precisions (compute dtypes) whose operand dtypes were checked (dtype_checks.py).
+        self._dtypes_checked: set[str] = set()
 
     def output_shapes(self) -> list:
         """The user outputs as torch.export recorded them, without tracing: a
@@ -205,6 +208,11 @@ class GraphFunction:
                 f"{self.model_name} was traced with {self.num_user_inputs} tensor input(s), "
                 f"got {len(user_inputs)}"
             )
+        if str(float_dtype) not in self._dtypes_checked:
+            # Products of operands torch refuses (a float64 input to a float32 Linear) raise
+            # torch's error instead of being promoted: once per precision, on the captured graph.
+            check_operand_dtypes(self.graph, float_dtype)
+            self._dtypes_checked.add(str(float_dtype))
         graph = self.graph_for(kernels)
         env: dict[torch.fx.Node, object] = {}
         feed = iter(user_inputs)

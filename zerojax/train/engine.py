@@ -43,7 +43,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 from jax.sharding import NamedSharding, PartitionSpec
 
-from zerojax.bridge.convert import Converted
+from zerojax.bridge.convert import Converted, narrows_inputs
 from zerojax.bridge.index_bounds import raise_if_out_of_range
 from zerojax.config import Config
 from zerojax.distributed.arrays import host_copy
@@ -316,6 +316,13 @@ class Engine:
                 self._converted[train] = Converted(
                     self.traced_module, args, kwargs, train=train, read_values=False
                 )
+        if narrows_inputs(args, kwargs):
+            # A float64 input runs as float32: torch's dtype checks are read off a capture
+            # with the real dtype (Converted.check_input_dtypes, once per signature).
+            args, kwargs = self.placement.trace_example(
+                *torch_pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, (args, kwargs))
+            )
+            self._converted[train].check_input_dtypes(args, kwargs, self.policy.compute_override)
         return self._converted[train]
 
     def forget_programs(self) -> None:
