@@ -1,16 +1,19 @@
 """The zerojax config file: schema, YAML/JSON/DeepSpeed-JSON loading and validation.
 
 Modules: `schema` (the frozen dataclasses: the one source of the config, each checking itself
-when built), `checks` (value checks, ConfigError), `files` (YAML/JSON reading), `sections` (a
-file's sections -> the dataclasses), `deepspeed` (one mapping per DeepSpeed section), `presets`
-(built-in sharding rules), `devices` (applying `devices:` to JAX), `loader` (`load_config`).
+when built), `checks` (value checks, ConfigError), `limits` (bounds on size, nesting and
+numbers, so any input ends quickly in a config or a ConfigError), `files` (YAML/JSON
+reading), `sections` (a file's sections -> the dataclasses), `deepspeed` (one mapping per
+DeepSpeed section), `presets` (built-in sharding rules), `devices` (applying `devices:` to
+JAX), `loader` (`load_config`).
 
 One call, `load_config(path_or_dict)`, returns a frozen `Config`; a `Config` built in code (or
 changed with `dataclasses.replace`) is checked by the same rules. Every validation problem raises
 `ConfigError` naming the key path, the bad value and what is allowed; unknown keys are errors
 (a typo must never be a silent default). A DeepSpeed `ds_config.json` is recognised by its keys
 and mapped onto the same schema; DeepSpeed keys zerojax does not implement are each named in a
-`ConfigWarning`.
+`ConfigWarning`, and a key DeepSpeed itself does not read is an error. Non-finite numbers
+are refused wherever they appear.
 
 Example (YAML; every section is optional)::
 

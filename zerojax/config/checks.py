@@ -151,7 +151,8 @@ def did_you_mean(key: Any, known: tuple[str, ...]) -> str | None:
     """The known key closest to `key` (difflib's ratio >= 0.6), if any."""
     if not isinstance(key, str) or not known:
         return None
-    close = difflib.get_close_matches(key[:100], known, n=1)  # bounded: difflib is quadratic
+    others = [name for name in known if name != key]
+    close = difflib.get_close_matches(key[:100], others, n=1)  # bounded: difflib is quadratic
     return close[0] if close else None
 
 

@@ -7,10 +7,13 @@ like any other. Understood:
                         (optimizer state, master weights and gradients in host memory,
                         stage >= 1); offload_param {device: none|cpu} (parameter shards in
                         host memory, stage 3 with offload_optimizer); device nvme refused;
-                        cpu_offload, cpu_offload_params (the older spellings)
-    bf16                enabled, bf16_master_weights_and_grads, bf16_optimizer_states
+                        cpu_offload, cpu_offload_param (the older spellings; zerojax's own
+                        cpu_offload_params too)
+    bf16 (bfloat16)     enabled, bf16_master_weights_and_grads, bf16_optimizer_states
     fp16                enabled, loss_scale, initial_scale_power, loss_scale_window,
                         hysteresis, min_loss_scale, fp16_master_weights_and_grads
+                        (initial_scale_power 0 to 64, min_loss_scale at most the initial
+                        scale)
     data_types          grad_accum_dtype;  communication_data_type
     batch and step      gradient_accumulation_steps, gradient_clipping,
                         train_micro_batch_size_per_gpu, train_batch_size
@@ -22,9 +25,13 @@ like any other. Understood:
                         kernels, moe, sequence_parallel, offload, checkpoint,
                         activation_checkpointing, train, devices, runtime
 
-Every other key, at any level, is named in a `ConfigWarning` saying it is ignored, and why
-where there is a reason to give. The mesh defaults to {data: -1}: DeepSpeed data parallelism
-over every device.
+Every other key DeepSpeed itself reads (`DEEPSPEED_KEYS` and the per-section tables, taken
+from DeepSpeed's config schema) is named in a `ConfigWarning` saying it is ignored, and why
+where there is a reason to give. A key DeepSpeed does not read, at the top level or in a
+section zerojax maps, is a typo: a `ConfigError` with a did-you-mean (a warning would leave
+the default in place: `bf16: {enable: true}` would train in float32). The inside of a
+section zerojax ignores as a whole (scheduler params, flops_profiler, ...) is not checked.
+The mesh defaults to {data: -1}: DeepSpeed data parallelism over every device.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from zerojax.config.checks import (
+    INT32_MAX,
     ConfigError,
     ConfigWarning,
     as_bool,
@@ -43,36 +51,23 @@ from zerojax.config.checks import (
     as_mapping,
     as_stage,
     check_keys,
+    did_you_mean,
     error,
+    key_path,
 )
 from zerojax.config.schema import FLOAT_DTYPES, Config, TrainConfig, file_keys
 
 __all__ = [
+    "DEEPSPEED_KEYS",
     "DEEPSPEED_KEYS_WRITTEN",
     "DEEPSPEED_ONLY_KEYS",
+    "SHARED_KEYS",
     "TRAINER_AUTOS",
     "auto_paths",
     "autos_error",
     "deepspeed_to_zerojax",
     "split_trainer_autos",
 ]
-
-DEEPSPEED_ONLY_KEYS = (
-    "zero_optimization",
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "fp16",
-    "bf16",
-    "gradient_clipping",
-    "gradient_accumulation_steps",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "scheduler",
-    "amp",
-    "zero_allow_untested_optimizer",
-)
-"""Top-level keys that mark a config as DeepSpeed's (none is a zerojax key; `optimizer` and
-`activation_checkpointing` are both, and DeepSpeed's forms are translated)."""
 
 _GIVEN_BY_DEEPSPEED = ("zero", "precision", "optimizer")
 """zerojax sections the DeepSpeed keys give (zero_optimization, bf16/fp16/data_types,
@@ -136,6 +131,113 @@ def _ignored(key: str, why: str = "") -> None:
         ConfigWarning,
         stacklevel=5,
     )
+
+
+# DeepSpeed's own keys, from its config schema (deepspeedai/DeepSpeed at edaa722, 2026-08-22:
+# deepspeed/runtime/config.py, constants.py, zero/config.py, zero/offload_config.py,
+# precision_config.py, activation_checkpointing/config.py). A key in these tables is real:
+# zerojax maps it or names it in a ConfigWarning; any other key in a DeepSpeed section is a
+# typo and an error with a did-you-mean, never a warning that leaves a default in place.
+DEEPSPEED_KEYS = (
+    # batch and step
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "managed_gradient_accumulation", "gradient_clipping", "dataloader_drop_last",
+    # precision
+    "fp16", "bf16", "bfloat16", "amp", "torch_autocast", "data_types",
+    "communication_data_type", "seq_parallel_communication_data_type",
+    # ZeRO and communication
+    "zero_optimization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "allgather_size", "disable_allgather", "prescale_gradients", "gradient_predivide_factor",
+    "gradient_allreduce_op", "sparse_gradients", "use_data_before_expert_parallelism",
+    "tensor_parallel", "expert_parallel", "sequence_parallel_size", "pipeline",
+    # optimizer, schedule, memory
+    "optimizer", "scheduler", "activation_checkpointing", "aio", "checkpoint",
+    "nebula", "datastates_ckpt", "elasticity", "compile", "graph_harvesting",
+    # logging and profiling
+    "steps_per_print", "wall_clock_breakdown", "memory_breakdown", "dump_state", "log_level",
+    "flops_profiler", "comms_logger", "timers", "tensorboard", "wandb", "csv_monitor", "comet",
+    "autotuning", "model_info",
+    # training techniques
+    "sparse_attention", "progressive_layer_drop", "curriculum_learning", "data_efficiency",
+    "compression_training", "weight_quantization", "quantize_training", "eigenvalue",
+    "hybrid_engine", "vocabulary_size",
+    # zerojax's own sections in a DeepSpeed config
+    "zerojax",
+)  # fmt: skip
+"""Every top-level key of a DeepSpeed config (and `zerojax`); any other is refused."""
+
+SHARED_KEYS = ("optimizer", "activation_checkpointing", "checkpoint")
+"""Top-level keys of both formats; in a DeepSpeed config each has DeepSpeed's meaning."""
+
+DEEPSPEED_ONLY_KEYS = tuple(key for key in DEEPSPEED_KEYS if key not in (*SHARED_KEYS, "zerojax"))
+"""Top-level keys that mark a config as DeepSpeed's (none is a zerojax key; `optimizer` and
+`activation_checkpointing` are both, and DeepSpeed's forms are translated)."""
+
+_ZERO_OPTIMIZATION_KEYS = (
+    "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
+    "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
+    "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint", "offload_param",
+    "offload_optimizer", "zenflow", "sub_group_size", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "cpu_offload",
+    # each ZeRO-3 field under its name and its stage3_ alias
+    "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+    "param_persistence_threshold", "stage3_param_persistence_threshold",
+    "model_persistence_threshold", "stage3_model_persistence_threshold",
+    "max_live_parameters", "stage3_max_live_parameters",
+    "max_reuse_distance", "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential", "stage3_allgather_sequential",
+    "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+    "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
+    "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
+    "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+    "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module",
+    # zerojax's earlier spelling of cpu_offload_param, still read
+    "cpu_offload_params",
+)  # fmt: skip
+
+_BF16_KEYS = (
+    "enabled", "immediate_grad_update", "check_grad_overflow",
+    "bf16_master_weights_and_grads", "bf16_optimizer_states",
+)  # fmt: skip
+_BF16_USED = ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states")
+
+_FP16_KEYS = (
+    "enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+    "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads",
+)  # fmt: skip
+_FP16_USED = (
+    "enabled", "fp16_master_weights_and_grads", "loss_scale", "initial_scale_power",
+    "loss_scale_window", "hysteresis", "min_loss_scale",
+)  # fmt: skip
+
+_DATA_TYPES_KEYS = ("grad_accum_dtype", "param_dtype", "buffer_dtype")
+_OPTIMIZER_KEYS = ("type", "params", "legacy_fusion")
+_SCHEDULER_KEYS = ("type", "params")
+
+# The fp16 loss scale starts at 2**initial_scale_power and is held in float32 in the program.
+# Megatron's default start, 2**32, is the largest in common use (DeepSpeed's is 2**16); each
+# power above what fp16 gradients hold costs a skipped step while dynamic scaling halves it
+# down, so 64 is already ~48 wasted steps, and float32 overflows at 2**128.
+MAX_INITIAL_SCALE_POWER = 64
+
+
+def _check_section_keys(path: str, section: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    """A DeepSpeed section's keys are DeepSpeed's: anything else is a typo (an error with a
+    did-you-mean), whether zerojax uses the section or not."""
+    for key in section:
+        if key not in known:
+            close = did_you_mean(key, known)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            listed = (
+                f"DeepSpeed's {path} keys: {', '.join(known)}"
+                if len(known) <= 12
+                else f"it is none of DeepSpeed's {len(known)} {path} keys"
+            )
+            raise ConfigError(f"{key_path(path, key)}: unknown DeepSpeed key{hint}; {listed}")
 
 
 TRAINER_AUTOS = {
@@ -228,7 +330,9 @@ def _without(ds: Mapping[str, Any], paths: list[str]) -> dict[str, Any]:
 
 _NVME_ONLY = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init")
 _PIPELINE = ("pipeline", "pipeline_read", "pipeline_write")
-_OFFLOAD_OPTIMIZER_KEYS = ("device", "pin_memory", "ratio", *_NVME_ONLY, *_PIPELINE)
+# super_offload and cpuadam_cores_perc tune DeepSpeed's CPU Adam (zerojax compiles its own).
+_CPU_ADAM = ("super_offload", "cpuadam_cores_perc")
+_OFFLOAD_OPTIMIZER_KEYS = ("device", "pin_memory", "ratio", *_NVME_ONLY, *_PIPELINE, *_CPU_ADAM)
 _WHY_NO_NVME = (
     "NVMe offload (ZeRO-Infinity) is not supported: JAX places arrays in device or host "
     "memory only, so NVMe would mean swapping files outside the one XLA program; use "
@@ -238,6 +342,7 @@ _WHY_NO_NVME = (
 
 def _zero_optimization(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     section = as_mapping("zero_optimization", ds.get("zero_optimization"))
+    _check_section_keys("zero_optimization", section, _ZERO_OPTIMIZATION_KEYS)
     stage = as_stage("zero_optimization.stage", section.get("stage", 0))
     if "stage" in section:
         raw["zero"] = {"stage": stage}
@@ -252,7 +357,7 @@ def _zero_optimization(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
                 _offload_optimizer(path, {"device": "cpu"}, stage, _keeps_master(ds), raw)
         elif key == "cpu_offload_use_pin_memory":
             as_bool(path, value)  # host state is always pinned (see _offload_optimizer)
-        elif key in ("offload_param", "cpu_offload_params"):
+        elif key in ("offload_param", "cpu_offload_param", "cpu_offload_params"):
             _offload_param(path, value, stage, section, raw)
         else:
             communication = "bucket" in key or "overlap" in key or "contiguous" in key
@@ -263,8 +368,7 @@ def _zero_optimization(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
 
 def _keeps_master(ds: Mapping[str, Any]) -> bool:
     """Whether the precision sections give float32 master weights (`_bf16`, `_fp16`)."""
-    for name in ("bf16", "fp16"):
-        section = ds.get(name)
+    for name, section in (("bf16", ds.get("bf16", ds.get("bfloat16"))), ("fp16", ds.get("fp16"))):
         if isinstance(section, Mapping) and section.get("enabled") is True:
             return section.get(f"{name}_master_weights_and_grads") is not True
     return False
@@ -320,6 +424,9 @@ def _pinned_and_nvme_keys(path: str, section: Mapping[str, Any]) -> None:
     for key in (*_NVME_ONLY, *_PIPELINE):
         if key in section:
             _ignored(f"{path}.{key}", "it applies to device: nvme only")
+    for key in _CPU_ADAM:
+        if key in section:
+            _ignored(f"{path}.{key}", "it tunes DeepSpeed's CPU Adam; zerojax compiles its own")
 
 
 def _offloads_optimizer(section: Mapping[str, Any]) -> bool:
@@ -334,7 +441,7 @@ def _offload_param(
 ) -> None:
     """`offload_param: {device: cpu}`: ZeRO-3's parameter shards in host memory,
     `offload: {params: host}`."""
-    if isinstance(value, bool):  # cpu_offload_params, the older spelling
+    if isinstance(value, bool):  # cpu_offload_param, the older spelling
         device, where, written = ("cpu" if value else "none"), path, value
     else:
         options = as_mapping(path, value)
@@ -370,7 +477,7 @@ def _bf16(section: Mapping[str, Any]) -> dict[str, Any]:
     )
     states16 = as_bool("bf16.bf16_optimizer_states", section.get("bf16_optimizer_states", False))
     for key in section:
-        if key not in ("enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states"):
+        if key not in _BF16_USED:
             _ignored(f"bf16.{key}")
     return {
         "param_dtype": "bfloat16",
@@ -381,17 +488,6 @@ def _bf16(section: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-_FP16_KEYS = (
-    "enabled",
-    "fp16_master_weights_and_grads",
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "min_loss_scale",
-)
-
-
 def _fp16(section: Mapping[str, Any]) -> dict[str, Any]:
     pure = as_bool(
         "fp16.fp16_master_weights_and_grads", section.get("fp16_master_weights_and_grads", False)
@@ -399,9 +495,24 @@ def _fp16(section: Mapping[str, Any]) -> dict[str, Any]:
     loss_scale = as_float("fp16.loss_scale", section.get("loss_scale", 0))
     if loss_scale < 0:
         raise error("fp16.loss_scale", loss_scale, "allowed: 0 (dynamic) or a scale > 0")
-    power = as_int("fp16.initial_scale_power", section.get("initial_scale_power", 16), minimum=0)
+    power = as_int(
+        "fp16.initial_scale_power",
+        section.get("initial_scale_power", 16),
+        minimum=0,
+        maximum=MAX_INITIAL_SCALE_POWER,
+    )
+    dynamic = loss_scale == 0
+    initial = float(2**power) if dynamic else loss_scale
+    min_scale = as_float("fp16.min_loss_scale", section.get("min_loss_scale", 1.0), positive=True)
+    if dynamic and min_scale > initial:
+        raise error(
+            "fp16.min_loss_scale",
+            section["min_loss_scale"],
+            f"above the initial scale 2**initial_scale_power = {initial:g}: the dynamic scale "
+            "never goes below min_loss_scale, so it must start at or above it",
+        )
     for key in section:
-        if key not in _FP16_KEYS:
+        if key not in _FP16_USED:
             _ignored(f"fp16.{key}")
     return {
         "param_dtype": "float16",
@@ -409,29 +520,40 @@ def _fp16(section: Mapping[str, Any]) -> dict[str, Any]:
         "master_dtype": None if pure else "float32",
         "grad_reduce_dtype": "float16" if pure else "float32",
         "loss_scale": {
-            "dynamic": loss_scale == 0,
-            "initial_scale": float(2**power) if loss_scale == 0 else loss_scale,
+            "dynamic": dynamic,
+            "initial_scale": initial,
             "window": as_int(
-                "fp16.loss_scale_window", section.get("loss_scale_window", 1000), minimum=1
+                "fp16.loss_scale_window",
+                section.get("loss_scale_window", 1000),
+                minimum=1,
+                maximum=INT32_MAX,
             ),
-            "hysteresis": as_int("fp16.hysteresis", section.get("hysteresis", 2), minimum=1),
-            "min_scale": as_float(
-                "fp16.min_loss_scale", section.get("min_loss_scale", 1.0), positive=True
+            "hysteresis": as_int(
+                "fp16.hysteresis", section.get("hysteresis", 2), minimum=1, maximum=INT32_MAX
             ),
+            "min_scale": min_scale,
         },
     }
 
 
 def _precision(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     """bf16 / fp16 sections, then data_types and communication_data_type on top."""
-    bf16 = as_mapping("bf16", ds.get("bf16"))
+    # `bfloat16` is DeepSpeed's older name for the section, read where `bf16` is absent.
+    bf16_name = "bfloat16" if "bf16" not in ds and "bfloat16" in ds else "bf16"
+    if "bf16" in ds and "bfloat16" in ds:
+        _ignored("bfloat16", "DeepSpeed reads bf16 where both are given")
+    bf16 = as_mapping(bf16_name, ds.get(bf16_name))
     fp16 = as_mapping("fp16", ds.get("fp16"))
-    bf16_on = as_bool("bf16.enabled", bf16.get("enabled", False))
+    _check_section_keys(bf16_name, bf16, _BF16_KEYS)
+    _check_section_keys("fp16", fp16, _FP16_KEYS)
+    bf16_on = as_bool(f"{bf16_name}.enabled", bf16.get("enabled", False))
     fp16_on = as_bool("fp16.enabled", fp16.get("enabled", False))
     if bf16_on and fp16_on:
         raise ConfigError("bf16.enabled and fp16.enabled are both true; enable at most one")
     precision = _bf16(bf16) if bf16_on else _fp16(fp16) if fp16_on else {}
-    for key, value in as_mapping("data_types", ds.get("data_types")).items():
+    data_types = as_mapping("data_types", ds.get("data_types"))
+    _check_section_keys("data_types", data_types, _DATA_TYPES_KEYS)
+    for key, value in data_types.items():
         if key == "grad_accum_dtype" and value is not None:
             precision["grad_reduce_dtype"] = as_choice(
                 "data_types.grad_accum_dtype", _DS_DTYPES.get(value, value), FLOAT_DTYPES
@@ -461,7 +583,9 @@ def _optimizer(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
     if ds.get("optimizer") is None:
         return
     opt = as_mapping("optimizer", ds["optimizer"])
-    check_keys("optimizer", opt, ("type", "params"))
+    _check_section_keys("optimizer", opt, _OPTIMIZER_KEYS)
+    if "legacy_fusion" in opt:
+        _ignored("optimizer.legacy_fusion", "zerojax compiles its own update")
     params = dict(as_mapping("optimizer.params", opt.get("params")))
     kind = opt.get("type")
     # DeepSpeed's Adam is AdamW unless adam_w_mode is false (deepspeed.ops.adam.FusedAdam).
@@ -494,7 +618,8 @@ def _activation_checkpointing(ds: Mapping[str, Any], raw: dict[str, Any]) -> Non
         elif key in _ACTIVATION_CHECKPOINTING_NO_EFFECT:
             _ignored(f"activation_checkpointing.{key}", _ACTIVATION_CHECKPOINTING_NO_EFFECT[key])
         else:
-            _ignored(f"activation_checkpointing.{key}")
+            known = ("cpu_checkpointing", *_ACTIVATION_CHECKPOINTING_NO_EFFECT)
+            _check_section_keys("activation_checkpointing", {key: value}, known)
 
 
 def _native(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
@@ -510,7 +635,7 @@ def _native(ds: Mapping[str, Any], raw: dict[str, Any]) -> None:
 
 _SECTIONS: dict[tuple[str, ...], Callable[[Mapping[str, Any], dict[str, Any]], None]] = {
     ("zero_optimization",): _zero_optimization,
-    ("bf16", "fp16", "data_types", "communication_data_type"): _precision,
+    ("bf16", "bfloat16", "fp16", "data_types", "communication_data_type"): _precision,
     tuple(TRAIN_KEYS): _train,
     ("optimizer",): _optimizer,
     ("activation_checkpointing",): _activation_checkpointing,
@@ -525,8 +650,17 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
     "auto" value raises a `ConfigError` naming every one (see `split_trainer_autos`)."""
     ds, _ = split_trainer_autos(ds, in_trainer=False)
     for key in ds:
+        if key not in DEEPSPEED_KEYS:
+            close = did_you_mean(key, DEEPSPEED_KEYS)
+            hint = f" (did you mean {close!r}?)" if close else ""
+            raise ConfigError(
+                f"{key_path('', key)}: unknown key{hint}; it is neither a DeepSpeed config key "
+                "nor 'zerojax' (the zerojax sections of a DeepSpeed config go under it)"
+            )
         if key not in _HANDLED:
             _ignored(key, _WHY_IGNORED.get(key, ""))
+    if isinstance(ds.get("scheduler"), Mapping):
+        _check_section_keys("scheduler", ds["scheduler"], _SCHEDULER_KEYS)
     raw: dict[str, Any] = {}
     for section in _SECTIONS.values():
         section(ds, raw)

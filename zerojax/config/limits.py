@@ -47,41 +47,70 @@ MAX_VALUES = 100_000
 def check_tree(raw: Any, *, infinite_allowed: Iterable[str] = ()) -> None:
     """Refuse a config (the mapping a file or a caller gave) that nests deeper than
     `MAX_DEPTH`, expands to more than `MAX_VALUES` values (shared references counted each
-    time: a dict built in code can be a bomb too) or holds a non-finite number, naming the
-    key. `infinite_allowed`: key paths where +infinity means something (DeepSpeed's
-    `steps_per_print: Infinity`, accelerate's "never print")."""
+    time they are used: a dict built in code can be a bomb too), contains itself, or holds a
+    non-finite number, naming the key. `infinite_allowed`: key paths where +infinity means
+    something (DeepSpeed's `steps_per_print: Infinity`, accelerate's "never print").
+
+    Each distinct container is visited once (sizes and heights memoized by identity), so the
+    check costs what the config holds, not what it would expand to."""
     allowed = frozenset(infinite_allowed)
-    stack: list[tuple[Any, str, int]] = [(raw, "", 0)]
-    count = 0
+    size: dict[int, int] = {}  # values under a container, itself included, fully expanded
+    height: dict[int, int] = {}  # levels of containers under it, itself included
+    on_path: set[int] = set()
+    stack: list[tuple[Any, str, int, bool]] = [(raw, "", 0, False)]
     while stack:
-        value, path, depth = stack.pop()
-        count += 1
-        if count > MAX_VALUES:
-            raise ConfigError(
-                f"the config expands to more than {MAX_VALUES:,} values (a YAML alias bomb, a "
-                "shared reference repeated, or not a config); a config holds hundreds"
-            )
+        value, path, depth, children_done = stack.pop()
+        if not isinstance(value, (Mapping, list, tuple)):
+            _check_number(value, path, allowed)
+            continue
+        key = id(value)
+        elements = list(value.values()) if isinstance(value, Mapping) else value
+        if children_done:
+            on_path.discard(key)
+            nested = [e for e in elements if isinstance(e, (Mapping, list, tuple))]
+            size[key] = 1 + len(elements) - len(nested) + sum(size[id(e)] for e in nested)
+            height[key] = 1 + max((height[id(e)] for e in nested), default=0)
+            if size[key] > MAX_VALUES:
+                raise _too_many(path)
+            continue
+        if key in size:  # met before: its expansion counts again where it is used here
+            if depth + height[key] > MAX_DEPTH:
+                raise _too_deep(path)
+            continue
+        if key in on_path:
+            raise ConfigError(f"{path or 'the config'}: contains itself; a config is a tree")
         if depth > MAX_DEPTH:
-            raise ConfigError(
-                f"{path}: nested deeper than {MAX_DEPTH} levels (or a mapping that contains "
-                "itself); a config nests a few levels"
-            )
-        if isinstance(value, float) and not math.isfinite(value):
-            if value == math.inf and path in allowed:
-                continue
-            raise ConfigError(
-                f"{path or 'the config'}={render(value)}: not a finite number (YAML .inf or "
-                ".nan, JSON Infinity or NaN, or a literal too large for a 64-bit float, such "
-                "as 1.0e+309); write a finite number"
-            )
-        if isinstance(value, (Mapping, list, tuple)) and count + len(value) > MAX_VALUES:
-            count += len(value)  # refused on the next pop, before the items are listed
-            stack.append((None, path, depth))
-            continue
+            raise _too_deep(path)
+        if len(value) > MAX_VALUES:
+            raise _too_many(path)
+        on_path.add(key)
+        stack.append((value, path, depth, True))
         if isinstance(value, Mapping):
-            items = [(element, key_path(path, key)) for key, element in value.items()]
-        elif isinstance(value, (list, tuple)):
-            items = [(element, f"{path}[{i}]") for i, element in enumerate(value)]
+            children = [(element, key_path(path, name)) for name, element in value.items()]
         else:
-            continue
-        stack.extend((element, where, depth + 1) for element, where in reversed(items))
+            children = [(element, f"{path}[{i}]") for i, element in enumerate(value)]
+        stack.extend((element, where, depth + 1, False) for element, where in reversed(children))
+
+
+def _check_number(value: Any, path: str, allowed: frozenset[str]) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        if value == math.inf and path in allowed:
+            return
+        raise ConfigError(
+            f"{path or 'the config'}={render(value)}: not a finite number (YAML .inf or .nan, "
+            "JSON Infinity or NaN, or a literal too large for a 64-bit float, such as "
+            "1.0e+309); write a finite number"
+        )
+
+
+def _too_many(path: str) -> ConfigError:
+    return ConfigError(
+        f"{path or 'the config'}: expands to more than {MAX_VALUES:,} values (a shared "
+        "reference repeated, or not a config); a config holds hundreds"
+    )
+
+
+def _too_deep(path: str) -> ConfigError:
+    return ConfigError(
+        f"{path}: nested deeper than {MAX_DEPTH} levels; a config nests a few levels"
+    )

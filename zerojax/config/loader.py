@@ -21,13 +21,16 @@ from zerojax.config.checks import (
     written,
 )
 from zerojax.config.deepspeed import (
+    DEEPSPEED_KEYS,
     DEEPSPEED_KEYS_WRITTEN,
     DEEPSPEED_ONLY_KEYS,
+    SHARED_KEYS,
     deepspeed_to_zerojax,
     split_trainer_autos,
 )
 from zerojax.config.devices import apply_devices
 from zerojax.config.files import read_config_file
+from zerojax.config.limits import check_tree
 from zerojax.config.schema import Config, DevicesConfig, file_keys
 from zerojax.config.sections import parse_mesh, parse_section, parse_zero
 from zerojax.distributed.launcher import read_launcher_env
@@ -69,7 +72,8 @@ def _build(
 ) -> Config:
     """Each section's dataclass, built from its keys (checking itself), then the `Config`
     (checking the rules across sections); messages name the keys as the file wrote them."""
-    check_keys("", raw, TOP_LEVEL_KEYS)
+    # A DeepSpeed section misspelled in a zerojax file (zero_optimisation) gets its hint too.
+    check_keys("", raw, TOP_LEVEL_KEYS, also_known=DEEPSPEED_KEYS if fmt == "zerojax" else ())
     with keys_written_as(DEEPSPEED_KEYS_WRITTEN if fmt == "deepspeed" else {}):
         devices = parse_section("devices", raw.get("devices"))
         sections = {
@@ -111,7 +115,8 @@ def load_config(
     times the launcher's world size (torchrun/SLURM; 1 for a plain run) or, failing that,
     `jax.device_count()` (which starts JAX's backends: under a multi-process launcher, call
     `zerojax.distributed.initialize()` first, as `zerojax.initialize` does). Raises `ConfigError`
-    for any invalid value; warns (`ConfigWarning`) for each DeepSpeed key zerojax ignores.
+    for any invalid value, unknown key or non-finite number, and for input past the bounds of
+    `zerojax.config.limits`; warns (`ConfigWarning`) for each DeepSpeed key zerojax ignores.
     A DeepSpeed "auto" value is refused (every one named) unless `trainer_autos` and the
     Hugging Face Trainer fills that key: then it is left out and listed in
     `Config.trainer_autos` (`zerojax.initialize` loads this way).
@@ -130,7 +135,11 @@ def load_config(
         raise ConfigError(
             f"load_config expects a path, a dict or a Config, got {type(source).__name__}"
         )
-    if is_deepspeed(raw):
+    deepspeed = is_deepspeed(raw)
+    # Before anything walks it: bounded depth and size, finite numbers. DeepSpeed's
+    # steps_per_print may be infinite: accelerate writes Infinity there for "never print".
+    check_tree(raw, infinite_allowed=("steps_per_print",) if deepspeed else ())
+    if deepspeed:
         ds, autos = split_trainer_autos(raw, in_trainer=trainer_autos)
         return _build(
             deepspeed_to_zerojax(ds),
@@ -144,8 +153,7 @@ def load_config(
 
 def is_deepspeed(raw: Mapping) -> bool:
     deepspeed = [key for key in DEEPSPEED_ONLY_KEYS if key in raw]
-    shared = ("optimizer", "activation_checkpointing")  # keys of both formats
-    native = [key for key in TOP_LEVEL_KEYS if key in raw and key not in shared]
+    native = [key for key in TOP_LEVEL_KEYS if key in raw and key not in SHARED_KEYS]
     if deepspeed and native:
         raise ConfigError(
             f"the config mixes DeepSpeed keys ({', '.join(deepspeed)}) with zerojax keys "
