@@ -25,12 +25,14 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from tools.fault_injection.outcomes import (
@@ -293,10 +295,15 @@ def child_read_only(base_root: Path, scratch: Path) -> list[Row]:
         _, diffs = _restored(ro_oldest / "ckpt", 3, base_root, seed=23)
         state = f"step 3 restores, {len(diffs)} values differ"
         verdict = RECOVERED if error is None else judge_error(error, 1, [str(ro_oldest)])[0]
+        if error is not None and re.search(r"step 3 (was )?not saved", str(error)):
+            # Step 3 did commit: the error must be about step 1, which could not be deleted.
+            verdict, state = FLAWED, f"{state}: the error says step 3 was not saved, but it was"
         verdict = SILENT if diffs else verdict
     except Exception as exc:  # noqa: BLE001 - judged
         state = one_line(f"step 3 does not restore: {type(exc).__name__}: {exc}")
         verdict = FLAWED if error is not None else SILENT
+    steps = sorted(int(n) for n in os.listdir(ro_oldest / "ckpt") if n.isdigit())
+    state += f"; step directories now {steps}"
     said = one_line(f"{type(error).__name__}: {error}") if error is not None else "no error"
     rows.append(Row(fault="read-only oldest step, max_to_keep=2: async save + close()",
                     group="read-only", expected=expected, verdict=verdict,
@@ -424,13 +431,22 @@ def run_child(
 
 
 def _stack_summary(err: str) -> str:
-    """The zerojax/orbax frames of the main thread's stack from a faulthandler dump."""
-    frames = [
-        line.strip()
-        for line in err.split("Current thread")[-1].splitlines()
-        if "File" in line and ("zerojax" in line or "orbax" in line or "threading" in line)
-    ]
-    return "; ".join(frames[:4])
+    """Where a hung process waits, from its faulthandler dump: the main thread's innermost
+    frame and what the other threads wait in (counted by their innermost library frame)."""
+    blocks = re.split(r"\n(?=Thread 0x|Current thread 0x)", err)
+    main, others = "", Counter()
+    for block in blocks:
+        frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File")]
+        if not frames:
+            continue
+        if block.lstrip().startswith("Current thread"):
+            main = frames[0]
+        else:
+            library = [f for f in frames if "site-packages" in f or "zerojax" in f]
+            where = library[0] if library else frames[0]
+            others[re.sub(r'^File ".*?(site-packages/|/zerojax/)', r"\1", where)] += 1
+    waiting = "; ".join(f"{n} thread(s) in {w}" for w, n in others.most_common(2))
+    return f"main thread in {main}; {waiting or 'no other thread'}"
 
 
 def _hang_row(fault: str, group: str, process) -> list[Row]:
@@ -495,6 +511,7 @@ def disk_full_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row
         _in_tmpfs(mount, "disk-full", base_root, mount, out),
         timeout, end_file=out, env=_env(), cwd=REPO,
     )  # fmt: skip
+    (scratch / "disk_full.stderr").write_text(process.stderr or "")
     rows += _rows_from(out, process, "disk full: saves, import, export", "disk-full")
     rows += _hang_row("disk full: the process after the failed saves", "disk-full", process)
     mount = scratch / "tmpfs_b"
@@ -504,6 +521,7 @@ def disk_full_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row
         _in_tmpfs(mount, "save-without-close", base_root, mount / "ckpt", mount, end),
         timeout, end_file=end, env=_env(), cwd=REPO,
     )  # fmt: skip
+    (scratch / "disk_full_no_close.stderr").write_text(process.stderr or "")
     rows.append(
         _no_close_row("disk full: async save, script ends without close()", "disk-full", process, 2)
     )
@@ -523,7 +541,7 @@ def read_only_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row
         as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     ro = Path(tempfile.mkdtemp(prefix="zerojax-faults-read-only-"))
     try:
-        return _read_only_faults(base_root, ro, as_user, timeout)
+        return _read_only_faults(base_root, ro, as_user, timeout, scratch)
     finally:
         for path in [ro, *ro.rglob("*")]:
             with contextlib.suppress(OSError):
@@ -531,7 +549,10 @@ def read_only_faults(base_root: Path, scratch: Path, timeout: float) -> list[Row
         shutil.rmtree(ro, ignore_errors=True)
 
 
-def _read_only_faults(base_root: Path, ro: Path, as_user: list[str], timeout: float) -> list[Row]:
+def _read_only_faults(
+    base_root: Path, ro: Path, as_user: list[str], timeout: float, keep: Path
+) -> list[Row]:
+    """The read-only scenarios in `ro`; the children's stderr is kept in `keep`."""
     base = ro / "base"
     shutil.copytree(
         base_root, base, ignore=lambda d, names: [n for n in names if n.endswith(".pt")]
@@ -554,6 +575,7 @@ def _read_only_faults(base_root: Path, ro: Path, as_user: list[str], timeout: fl
         [*as_user, *worker_command("read-only", base, ro, out)],
         timeout, end_file=out, env=env, cwd=REPO,
     )  # fmt: skip
+    (keep / "read_only.stderr").write_text(process.stderr or "")
     rows = _rows_from(out, process, "read-only directories", "read-only")
     rows += _hang_row("read-only: the process after the failed saves", "read-only", process)
     end = ro / "no_close.end"
@@ -561,6 +583,7 @@ def _read_only_faults(base_root: Path, ro: Path, as_user: list[str], timeout: fl
         [*as_user, *worker_command("save-without-close", base, ro / "ro_no_close" / "ckpt", "", end)],
         timeout, end_file=end, env=env, cwd=REPO,
     )  # fmt: skip
+    (keep / "read_only_no_close.stderr").write_text(process.stderr or "")
     rows.append(
         _no_close_row(
             "read-only checkpoint directory: async save, script ends without close()",
@@ -583,7 +606,7 @@ def kill_faults(
         directory = scratch / f"kill{i}" / "ckpt"
         shutil.rmtree(directory.parent, ignore_errors=True)
         shutil.copytree(base_root / "ckpt", directory)
-        delay = rng.uniform(0.0, 0.6)
+        delay = rng.uniform(0.0, 1.5)  # the save commits after ~0.3-1 s here
         child = subprocess.Popen(
             worker_command("kill-save", base_root, directory),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
