@@ -189,15 +189,16 @@ def _fits(report, device_gb: float | None, host_gb: float | None) -> tuple[bool,
 def _cmd_ckpt_inspect(opts: argparse.Namespace) -> int:
     import json
 
-    from zerojax.ckpt.inspect import describe_checkpoint, format_description, verify_step
+    from zerojax.ckpt.inspect import describe_checkpoint, format_description, verify_checkpoint
 
-    info = describe_checkpoint(opts.directory, opts.step)
-    problems = verify_step(info) if opts.verify else []
     if opts.verify:
-        info["verified"], info["problems"] = not problems, problems
+        info = verify_checkpoint(opts.directory, opts.step)
+    else:
+        info = describe_checkpoint(opts.directory, opts.step)
+    problems = info.get("problems", [])
     if opts.json:
         print(json.dumps(info, indent=2))
-    else:
+    elif info.get("described", True):
         print(format_description(info))
         if opts.verify and not problems:
             print("verified: every file has its saved size and crc32, every item is there")
@@ -205,7 +206,7 @@ def _cmd_ckpt_inspect(opts: argparse.Namespace) -> int:
         # Anything not verified is a failure: a script that checks `inspect --verify` before
         # exporting or resuming must not go on (exit status 1).
         print(
-            f"zerojax ckpt inspect: step {info['step']} is NOT verified "
+            f"zerojax ckpt inspect: step {info['step']} of {info['directory']} is NOT verified "
             f"({len(problems)} problem{'s' * (len(problems) > 1)}):",
             file=sys.stderr,
         )

@@ -79,8 +79,13 @@ def scramble(model, seed: int = 1) -> None:
     if opt_state is not None:
         opt_state = dict(opt_state)
         for key, value in opt_state.items():
-            if key == "step":
-                opt_state[key] = tuple(jnp.int32(5 + i) for i in range(len(value)))
+            if key == "step":  # the update counts: any shape the engine keeps them in
+                opt_state[key] = tuple(
+                    jax.device_put(jnp.full(np.shape(v), 5 + i, v.dtype), v.sharding)
+                    if hasattr(v, "sharding")
+                    else jnp.full(np.shape(v), 5 + i, jnp.int32)
+                    for i, v in enumerate(value)
+                )
             else:
                 opt_state[key] = {n: rand(a, a.sharding) for n, a in value.items()}
     engine.load(

@@ -95,14 +95,22 @@ class ManifestedRename(_atomicity.AtomicRenameTemporaryPath):
     `commit_success.txt`, then the rename), each a module-level function so that a test can
     stop the process at every point, with `write_manifest` over the finished temporary
     directory before the rename. It runs on the primary process only, after every process's
-    writes are done (Orbax's barrier), so the manifest covers every shard."""
+    writes are done (Orbax's barrier), so the manifest covers every shard.
+
+    Orbax hands the same class to the items inside the step (their own temporary directories,
+    renamed into the step's before it is finalized): an item -- a directory not named by a
+    number -- is finalized and validated as Orbax does, without a manifest of its own."""
+
+    @staticmethod
+    def _is_step(final_path: epath.Path) -> bool:
+        return final_path.name.isdigit()
 
     @classmethod
     async def validate_final(cls, final_path: epath.Path) -> None:
         # How Orbax's manager decides that a directory is a step (listing, latest,
         # max_to_keep): named by its number, and, here, with its manifest.
         await super().validate_final(final_path)
-        if not await asyncio.to_thread(has_manifest, final_path):
+        if cls._is_step(final_path) and not await asyncio.to_thread(has_manifest, final_path):
             raise _atomicity.ValidationError(
                 f"{final_path} has no {layout.MANIFEST}: not a committed zerojax step"
             )
@@ -111,6 +119,9 @@ class ManifestedRename(_atomicity.AtomicRenameTemporaryPath):
         if getattr(self, "_snapshot", None) is not None:  # never configured by zerojax
             raise NotImplementedError("ManifestedRename does not finalize Orbax snapshots")
         tmp_dir, final_dir = self.get(), self.get_final()
+        if not self._is_step(final_dir):
+            await super().finalize(*args, **kwargs)
+            return
         store = getattr(self, "_checkpoint_metadata_store", None)
         if store is not None:
             await asyncio.to_thread(_stamp_commit_time, store, tmp_dir)

@@ -4,9 +4,9 @@
 `format_description(describe(DIR))`: the committed steps (and uncommitted step directories and
 partial saves, which restore and export ignore), then for one step every state_dict entry with
 shape, torch dtype, dtype on disk and bytes, whether optimizer state is present, the step, the
-`extra` dict and the saving run's config. `verify_step` lists everything about a step that
-could not be verified (no manifest, a damaged file, a missing item or array); `--verify`
-prints it and exits non-zero unless it is empty.
+`extra` dict and the saving run's config. `verify_checkpoint` adds everything about a step
+that could not be verified (no manifest, a damaged file, a missing item or array, unreadable
+metadata); `--verify` prints it and exits non-zero unless it is empty.
 
     >>> info = describe_checkpoint("runs/gpt")           # latest step
     >>> info["step"], info["total_bytes"], info["optimizer_state"]["present"]
@@ -42,7 +42,7 @@ __all__ = [
     "format_description",
     "list_steps",
     "open_step",
-    "verify_step",
+    "verify_checkpoint",
 ]
 
 
@@ -158,8 +158,10 @@ def open_step(
             path=str(meta_dir),
         )
     # create=False: opening a manager must never create or clean anything in the directory.
+    # Orbax's plain options: an uncommitted step (which `commit.manager_options` would refuse
+    # to read) is opened only for `inspect`, and only when asked for by number.
     manager = ocp.CheckpointManager(
-        directory, item_handlers=_handlers(), options=commit.manager_options(create=False)
+        directory, item_handlers=_handlers(), options=ocp.CheckpointManagerOptions(create=False)
     )
     try:
         meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
@@ -208,28 +210,53 @@ def describe_checkpoint(directory: str | os.PathLike, step: int | None = None) -
         return _describe(opened)
 
 
-def verify_step(info: Mapping) -> list[str]:
-    """Everything about the step `info` (a `describe_checkpoint` result) that could not be
-    verified, one line each; empty when every file matches the manifest, every item the
-    step says it holds is there and every stored entry has its array. Reads every file
-    (crc32).
+def verify_checkpoint(directory: str | os.PathLike, step: int | None = None) -> dict:
+    """`describe_checkpoint` of the step, plus "verified" and "problems": everything about the
+    step that could not be verified, one line each -- no manifest, a file that differs from
+    it, an item the step says it holds that is missing, a stored entry without its array, or
+    metadata that cannot be read (then the description holds the listing only, "described":
+    False). Reads every file (crc32). Raises CheckpointNotFoundError only (no directory,
+    step, or committed step).
 
-    >>> verify_step(describe_checkpoint("runs/gpt"))
+    >>> verify_checkpoint("runs/gpt")["problems"]
     []
     """
-    step_dir = Path(info["directory"]) / str(info["step"])
+    directory = Path(directory).absolute()
+    listing = _scan(directory)
+    if step is None:
+        if not listing.committed:
+            open_step(directory)  # raises CheckpointNotFoundError naming what there is
+        step = listing.committed[-1]
+    elif step not in listing.committed and step not in listing.uncommitted:
+        open_step(directory, step)  # raises CheckpointNotFoundError listing the steps
+    step_dir = directory / str(step)
     problems = [str(p) for p in manifest_problems(step_dir)]
-    problems += [
-        f"item {item!r} is missing ({step_dir / item}), although the step says it holds it"
-        for item in info["items"]
-        if not (step_dir / item).is_dir()
-    ]
-    problems += [
-        f"{p['name']}: listed in meta with shape {p['shape']}, no array in the model item"
-        for p in info["parameters"]
-        if p.get("missing")
-    ]
-    return problems
+    try:
+        info = describe_checkpoint(directory, step)
+    except CheckpointError as exc:  # unreadable meta or item metadata: damage, named
+        problems.append(str(exc))
+        info = {
+            "directory": str(directory),
+            "steps": listing.committed,
+            "uncommitted": listing.uncommitted,
+            "partial": listing.partial,
+            "step": step,
+            "described": False,
+        }
+    else:
+        info["described"] = True
+        problems += [
+            f"item {item!r} is missing ({step_dir / item}), although the step says it holds it"
+            for item in info["items"]
+            if not (step_dir / item).is_dir()
+        ]
+        problems += [
+            f"{p['name']}: listed in meta with shape {p['shape']}, no array in the model item"
+            for p in info["parameters"]
+            if p.get("missing")
+        ]
+    info["verified"], info["problems"] = not problems, problems
+    return info
 
 
 def _describe(opened: OpenedStep) -> dict:
