@@ -330,6 +330,24 @@ def test_a_reference_bomb_built_in_code_is_refused_and_its_message_is_short():
     assert len(message) < 400 and "..." in message
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {"precision": "params=" + "x" * 10**6},  # the one-string form
+        {"precision": "y" * 10**6},
+        {"rules": [{"pattern": "(" * 10**6, "spec": [None]}]},  # re's complaint
+        {"activation_checkpointing": {"modules": {"(" * 10**6: "full"}}},
+        {"mesh": {"data": "z" * 10**6}},
+    ],
+    ids=["precision-value", "precision-part", "rule-pattern", "remat-pattern", "mesh-size"],
+)
+def test_messages_are_short_whatever_the_value(raw):
+    """A message shows at most ~200 characters of a value (they showed all of it)."""
+    with pytest.raises(ConfigError) as caught:
+        load(raw)
+    assert len(str(caught.value)) < 1000, len(str(caught.value))
+
+
 def test_an_oversized_file_and_a_huge_integer_literal_are_refused(tmp_path):
     path = write(tmp_path, "big.yaml", "# padding\n" * (MAX_FILE_BYTES // 10 + 1))
     with bounded():

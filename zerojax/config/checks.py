@@ -245,8 +245,9 @@ def as_regex(path: str, value: Any, what: str = "regex", *, show: bool = True) -
     already shows it: `show=False`) and re's complaint."""
     try:
         re.compile(value)
-    except (re.error, TypeError) as exc:
-        shown = f" {value!r}" if show else ""
+    # RecursionError and OverflowError: re's own limits on nesting and compiled size.
+    except (re.error, TypeError, RecursionError, OverflowError) as exc:
+        shown = f" {render(value)}" if show else ""
         raise ConfigError(f"{written(path)}: invalid {what}{shown}: {exc}") from exc
     return value
 

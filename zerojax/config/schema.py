@@ -34,6 +34,7 @@ from zerojax.config.checks import (
     as_unit_interval,
     check_keys,
     error,
+    render,
     written,
 )
 
@@ -500,7 +501,7 @@ class ActivationCheckpointingConfig:
         ):
             raise error(path, self.modules, "expected (module path regex, policy) pairs")
         for pattern, policy in modules:
-            where = f"{path}[{pattern!r}]"
+            where = f"{path}[{render(pattern)}]"
             as_regex(where, pattern, "module path regex", show=False)
             as_choice(where, policy, REMAT_POLICIES)
         _set(self, "modules", tuple(tuple(rule) for rule in modules))

@@ -23,6 +23,7 @@ from zerojax.config.checks import (
     check_keys,
     error,
     keys_written_as,
+    render,
     written,
 )
 from zerojax.config.presets import PRESETS
@@ -138,13 +139,15 @@ def parse_precision(text: str, path: str = "precision") -> dict[str, str | None]
         key, value = key.strip(), value.strip()
         if not sep:
             raise error(
-                path, text, f"{part!r} is not KEY=DTYPE; keys: {', '.join(_PRECISION_SHORT)}"
+                path, text, f"{render(part)} is not KEY=DTYPE; keys: {', '.join(_PRECISION_SHORT)}"
             )
         name = _PRECISION_SHORT.get(key, key if key in _DTYPE_FIELDS else None)
         if name is None:
-            raise error(path, text, f"unknown key {key!r}; allowed: {', '.join(_PRECISION_SHORT)}")
+            raise error(
+                path, text, f"unknown key {render(key)}; allowed: {', '.join(_PRECISION_SHORT)}"
+            )
         if name in values:
-            raise error(path, text, f"{key!r} is given twice")
+            raise error(path, text, f"{render(key)} is given twice")
         values[name] = None if value.lower() in ("none", "null") else value
     return values
 
