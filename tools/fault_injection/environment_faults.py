@@ -249,6 +249,22 @@ def child_read_only(base_root: Path, scratch: Path) -> list[Row]:
                    observed=f"restored step {got}, {len(diffs)} values differ")  # fmt: skip
 
     rows.append(must_restore("read-only checkpoint directory: restore latest", ro_dir / "ckpt"))
+
+    # A file this user cannot read (a permission slip on a shared file system).
+    from tools.fault_injection.base import load_values
+    from tools.fault_injection.file_faults import restore_row, step_file_kinds
+
+    unreadable = scratch / "ro_unreadable" / "ckpt"
+    kinds = step_file_kinds(unreadable / "2")
+    data = [files[0] for kind, files in kinds.items() if kind.startswith("model: array data")]
+    target = unreadable / "2" / data[-1]  # the merged store's, when there is one (sorted last)
+    target.chmod(0)
+    values = {s: load_values(base_root, s) for s in (1, 2)}
+    verdict, observed = restore_row(unreadable, None, values, 24, [str(target)])
+    rows.append(Row(fault="unreadable model array file (chmod 000) in step 2: restore latest",
+                    group="read-only", expected="CheckpointError naming step 2 or the file, or "
+                    "step 1 bit for bit with a warning naming step 2", verdict=verdict,
+                    observed=observed))  # fmt: skip
     rows.append(must_restore("read-only step 2: restore latest", ro_step / "ckpt"))
     code, _, err, escaped = run_cli(["ckpt", "inspect", str(ro_step / "ckpt"), "--verify"])
     rows.append(Row(fault="read-only step 2: inspect --verify", group="read-only",
@@ -557,7 +573,7 @@ def _read_only_faults(
     shutil.copytree(
         base_root, base, ignore=lambda d, names: [n for n in names if n.endswith(".pt")]
     )
-    for name in ("ro_dir", "ro_step", "ro_oldest", "ro_no_close"):
+    for name in ("ro_dir", "ro_step", "ro_oldest", "ro_no_close", "ro_unreadable"):
         shutil.copytree(base_root / "ckpt", ro / name / "ckpt")
     (ro / "ro_dir" / "out").mkdir()
     (ro / "home").mkdir()

@@ -92,6 +92,12 @@ def damage(path: Path, how: str, seed: int = 0) -> str:
     """Apply one damage to a file (or remove a directory); returns what was done."""
     if path.is_dir():
         shutil.rmtree(path)
+        if how == "empty directory":
+            path.mkdir()
+            return "every file removed, the directory kept"
+        if how == "replace by a file":
+            path.write_bytes(b"")
+            return "the directory replaced by an empty file"
         return "directory removed"
     data = path.read_bytes()
     if how == "flip":
@@ -253,7 +259,7 @@ def run_step_damage(spec: dict, base_root: Path, scratch: Path, seed: int) -> li
     where = "step 2"
     if spec.get("without_manifest"):
         # A crash between Orbax's commit and the manifest's write left the step without one.
-        (directory / str(DAMAGED_STEP) / MANIFEST).unlink()
+        (directory / str(DAMAGED_STEP) / MANIFEST).unlink(missing_ok=True)
         where = "step 2 without its manifest,"
     before = listing(directory)
     (work / "export").mkdir()
@@ -342,6 +348,9 @@ def step_damage_specs(step_dir: Path) -> list[dict]:
                 {"type": "step", "group": "item", "label": f"{item}/ directory",
                  "target": item, "damage": "delete"}
             )  # fmt: skip
+    for how in ("empty directory", "replace by a file"):
+        specs.append({"type": "step", "group": "item", "label": "the step directory",
+                      "target": "", "damage": how})  # fmt: skip
     # The same step as a crash between commit and manifest leaves it: nothing but the
     # restore's own checks stands between a damaged file and the model.
     for spec in list(specs):
