@@ -12,14 +12,18 @@ from a fresh copy of it:
   array data in the OCDBT stores, their manifests, the PyTree `_METADATA`, `_sharding`,
   `array_metadatas`, commit markers, `_CHECKPOINT_METADATA`, the `meta` JSON, zerojax's
   manifest, and any file of a kind not known here -- is flipped, truncated, deleted,
-  emptied or replaced by garbage, and each item directory removed. Four readers meet each
-  damaged step: `restore()` of the latest step, `restore(step)` of the damaged one,
-  `zerojax ckpt inspect --verify` and `zerojax ckpt export`.
+  emptied or replaced by garbage; each item directory is removed, the step directory
+  emptied or replaced by a file; and the damages are applied again to a step without its
+  manifest (what a crash between Orbax's commit and the manifest's write would leave).
+  Four readers meet each damaged step: `restore()` of the latest step, `restore(step)` of
+  the damaged one, `zerojax ckpt inspect --verify` and `zerojax ckpt export`. The same
+  readers on an undamaged copy are the control: they must simply work.
 - `environment_faults.py`: a full disk (a 2 MB tmpfs in a private mount namespace) under
   synchronous and asynchronous saves, with and without `close()`, and under `ckpt import`
   and `ckpt export`; a read-only checkpoint directory and read-only steps (as an
-  unprivileged user when run as root, who writes anywhere); SIGKILL of an asynchronous save
-  at random points, then a resume in a fresh process; malformed files for `ckpt import`.
+  unprivileged user when run as root, who writes anywhere) and an unreadable array file;
+  SIGKILL of an asynchronous save at random points, then a resume in a fresh process;
+  damaged files for `ckpt import`; a process that hangs at exit.
 
 Each fault is one row: what a correct system must do (`expected`), what happened
 (`observed`), and a verdict (`outcomes.py`):
@@ -40,8 +44,8 @@ Each fault is one row: what a correct system must do (`expected`), what happened
                OK, or a fallback to an older step without a word
     skipped    the environment cannot inject this fault (no user namespaces, ...)
 
-Readers run in one worker process (`worker.py`), fault after fault, each restore into a
-freshly initialized engine; a worker that crashes or hangs is replaced and the fault is
-recorded as flawed. Faults that end a process run in their own. The whole suite takes
-about 2-4 minutes on two busy cores.
+Readers run in worker processes (`worker.py`, two lanes), fault after fault, each restore
+into a freshly initialized engine; a worker that crashes or hangs is replaced and the fault
+is recorded as flawed. Faults that end a process run in their own (`runner.py` runs the
+lanes side by side). The whole suite takes about 3-4 minutes on two busy cores.
 """

@@ -8,9 +8,12 @@ Each scenario runs in processes of its own, as a training job would meet it:
   `close()`, and asynchronously by a script that ends without `close()` (its exit code is
   the verdict); `ckpt import` and `ckpt export` onto the full disk.
 - read-only: the checkpoint directory, one step, or the oldest step (which `max_to_keep`
-  deletes) made read-only with chmod; as root, who writes anywhere, the child runs as
-  `nobody` (setpriv). Restoring and verifying must still work; saving, importing and
-  exporting into it must fail with a named error.
+  deletes) made read-only with chmod, and one array file made unreadable; as root, who
+  writes and reads anywhere, the child runs as `nobody` (setpriv). Restoring and verifying
+  read-only steps must still work; saving, importing and exporting into them must fail
+  with a named error.
+- a process that does not exit within 25 s of its script's end is hung: its threads' stacks
+  are dumped (faulthandler) and summarized in the row.
 - SIGKILL: a child saves step 3 asynchronously and is killed at random points; a fresh
   process then resumes (restore latest, save step 4), which must give back exactly what a
   committed step held and leave no temporary directory.
@@ -48,7 +51,6 @@ from tools.fault_injection.outcomes import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-TMP_MARKER = ".orbax-checkpoint-tmp"
 TMPFS_SIZE = "2m"
 NOBODY = 65534
 
@@ -80,7 +82,7 @@ def _restored(directory: Path, step: int | None, base_root: Path, seed: int) -> 
     finally:
         with contextlib.suppress(Exception):
             ckpt.close()
-    saved_as = {1: 1, 2: 2, 3: 1, 4: 1}.get(state.step, state.step)  # see child_kill_save
+    saved_as = {3: 1}.get(state.step, state.step)  # step 3 holds step 1's state: child_kill_save
     return state.step, differences(state_values(model), load_values(base_root, saved_as))
 
 
