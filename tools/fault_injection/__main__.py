@@ -16,7 +16,7 @@ from tools.fault_injection.runner import run_suite
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.fault_injection", description=__doc__)
     parser.add_argument("--out", required=True, type=Path, help="report directory (created)")
-    parser.add_argument("--kills", type=int, default=4, help="SIGKILLs during async saves")
+    parser.add_argument("--kills", type=int, default=6, help="SIGKILLs during async saves")
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill points")
     parser.add_argument("--only", default="", help="run the faults whose spec contains this")
     parser.add_argument("--all", action="store_true", help="print the caught rows too")

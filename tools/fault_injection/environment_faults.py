@@ -361,7 +361,10 @@ def run_resume(spec: dict, base_root: Path, scratch: Path, seed: int) -> list[Ro
     from zerojax.ckpt.layout import MANIFEST
 
     directory = Path(spec["dir"])
-    expected = "the newest committed, verified step bit for bit; saving step 4 then works and leaves no temporary directory"
+    expected = (
+        "the newest committed, verified step bit for bit; saving step 4 then works and leaves "
+        "no temporary directory; every listed step verifies"
+    )
     start = time.perf_counter()
     try:
         got, diffs = _restored(directory, None, base_root, seed)
@@ -387,6 +390,21 @@ def run_resume(spec: dict, base_root: Path, scratch: Path, seed: int) -> list[Ro
             if _tmp_dirs(directory):
                 verdict = FLAWED
                 observed += f"; {_tmp_dirs(directory)} left after save(4)"
+        # Every step the directory lists as committed must verify: a listed step that does
+        # not is a step that restore() could be handed.
+        from tools.fault_injection.file_faults import run_cli
+
+        listed = Checkpointer(directory).all_steps()
+        unverified = [
+            step
+            for step in listed
+            if run_cli(["ckpt", "inspect", str(directory), "--step", str(step), "--verify"])[0]
+        ]
+        if unverified:
+            verdict = SILENT
+            observed += f"; listed step(s) {unverified} do not verify"
+        else:
+            observed += f"; steps {listed} all verify"
     return [Row(fault=spec["label"], group="sigkill", expected=expected, verdict=verdict,
                 observed=one_line(f"[{spec['note']}] {observed}"),
                 seconds=round(time.perf_counter() - start, 3))]  # fmt: skip

@@ -95,7 +95,7 @@ def run_readers(
 
 
 def run_suite(
-    out: Path, *, kills: int = 4, seed: int = 0, only: str = "", fault_timeout: float = 120.0
+    out: Path, *, kills: int = 6, seed: int = 0, only: str = "", fault_timeout: float = 120.0
 ) -> list[Row]:
     """Every fault. After the build, four lanes run side by side (much of each child's time
     is starting Python and JAX): the damaged files in two halves; the SIGKILLs, then their
