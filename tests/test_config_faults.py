@@ -97,6 +97,17 @@ def test_a_misspelled_deepspeed_section_is_an_error_with_a_hint(raw):
     refused(raw, r"^zero_optimisation: unknown key \(did you mean 'zero_optimization'\?\); ")
 
 
+def test_a_top_level_key_far_from_any_deepspeed_key_warns_as_deepspeed_ignores_it():
+    """DeepSpeed ignores top-level keys it does not know (ds_configs carry their own, such as
+    a run's name); only a near-miss of a real key is a typo."""
+    with pytest.warns(ConfigWarning, match="'experiment_name' is not supported"):
+        config = load_config(
+            {"train_batch_size": 8, "experiment_name": "run-7", "zero_optimization": {"stage": 3}},
+            num_devices=8,
+        )
+    assert config.zero_stage == 3
+
+
 def test_every_deepspeed_key_zerojax_does_not_use_warns_and_loads():
     """A real DeepSpeed key is never an error: each top-level section zerojax ignores, each
     zero_optimization key it does not map, and the keys DeepSpeed added lately (super_offload,

@@ -147,12 +147,14 @@ def check_keys(
             raise ConfigError(f"{key_path(path, key)}: unknown key{hint}; {listed_keys}")
 
 
-def did_you_mean(key: Any, known: tuple[str, ...]) -> str | None:
-    """The known key closest to `key` (difflib's ratio >= 0.6), if any."""
+def did_you_mean(key: Any, known: tuple[str, ...], cutoff: float = 0.6) -> str | None:
+    """The known key closest to `key` (difflib's ratio >= `cutoff`), if any."""
     if not isinstance(key, str) or not known:
         return None
     others = [name for name in known if name != key]
-    close = difflib.get_close_matches(key[:100], others, n=1)  # bounded: difflib is quadratic
+    close = difflib.get_close_matches(
+        key[:100], others, n=1, cutoff=cutoff
+    )  # bounded: difflib is quadratic
     return close[0] if close else None
 
 

@@ -27,8 +27,8 @@ like any other. Understood:
 
 Every other key DeepSpeed itself reads (`DEEPSPEED_KEYS` and the per-section tables, taken
 from DeepSpeed's config schema) is named in a `ConfigWarning` saying it is ignored, and why
-where there is a reason to give. A key DeepSpeed does not read, at the top level or in a
-section zerojax maps, is a typo: a `ConfigError` with a did-you-mean (a warning would leave
+where there is a reason to give. A key DeepSpeed does not read in a section zerojax maps, or
+one at the top level close to a real key, is a typo: a `ConfigError` with a did-you-mean (a warning would leave
 the default in place: `bf16: {enable: true}` would train in float32). The inside of a
 section zerojax ignores as a whole (scheduler params, flops_profiler, ...) is not checked.
 The mesh defaults to {data: -1}: DeepSpeed data parallelism over every device.
@@ -164,7 +164,8 @@ DEEPSPEED_KEYS = (
     # zerojax's own sections in a DeepSpeed config
     "zerojax",
 )  # fmt: skip
-"""Every top-level key of a DeepSpeed config (and `zerojax`); any other is refused."""
+"""Every top-level key of a DeepSpeed config (and `zerojax`); any other is refused when it is
+close to one of these (a typo), else named in a `ConfigWarning` (DeepSpeed ignores it)."""
 
 SHARED_KEYS = ("optimizer", "activation_checkpointing", "checkpoint")
 """Top-level keys of both formats; in a DeepSpeed config each has DeepSpeed's meaning."""
@@ -651,11 +652,17 @@ def deepspeed_to_zerojax(ds: Mapping[str, Any]) -> dict[str, Any]:
     ds, _ = split_trainer_autos(ds, in_trainer=False)
     for key in ds:
         if key not in DEEPSPEED_KEYS:
-            close = did_you_mean(key, DEEPSPEED_KEYS)
-            hint = f" (did you mean {close!r}?)" if close else ""
+            # DeepSpeed itself ignores a top-level key it does not know (ds_configs carry the
+            # user's own keys); only a near-miss of a real key (one or two letters: ratio >=
+            # 0.8; 'experiment_name' is 0.67 from 'expert_parallel') is surely a typo.
+            close = did_you_mean(key, DEEPSPEED_KEYS, cutoff=0.8)
+            if close is None:
+                _ignored(key, "not a DeepSpeed config key")
+                continue
             raise ConfigError(
-                f"{key_path('', key)}: unknown key{hint}; it is neither a DeepSpeed config key "
-                "nor 'zerojax' (the zerojax sections of a DeepSpeed config go under it)"
+                f"{key_path('', key)}: unknown key (did you mean {close!r}?); it is neither a "
+                "DeepSpeed config key nor 'zerojax' (the zerojax sections of a DeepSpeed config "
+                "go under it)"
             )
         if key not in _HANDLED:
             _ignored(key, _WHY_IGNORED.get(key, ""))
