@@ -370,11 +370,14 @@ def test_a_failed_sync_save_is_a_checkpoint_save_error(tmp_path, capfd):
     assert orbax_noise(capfd.readouterr().err) == []
 
 
-def test_a_failed_async_save_is_reported_once_and_its_directory_removed(tmp_path, capfd):
-    """The commit fails as on a full disk. wait() and close() raise a CheckpointSaveError
-    naming the step and its directory (close() used to raise Orbax's bare OSError and leave
-    its threads running), the failed step's temporary directory is gone, nothing of Orbax's
-    reaches stderr, and the next save works."""
+@pytest.mark.parametrize("reported_by", ["close", "wait", "save", "restore"])
+def test_a_failed_async_save_is_reported_once_and_its_directory_removed(
+    tmp_path, capfd, reported_by
+):
+    """The commit fails as on a full disk. The next close(), wait(), save() or restore()
+    raises a CheckpointSaveError naming the step and its directory (close() used to raise
+    Orbax's bare OSError and leave its threads running), the failed step's temporary
+    directory is gone, nothing of Orbax's reaches stderr, and the next save works."""
     model, optimizer = make()
     scramble(model, seed=1)
     ckpt = Checkpointer(tmp_path, model, optimizer)
@@ -386,21 +389,29 @@ def test_a_failed_async_save_is_reported_once_and_its_directory_removed(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_dir))
 
     commit._mark_success = disk_full
+    report = {
+        "close": ckpt.close,
+        "wait": ckpt.wait,
+        "save": lambda: ckpt.save(5),  # step 5 is not saved: the caller learns why first
+        "restore": ckpt.restore,
+    }[reported_by]
     try:
         ckpt.save(2)
         with pytest.raises(CheckpointSaveError, match="No space left on device") as info:
-            ckpt.close()
+            report()
     finally:
         commit._mark_success = real
     assert info.value.step == 2 and info.value.path == str(tmp_path / "2")
     assert f"step 2 was not saved to {tmp_path / '2'}" in str(info.value)
     assert "the latest committed step is 1" in str(info.value)
-    assert ckpt._executor is None and ckpt._manager is None
-    assert not [t for t in threading.enumerate() if t.name.startswith("zerojax-save")]
+    assert ckpt._manager is None  # the next save opens a fresh one
+    if reported_by == "close":
+        assert ckpt._executor is None
+        assert not [t for t in threading.enumerate() if t.name.startswith("zerojax-save")]
     assert commit.scan(tmp_path) == commit.StepListing([1], [], [])
     assert orbax_noise(capfd.readouterr().err) == []
 
-    ckpt.close()  # reported once: closing again is quiet
+    ckpt.wait()  # reported once: waiting again is quiet
     scramble(model, seed=3)
     saved = host(model)
     ckpt.save(3)
@@ -410,6 +421,23 @@ def test_a_failed_async_save_is_reported_once_and_its_directory_removed(tmp_path
         assert reader.restore().step == 3
     assert_state_equal(host(other), saved)
     ckpt.close()
+
+
+def test_export_refuses_a_step_it_cannot_verify(tmp_path, capsys):
+    """Issue 41: `ckpt export` of a step without a manifest wrote its flipped byte out."""
+    model, optimizer = make()
+    with Checkpointer(tmp_path / "ckpt", model, optimizer, async_save=False) as ckpt:
+        ckpt.save(1)
+    step_dir = tmp_path / "ckpt" / "1"
+    (step_dir / layout.MANIFEST).unlink()
+    flip_a_byte(largest_file(step_dir / layout.MODEL / "d"))
+    out = tmp_path / "model.safetensors"
+    assert cli.main(["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--quiet"]) == 2
+    assert "no committed checkpoint step" in capsys.readouterr().err
+    args = ["ckpt", "export", str(tmp_path / "ckpt"), str(out), "--step", "1", "--quiet"]
+    assert cli.main(args) == 2
+    assert "has no zerojax_manifest.json" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_a_save_replaces_an_uncommitted_directory_of_its_step(tmp_path, caplog):
