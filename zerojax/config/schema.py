@@ -586,7 +586,10 @@ class RuntimeConfig:
 
     compilation_cache_dir: str | None = "~/.cache/zerojax/jax"
     """Directory of JAX's persistent compilation cache, so a restarted job skips recompiling
-    (by default ~/.cache/zerojax/jax); None disables it."""
+    (by default ~/.cache/zerojax/jax); None disables it. It holds compiled executables (code)
+    and zerojax's capture cache: a directory another user can write is refused, and one
+    zerojax creates is made 0700 (see "What the caches and checkpoints are trusted with" in
+    docs/checkpoints.md)."""
 
     effective_time_log: str | None = None
     """Append effective-training-time events as JSON lines to this file; None: no file."""
