@@ -172,9 +172,18 @@ def run_cli(argv: list[str]) -> tuple[int | str, str, str, BaseException | None]
 
 
 def restore_row(
-    directory: Path, step: int | None, values: dict, seed: int, damaged: list[str]
+    directory: Path,
+    step: int | None,
+    values: dict,
+    seed: int,
+    damaged: list[str],
+    *,
+    step_gone: bool = False,
 ) -> tuple[str, str]:
-    """(verdict, observed) of restoring `step` (None: latest) into a fresh engine."""
+    """(verdict, observed) of restoring `step` (None: latest) into a fresh engine.
+
+    `step_gone`: step 2 is no longer a directory, which no reader can tell from a step that
+    was never saved; falling back without a warning is then tolerated, not silent."""
     from tools.fault_injection.base import differences, make_model, state_values
     from zerojax.ckpt.checkpointer import Checkpointer
 
@@ -200,6 +209,11 @@ def restore_row(
         return TOLERATED, f"restored damaged step {state.step} without a word; values intact"
     if step is not None:
         return SILENT, f"asked for step {step}, restored step {state.step} instead"
+    if not named and step_gone:
+        return TOLERATED, (
+            f"fell back to step {state.step} without a warning: step 2 is not a directory "
+            f"(as if it had never been saved)"
+        )
     if not named:
         return SILENT, f"fell back to step {state.step} without a warning naming step 2"
     return RECOVERED, one_line(f"fell back to step {state.step}, warning: {named[0]}")
@@ -269,7 +283,14 @@ def run_step_damage(spec: dict, base_root: Path, scratch: Path, seed: int) -> li
             directory, work / "export" / "model.safetensors", values, damaged
         ),
         "restore(step=2)": lambda: restore_row(directory, DAMAGED_STEP, values, seed, damaged),
-        "restore() latest": lambda: restore_row(directory, None, values, seed + 1, damaged),
+        "restore() latest": lambda: restore_row(
+            directory,
+            None,
+            values,
+            seed + 1,
+            damaged,
+            step_gone=not (directory / str(DAMAGED_STEP)).is_dir(),
+        ),
     }
     expected = {
         "inspect --verify": "exit non-zero naming step 2 or the file",
