@@ -35,8 +35,9 @@ values up to the raise are garbage, as they are after torch's device-side assert
 Ops on live tensors (`zerojax.bridge.eager`) check immediately: such a call waits for its flag.
 
 An index known at trace time (a constant of the graph) is checked then, and an index computed
-by an `arange` that provably fits (GPT-2's position ids) is not checked at all. The check costs
-under 1% of the GPT-2 bench step (BENCHMARKS.md); `train.check_index_bounds: false` turns it off.
+by an `arange` that provably fits (GPT-2's position ids) is not checked at all. On the GPT-2
+bench step the check measured within noise of 1% (BENCHMARKS.md, `bench/index_check.py`);
+`train.check_index_bounds: false` turns it off.
 """
 
 from __future__ import annotations

@@ -631,8 +631,8 @@ class TrainConfig:
     """Raise torch's error when an op reads an index out of range (an embedding, gather,
     scatter, advanced index, cross_entropy target or one_hot class), as torch does, instead of
     computing with a clamped index: checked inside the compiled step, raised when the step's
-    results are read (`zerojax.bridge.index_bounds`; costs under 1% of the GPT-2 bench step).
-    By default true; false skips the check."""
+    results are read (`zerojax.bridge.index_bounds`; about 1% of the GPT-2 bench step or less,
+    BENCHMARKS.md). By default true; false skips the check."""
 
     def __post_init__(self) -> None:
         as_int("train.gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
