@@ -642,7 +642,9 @@ def kill_faults(
         directory = scratch / f"kill{i}" / "ckpt"
         shutil.rmtree(directory.parent, ignore_errors=True)
         shutil.copytree(base_root / "ckpt", directory)
-        delay = rng.uniform(0.0, 1.5)  # the save commits after ~0.3-1 s here
+        # The save commits ~0.3-1 s after it is called here: half the kills fall early (inside
+        # the write), half late (around and after the commit).
+        delay = rng.uniform(0.0, 0.5) if i % 2 == 0 else rng.uniform(0.5, 1.5)
         child = subprocess.Popen(
             worker_command("kill-save", base_root, directory),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=_env(), cwd=REPO,
