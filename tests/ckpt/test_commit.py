@@ -129,8 +129,8 @@ def arm_crash(point: str) -> None:
     elif point == "after-commit":  # Orbax's save done, the Checkpointer not yet told
         commit_step = Checkpointer._commit
 
-        def commit_then_crash(self, step):
-            commit_step(self, step)
+        def commit_then_crash(self, manager, step):
+            commit_step(self, manager, step)
             _crash()
 
         Checkpointer._commit = commit_then_crash
@@ -421,6 +421,36 @@ def test_a_failed_async_save_is_reported_once_and_its_directory_removed(
         assert reader.restore().step == 3
     assert_state_equal(host(other), saved)
     ckpt.close()
+
+
+def test_an_interrupted_wait_leaves_the_save_pending_for_the_exit(tmp_path):
+    """Ctrl-C while wait() blocks must not drop the save: it stays pending and held by the
+    exit hook (`zerojax.ckpt.at_exit`), and the next wait, close or the exit finishes it."""
+    import time
+
+    from zerojax.ckpt import at_exit
+
+    model, optimizer = make()
+    ckpt = Checkpointer(tmp_path, model, optimizer)
+    real = commit._mark_success
+    commit._mark_success = lambda *a: (time.sleep(0.5), real(*a))
+    try:
+        ckpt.save(2)
+        pending = ckpt._pending
+
+        def interrupted(timeout=None):
+            raise KeyboardInterrupt
+
+        pending.result = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.wait()
+        assert ckpt._pending is pending and id(ckpt) in at_exit._tracked
+        del pending.result
+        ckpt.close()
+    finally:
+        commit._mark_success = real
+    assert id(ckpt) not in at_exit._tracked
+    assert commit.scan(tmp_path).committed == [2]
 
 
 def test_export_refuses_a_step_it_cannot_verify(tmp_path, capsys):

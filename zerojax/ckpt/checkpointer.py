@@ -444,7 +444,7 @@ class Checkpointer:
             # order on every process; it copies each process's shards to host before returning
             # (on CPU devices a zero-copy view, which the runtime then declines to donate).
             self._start_write(manager, step, args)
-            self._set_pending(step, self._worker().submit(self._commit, step))
+            self._set_pending(step, self._worker().submit(self._commit, manager, step))
         else:
             self._write(manager, step, args)
 
@@ -474,7 +474,7 @@ class Checkpointer:
 
     def _write(self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite) -> None:
         self._start_write(manager, step, args)
-        self._commit(step)
+        self._commit(manager, step)
 
     def _start_write(
         self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite
@@ -483,23 +483,26 @@ class Checkpointer:
             manager.reload()  # steps another process added, or someone deleted, since
             manager.save(step, args=args, force=True)
 
-    def _commit(self, step: int) -> None:
+    def _commit(self, manager: ocp.CheckpointManager, step: int) -> None:
         # The manifest is written inside the temporary directory before Orbax's rename
-        # (`commit.ManifestedRename`): once this returns, the step is there with it.
-        self._mgr().wait_until_finished()
+        # (`commit.ManifestedRename`): once this returns, step `step` is there with it.
+        manager.wait_until_finished()
 
     def _finish_pending(self) -> None:
         """Wait for the in-flight save; raise CheckpointSaveError if it failed."""
         pending, step = self._pending, self._pending_step
-        self._pending = self._pending_step = None
         if pending is None:
             return
         try:
             pending.result()
-        except Exception as error:  # noqa: BLE001 - whatever failed: a CheckpointSaveError
-            raise self._save_failed(step, error) from None
-        finally:
+        except BaseException as error:
+            if not pending.done():  # interrupted while waiting (Ctrl-C): still pending, tracked
+                raise
+            self._pending = self._pending_step = None
             at_exit.untrack(self)
+            raise self._save_failed(step, error) from None
+        self._pending = self._pending_step = None
+        at_exit.untrack(self)
 
     def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
         """After a save of `step` failed: drop Orbax's manager (its threads and its view of
@@ -558,7 +561,8 @@ class Checkpointer:
             self._finish_pending()
         except BaseException as e:  # noqa: BLE001 - re-raised below, after the release
             error = e
-        at_exit.untrack(self)
+        if self._pending is None:  # else interrupted: the exit still waits for it and reports
+            at_exit.untrack(self)
         manager, self._manager = self._manager, None
         if manager is not None:
             try:
