@@ -240,6 +240,7 @@ def test_restore_latest_falls_back_past_damaged_and_uncommitted_steps(tmp_path):
     flip_a_byte(damaged)
     shutil.copytree(tmp_path / "2", tmp_path / "4")  # a copy cut short: no manifest
     (tmp_path / "4" / layout.MANIFEST).unlink()
+    (tmp_path / "5").write_text("not a step")  # a file where a step's directory should be
     before = {s: tree_bytes(tmp_path / s) for s in ("3", "4")}
 
     other, other_opt = make(seed=5)
@@ -249,13 +250,15 @@ def test_restore_latest_falls_back_past_damaged_and_uncommitted_steps(tmp_path):
         assert reader.restore().step == 2
     assert_state_equal(host(other), saved[2])
     messages = sorted(str(w.message) for w in caught if w.category is CheckpointWarning)
-    assert len(messages) == 2, messages
+    assert len(messages) == 3, messages
     assert "step 3" in messages[0] and str(damaged) in messages[0]
     assert "changed since it was saved" in messages[0]
     assert "step 4" in messages[1] and "not committed" in messages[1]
+    assert "step 5" in messages[2] and "not committed" in messages[2]
     assert all("left as it is" in m for m in messages)
     # A read deletes nothing and changes nothing.
     assert {s: tree_bytes(tmp_path / s) for s in ("3", "4")} == before
+    assert (tmp_path / "5").read_text() == "not a step"
 
     # Asked for by number, a step that does not verify raises.
     with pytest.raises(CheckpointCorruptedError, match="changed since it was saved") as info:

@@ -658,7 +658,7 @@ class Checkpointer:
         """Name every step newer than `restored` that `restore()` did not take."""
         for step in sorted({s for s in uncommitted if s > restored} | {s for s, _ in failed}):
             if step in uncommitted:
-                why = "is not committed (no manifest: a save or copy cut short)"
+                why = "is not committed (no manifest: a save or copy cut short, or damage)"
             else:
                 why = f"does not verify ({dict(failed)[step]})"
             warnings.warn(

@@ -148,7 +148,8 @@ class StepListing:
     committed: list[int]
     """Steps with their manifest, ascending: the only ones restore and export read."""
     uncommitted: list[int]
-    """Numbered directories without a manifest, ascending (see the module docstring)."""
+    """Numbered directories without a manifest (or numbered files), ascending (see the module
+    docstring)."""
     partial: list[str]
     """Names of temporary directories of saves that never committed (in flight, or cut
     short: the next writer removes them)."""
@@ -168,11 +169,11 @@ def scan(directory: str | os.PathLike) -> StepListing:
     except (FileNotFoundError, NotADirectoryError):
         entries = []
     for entry in entries:
-        if not entry.is_dir():
-            continue
         if entry.name.isdigit():
-            (committed if has_manifest(entry.path) else uncommitted).append(int(entry.name))
-        elif TMP_MARKER in entry.name:
+            # A file where a step's directory should be is damage too: named, never read.
+            ok = entry.is_dir() and has_manifest(entry.path)
+            (committed if ok else uncommitted).append(int(entry.name))
+        elif TMP_MARKER in entry.name and entry.is_dir():
             partial.append(entry.name)
     return StepListing(sorted(committed), sorted(uncommitted), sorted(partial))
 
