@@ -88,6 +88,9 @@ def assert_same_program(got: torch.export.ExportedProgram, want: torch.export.Ex
         assert (g.op, g.name, g.target) == (w.op, w.name, w.target)
         for key in ("nn_module_stack", "stack_trace"):
             assert g.meta.get(key) == w.meta.get(key), (w.name, key)
+        # The op each node was decomposed from (the index checks read it), by name: torch may
+        # hand out a second OpOverload object for the same overload.
+        assert str(g.meta.get("original_aten")) == str(w.meta.get("original_aten")), w.name
         # Of `custom`, zerojax reads its checkpoint tag; torch also notes there which function
         # its tracer was in (`_torchdynamo_disable_method`), which varies from call to call.
         assert checkpoint_tag(g) == checkpoint_tag(w), w.name
@@ -481,3 +484,27 @@ def test_a_graph_whose_lowering_reads_storage_offsets_is_not_cached(cache):
     assert cache.entries() == [] and not cache.loads
     capture(Heads(), (torch.randn(2, 5, 16),), {}, train=False)
     assert len(cache.entries()) == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "error"),
+    [
+        ("cross_entropy", lambda x, t: F.cross_entropy(x, t), IndexError),
+        ("one_hot", lambda x, t: x * F.one_hot(t, 5), RuntimeError),
+    ],
+)
+def test_a_cached_program_keeps_its_index_checks(name, fn, error, cache):
+    """The index checks know a cross_entropy or one_hot by the metadata of its decomposed
+    nodes (`torch_fn`, `original_aten`: torch's serializer drops the latter, the entry keeps
+    it, see `assert_same_program`): a cache hit must raise torch's error as a fresh capture
+    does, not gather's or none."""
+    from tests.bridge.test_index_bounds import run_checked
+
+    x = torch.randn(4, 5)
+    run_checked(fn, x, torch.tensor([0, 4, 2, 1]))  # written to the cache
+    with pytest.raises(error) as caught:
+        run_checked(fn, x, torch.tensor([0, 9, 2, 1]))
+    assert len(cache.loads) == 1, f"{name}: the second capture was not served from the cache"
+    with pytest.raises(error) as torch_error:
+        fn(x, torch.tensor([0, 9, 2, 1]))
+    assert str(caught.value).splitlines()[0] == str(torch_error.value).splitlines()[0]

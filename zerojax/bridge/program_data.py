@@ -6,16 +6,21 @@ whatever reads them back must treat the file as data: a pickle (what the cache u
 runs any code its writer chose when it is loaded. Here a program is a header line, then one
 JSON document:
 
-    zerojax-program 1 <label> <sha256 of the document>
-    {"format": 1,
+    zerojax-program 2 <label> <sha256 of the document>
+    {"format": 2,
      "program": <torch.export's schema.ExportedProgram, as torch's own JSON writer gives it>,
      "constants": {name: {"dtype", "size", "stride", "storage_offset", "requires_grad",
-                          "storage": <the tensor's whole storage, base64>}}}
+                          "storage": <the tensor's whole storage, base64>}},
+     "original_aten": {node name: "torch.ops.aten.<op>.<overload>"}}
 
 The label is what the writer filed the program under (the capture cache's key), so a file
 copied or renamed to another key is refused; the digest finds a truncated or damaged file
 (it is no defence against a writer who means harm: anyone able to write the file can compute
 it, which is why the cache's directory must be writable by its user alone).
+
+`original_aten` (the op each node was decomposed from, e.g. `nll_loss_forward` for the nodes of
+a cross_entropy) is node metadata torch's serializer drops; the index checks read it
+(`bridge/index_bounds.py`), so it is stored beside the program and set back on load.
 
 Weights and example inputs are not stored (the fresh capture's are used). The constants are
 stored here, not as torch's `torch.save` bytes, because reading those means `torch.load`, and
@@ -61,7 +66,7 @@ from typing import Any
 
 import torch
 
-FORMAT = 1
+FORMAT = 2
 """Bumped whenever the document's layout changes."""
 
 MAGIC = b"zerojax-program"
@@ -112,10 +117,16 @@ def encode(program: torch.export.ExportedProgram, label: str) -> bytes:
         raise ValueError(f"program_data: label {label!r} is not letters, digits, _ and -")
     constants = {name: _encode_tensor(name, value) for name, value in program.constants.items()}
     serialized = serialize_without_weights(program)
+    original_aten = {
+        node.name: f"torch.ops.{node.meta['original_aten']}"
+        for node in program.graph_module.graph.nodes
+        if isinstance(node.meta.get("original_aten"), torch._ops.OpOverload)
+    }
     document = {
         "format": FORMAT,
         "program": _dataclass_to_dict(serialized.exported_program),
         "constants": constants,
+        "original_aten": original_aten,
     }
     body = json.dumps(document, cls=EnumEncoder, allow_nan=False).encode()
     digest = hashlib.sha256(body).hexdigest()
@@ -151,9 +162,9 @@ def decode(
         document = json.loads(body)
     except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
         raise ProgramDataError(f"not JSON: {error}") from error
-    if not isinstance(document, dict) or set(document) != {"format", "program", "constants"}:
+    if not isinstance(document, dict) or set(document) != set(_DOCUMENT_KEYS):
         keys = sorted(document) if isinstance(document, dict) else type(document).__name__
-        raise ProgramDataError(f"expected keys format, program, constants; got {keys}")
+        raise ProgramDataError(f"expected keys {', '.join(_DOCUMENT_KEYS)}; got {keys}")
     if document["format"] != FORMAT:
         raise ProgramDataError(f"format {document['format']!r}, expected {FORMAT}")
     try:
@@ -168,10 +179,32 @@ def decode(
     if not isinstance(constants, dict):
         raise ProgramDataError(f"constants: expected an object, got {type(constants).__name__}")
     tensors = {name: _decode_tensor(name, value) for name, value in constants.items()}
+    original_aten = _decode_original_aten(document["original_aten"])
     # Every part is passed as an object, never as bytes: torch would `torch.load` bytes.
-    return ExportedProgramDeserializer().deserialize(
+    program = ExportedProgramDeserializer().deserialize(
         serialized, dict(state_dict), tensors, example_inputs
     )
+    for node in program.graph_module.graph.nodes:
+        if node.name in original_aten:
+            node.meta["original_aten"] = original_aten[node.name]
+    return program
+
+
+_DOCUMENT_KEYS = ("format", "program", "constants", "original_aten")
+
+
+def _decode_original_aten(entries: Any) -> dict[str, torch._ops.OpOverload]:
+    """node name -> the overload it was decomposed from; each a core ATen/prims overload."""
+    if not isinstance(entries, dict):
+        raise ProgramDataError(f"original_aten: expected an object, got {type(entries).__name__}")
+    decoded = {}
+    for name, target in entries.items():
+        if not _string(target).startswith("torch.ops."):
+            raise ProgramDataError(f"original_aten: {target[:200]!r} is not an ATen overload")
+        _check_target(target)
+        _, _, namespace, packet, overload = target.split(".")
+        decoded[_string(name)] = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    return decoded
 
 
 _LABEL = re.compile(r"[A-Za-z0-9_-]+")
