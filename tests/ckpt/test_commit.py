@@ -456,6 +456,38 @@ def test_an_interrupted_wait_leaves_the_save_pending_for_the_exit(tmp_path):
     assert commit.scan(tmp_path).committed == [2]
 
 
+def test_a_step_saved_but_an_older_one_not_deleted_is_a_warning(tmp_path):
+    """Step 2 commits; then Orbax cannot delete step 1 for max_to_keep (a read-only step,
+    say). That used to be reported as "step 2 was not saved", which was false."""
+    import orbax.checkpoint as ocp
+
+    model, optimizer = make()
+    scramble(model, seed=1)
+    ckpt = Checkpointer(tmp_path, model, optimizer, max_to_keep=1)
+    ckpt.save(1)
+    ckpt.wait()
+    scramble(model, seed=2)
+    saved = host(model)
+    deleter = ocp.path.deleter.StandardCheckpointDeleter
+    real = deleter.delete_steps
+
+    def read_only(self, steps):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "1" / "_sharding"))
+
+    deleter.delete_steps = read_only
+    try:
+        ckpt.save(2)
+        with pytest.warns(CheckpointWarning, match=r"step 2 was saved .*max_to_keep=1\) failed"):
+            ckpt.close()
+    finally:
+        deleter.delete_steps = real
+    assert commit.scan(tmp_path).committed == [1, 2]
+    other, other_opt = make(seed=3)
+    with Checkpointer(tmp_path, other, other_opt) as reader:
+        assert reader.restore().step == 2
+    assert_state_equal(host(other), saved)
+
+
 def test_export_refuses_a_step_it_cannot_verify(tmp_path, capsys):
     """Issue 41: `ckpt export` of a step without a manifest wrote its flipped byte out."""
     model, optimizer = make()
@@ -490,6 +522,39 @@ def test_a_save_replaces_an_uncommitted_directory_of_its_step(tmp_path, caplog):
     with Checkpointer(tmp_path, other, other_opt) as reader:
         assert reader.all_steps() == [1, 2] and reader.restore().step == 2
     assert_state_equal(host(other), saved)
+
+
+def fail_to_create_the_step_directory(directory: str) -> None:
+    """The child: step 2's temporary directory cannot be created (as on a read-only
+    checkpoint directory, which root could still write), and the script ends without
+    close()."""
+    model, optimizer = make()
+    ckpt = Checkpointer(directory, model, optimizer)
+    ckpt.save(1)
+    ckpt.wait()
+    create = commit.ManifestedRename.create
+
+    async def refuse(self):
+        if self.get_final().name.isdigit():
+            raise PermissionError(13, "Permission denied", str(self.get()))
+        return await create(self)
+
+    commit.ManifestedRename.create = refuse
+    ckpt.save(2)
+    print("SAVE_STARTED", flush=True)
+
+
+def test_a_step_directory_that_cannot_be_created_fails_the_save_and_the_exit_does_not_hang(
+    tmp_path,
+):
+    """With Orbax's asynchronous directory creation the failed mkdir left the items' (non-
+    daemon) threads waiting 600 s for the directory's signal: the interpreter hung at exit."""
+    directory = tmp_path / "ckpt"
+    done = run_child("fail_to_create_the_step_directory", str(directory), timeout=120)
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert f"checkpoint step 2 was not saved to {directory / '2'}" in done.stderr
+    assert "Permission denied" in done.stderr
+    assert commit.scan(directory) == commit.StepListing([1], [], [])
 
 
 def fail_last_save(directory: str, ending: str) -> None:

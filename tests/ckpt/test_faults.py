@@ -89,6 +89,7 @@ def test_sigkill_during_async_save_keeps_the_previous_step(tmp_path):
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert partial, "step 2 was no longer being written when the child was killed"
     assert not (directory / "2").exists(), "step 2 committed before the kill"
     assert _partial_dirs(directory)  # the kill left it behind

@@ -140,6 +140,22 @@ def test_every_problem_is_listed(step_dir):
     assert "is missing" in str(problems[0]) and "is grown" in str(problems[1])
 
 
+def test_an_unreadable_file_is_a_problem_not_an_os_error(step_dir, monkeypatch):
+    """chmod 000 stops no root: the read itself fails here, as it would for another user."""
+    from zerojax.ckpt import manifest
+
+    root, _ = step_dir
+    write_manifest(root)
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(manifest, "file_crc32", unreadable)
+    with pytest.raises(CheckpointCorruptedError, match="cannot be read: PermissionError") as info:
+        verify_manifest(root)
+    assert info.value.path == str(root / "empty_file")  # the first file, in sorted order
+
+
 def test_write_manifest_needs_a_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         write_manifest(tmp_path / "nope")

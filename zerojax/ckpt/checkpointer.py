@@ -405,7 +405,8 @@ class Checkpointer:
                 shutil.rmtree(step_dir)
             self._dispatch(engine, step, items, meta)
         except Exception as error:  # noqa: BLE001 - Orbax's, tensorstore's, the OS's: ours
-            raise self._save_failed(step, error) from None
+            if failure := self._save_failed(step, error):
+                raise failure from None
 
     def _dispatch(self, engine, step: int, items: dict, meta: dict) -> None:
         """Orbax's save of `items`: in the background (`_pending`) or, synchronously, here."""
@@ -500,14 +501,20 @@ class Checkpointer:
                 raise
             self._pending = self._pending_step = None
             at_exit.untrack(self)
-            raise self._save_failed(step, error) from None
+            if failure := self._save_failed(step, error):
+                raise failure from None
+            return
         self._pending = self._pending_step = None
         at_exit.untrack(self)
 
-    def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError:
+    def _save_failed(self, step: int, error: BaseException) -> CheckpointSaveError | None:
         """After a save of `step` failed: drop Orbax's manager (its threads and its view of
         the failed save; the next save opens a new one), remove the step's temporary
-        directory (a full disk gets its space back), and name the step and the cause."""
+        directory (a full disk gets its space back), and name the step and the cause.
+
+        None when the step did commit and what failed came after it (Orbax removing steps
+        beyond `max_to_keep`, one of them read-only, say): the checkpoint is there, so that is
+        a CheckpointWarning naming the steps kept, not an error."""
         log.debug("zerojax: checkpoint save of step %d failed", step, exc_info=error)
         manager, self._manager = self._manager, None
         if manager is not None:
@@ -526,6 +533,15 @@ class Checkpointer:
         else:
             lines = str(error).strip().splitlines()
             reason = f"{type(error).__name__}: {lines[0][:500] if lines else ''}"
+        if commit.is_committed(step_dir):
+            warnings.warn(
+                f"checkpoint step {step} was saved to {step_dir}, but removing older steps "
+                f"(max_to_keep={self.max_to_keep}) failed: {reason}; {self.directory} now "
+                f"holds steps {self.all_steps()}",
+                CheckpointWarning,
+                stacklevel=5,
+            )
+            return None
         latest = self.latest_step()
         cleaned = f"; removed its partial directory {removed[0]}" if removed else ""
         return CheckpointSaveError(

@@ -133,8 +133,15 @@ class ManifestedRename(_atomicity.AtomicRenameTemporaryPath):
 
 def manager_options(**kwargs: Any) -> ocp.CheckpointManagerOptions:
     """`CheckpointManagerOptions(**kwargs)` whose steps commit with their manifest and whose
-    listing holds committed steps only. Every manager zerojax opens on a checkpoint
-    directory, reading or writing, uses these."""
+    listing holds committed steps only; the Checkpointer's manager uses these.
+
+    The step's directories are created before its items are written, not beside them
+    (`create_directories_asynchronously=False`): with Orbax's default, a directory that cannot
+    be created (a read-only checkpoint directory) failed the save but left the items' threads
+    waiting for the directory's signal -- non-daemon threads, for Orbax's 600 s timeout, so
+    the interpreter hung at exit. The Checkpointer runs Orbax's save on its own thread
+    anyway: the few mkdirs cost the training loop nothing."""
+    kwargs.setdefault("async_options", ocp.AsyncOptions(create_directories_asynchronously=False))
     return ocp.CheckpointManagerOptions(temporary_path_class=ManifestedRename, **kwargs)
 
 

@@ -129,7 +129,7 @@ def manifest_problems(
                 raise ValueError(f"entry {rel!r}: {expected!r} is not {{size, crc32}}")
             if Path(rel).is_absolute() or ".." in Path(rel).parts:
                 raise ValueError(f"entry {rel!r} lies outside the step directory")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         error = CheckpointCorruptedError(
             f"checkpoint manifest {str(manifest_path)!r} is unreadable ({exc}); the step "
             "directory was damaged after it was saved",
@@ -141,18 +141,23 @@ def manifest_problems(
     for rel, expected in sorted(files.items()):
         path = step_dir / rel
         where = f"checkpoint file {str(path)!r}"
-        if not path.is_file():
-            problem = f"{where} is missing (listed in {layout.MANIFEST}, {expected['size']} bytes)"
-        elif (size := path.stat().st_size) != expected["size"]:
-            kind = "truncated" if size < expected["size"] else "grown"
-            problem = f"{where} is {kind}: size {size} bytes vs {expected['size']} when saved"
-        elif (crc := file_crc32(path)) != expected["crc32"]:
-            problem = (
-                f"{where} changed since it was saved: crc32 {crc:#010x} vs "
-                f"{expected['crc32']:#010x}"
-            )
-        else:
-            continue
+        try:
+            if not path.is_file():
+                problem = (
+                    f"{where} is missing (listed in {layout.MANIFEST}, {expected['size']} bytes)"
+                )
+            elif (size := path.stat().st_size) != expected["size"]:
+                kind = "truncated" if size < expected["size"] else "grown"
+                problem = f"{where} is {kind}: size {size} bytes vs {expected['size']} when saved"
+            elif (crc := file_crc32(path)) != expected["crc32"]:
+                problem = (
+                    f"{where} changed since it was saved: crc32 {crc:#010x} vs "
+                    f"{expected['crc32']:#010x}"
+                )
+            else:
+                continue
+        except OSError as exc:  # unreadable (permissions, an I/O error): not verified
+            problem = f"{where} cannot be read: {type(exc).__name__}: {exc.strerror or exc}"
         problems.append(CheckpointCorruptedError(problem, path=str(path)))
         if first_only:
             break
