@@ -501,6 +501,7 @@ class Checkpointer:
                 raise
             self._pending = self._pending_step = None
             at_exit.untrack(self)
+            assert step is not None  # set together with `pending`
             if failure := self._save_failed(step, error):
                 raise failure from None
             return
@@ -659,17 +660,20 @@ class Checkpointer:
                 continue
             self._warn_skipped(candidate, failed, listing.uncommitted)
             return restored
-        error = failed[0][1]
+        newest = failed[0][1]
         if len(failed) == 1:
-            raise error
+            raise newest
         raise CheckpointCorruptedError(
             f"no step of {self.directory} verifies; each was tried, newest first:\n"
             + "\n".join(f"  step {s}: {e}" for s, e in failed),
-            path=error.path,
-        ) from error
+            path=newest.path,
+        ) from newest
 
     def _warn_skipped(
-        self, restored: int, failed: list[tuple[int, CheckpointError]], uncommitted: list[int]
+        self,
+        restored: int,
+        failed: list[tuple[int, CheckpointCorruptedError]],
+        uncommitted: list[int],
     ) -> None:
         """Name every step newer than `restored` that `restore()` did not take."""
         for step in sorted({s for s in uncommitted if s > restored} | {s for s, _ in failed}):

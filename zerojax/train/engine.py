@@ -452,6 +452,7 @@ class Engine:
             )
         program = self.programs.backward(converted, absent)
         grads, input_grads = program(residuals, params, cotangents, self.scale)
+        assert program.last_reached is not None  # set by the call
         self.accumulate(_reached_only(grads, program.last_reached[0]))
         return input_grads
 
@@ -678,6 +679,7 @@ class Engine:
     def _log_new_update(self, grads) -> None:
         """Say why the update compiled again when the set of parameters with a gradient is
         what changed (each set is its own program, compiled once)."""
+        assert self.optimizer_spec is not None  # an update is compiled for one
         without = sorted(n for n in self.optimizer_spec.param_names if n not in grads)
         log.info(
             "zerojax: a new optimizer update program is compiled for %d parameters with "
@@ -709,7 +711,8 @@ class Engine:
         pending = self._index_flags
         if not pending:
             return
-        if not wait and not all(flags.is_ready() for flags in pending):
+        # (`is_ready` is ArrayImpl's, missing from jax.Array's stubs)
+        if not wait and not all(flags.is_ready() for flags in pending):  # type: ignore[attr-defined]
             return
         self._index_flags = []
         for flags in pending:
