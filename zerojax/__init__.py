@@ -14,6 +14,8 @@ from zerojax.ckpt import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointWarning,
     restore_checkpoint,
     save_checkpoint,
 )
@@ -30,6 +32,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointWarning",
     "Checkpointer",
     "Config",
     "ConfigError",
