@@ -328,14 +328,15 @@ def test_torch_file_with_a_flipped_bit_is_refused(tmp_path):
 
 def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     """A write that fails -- Orbax's (here: the directory's parent is a file) or the
-    manifest's after Orbax committed -- raises CheckpointError and keeps no step, no
-    temporary directory and no directory the import created."""
+    manifest's, written inside the temporary step directory before its commit -- raises
+    CheckpointError and keeps no step, no temporary directory and no directory the import
+    created."""
     valid_file(tmp_path / "valid.safetensors")
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="writing step 0 of .* failed, nothing was kept"):
         import_weights(tmp_path / "valid.safetensors", tmp_path / "file" / "ckpt")
 
-    import zerojax.ckpt.import_weights as module
+    import zerojax.ckpt.commit as module
 
     def full_disk(step_dir):
         raise OSError(28, "No space left on device")

@@ -32,7 +32,6 @@ import numpy as np
 from zerojax.ckpt import layout
 from zerojax.ckpt.errors import CheckpointError, CheckpointFormatError
 from zerojax.ckpt.inspect import list_steps
-from zerojax.ckpt.manifest import write_manifest
 from zerojax.ckpt.safetensors_io import read_safetensors
 from zerojax.ckpt.torch_io import (
     NUMPY_DTYPES,
@@ -208,8 +207,12 @@ def import_weights(file: str | os.PathLike, directory: str | os.PathLike, *, ste
 
 
 def _write_step(directory: Path, step: int, tree: dict, meta: dict) -> None:
-    """Orbax's save of the `model` and `meta` items, then the manifest."""
+    """Orbax's save of the `model` and `meta` items, committed with their manifest (the
+    Checkpointer's commit: `commit.manager_options`), so a crash never leaves a visible step
+    without one."""
     import orbax.checkpoint as ocp
+
+    from zerojax.ckpt.commit import manager_options
 
     manager = ocp.CheckpointManager(
         directory,
@@ -217,7 +220,7 @@ def _write_step(directory: Path, step: int, tree: dict, meta: dict) -> None:
             layout.MODEL: ocp.PyTreeCheckpointHandler(),
             layout.META: ocp.JsonCheckpointHandler(),
         },
-        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+        options=manager_options(enable_async_checkpointing=False, create=True),
     )
     try:
         saved = manager.save(
@@ -231,7 +234,6 @@ def _write_step(directory: Path, step: int, tree: dict, meta: dict) -> None:
         manager.close()
     if not saved:  # pragma: no cover - the step checks above make Orbax accept the save
         raise CheckpointError(f"import: Orbax declined to save step {step} in {directory}")
-    write_manifest(directory / str(step))
 
 
 def _remove_partial(directory: Path, step: int, created: bool) -> None:
