@@ -489,3 +489,30 @@ def test_imported_state_dict_with_a_zero_size_tensor_restores(tmp_path):
         assert got.shape == value.shape and got.dtype == value.dtype, name
         assert torch.equal(got, value), name
     jax.tree.map(np.testing.assert_array_equal, host(model)["opt"], fresh)
+
+
+def test_a_checkpoint_with_one_step_count_per_group_restores(tmp_path, monkeypatch):
+    """zerojax before per-parameter step counts (torch keeps `step` per parameter) saved one
+    count per param group; such a checkpoint restores with that count for every parameter of
+    its group instead of refusing the shapes (an upgrade must not strand a run)."""
+    from zerojax.ckpt import training_state as ts
+
+    model, opt = make()
+    scramble(model)  # step counts 5, ...: one group here
+    gather = ts.gather_items
+
+    def one_count_per_group(engine, *, with_optimizer):
+        items = gather(engine, with_optimizer=with_optimizer)
+        state = dict(items[layout.OPTIMIZER])
+        state["step"] = tuple(np.asarray(jax.device_get(v))[0] for v in state["step"])
+        return {**items, layout.OPTIMIZER: state}
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ts, "gather_items", one_count_per_group)
+        with Checkpointer(tmp_path, model, opt) as ckpt:
+            assert ckpt.save(1)
+    other, other_opt = make(seed=3)
+    Checkpointer(tmp_path, other, other_opt).restore()
+    steps = {int(v["step"]) for v in other_opt.state_dict()["state"].values()}
+    assert steps == {5}, steps
+    assert_state_equal(host(other), host(model))

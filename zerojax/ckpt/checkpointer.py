@@ -161,6 +161,20 @@ def _keys(path: tuple):
     return (jax.tree_util.DictKey(k) for k in path)
 
 
+def _is_one_count_per_group(
+    item: str, path: tuple, where: tuple, value: np.ndarray, struct: Any
+) -> bool:
+    """Whether `value` is a param group's step count as zerojax saved it before counts were
+    kept per parameter: a scalar where the optimizer state now holds a vector."""
+    first = path[0] if path else getattr(where[0], "key", None) if where else None
+    return (
+        item == layout.OPTIMIZER
+        and first == "step"
+        and value.shape == ()
+        and len(struct.shape) == 1
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RestoredState:
     """What `restore` hands back besides the state it wrote into the model and optimizer."""
@@ -888,6 +902,10 @@ class Checkpointer:
             treedefs.append((path, treedef, len(leaves)))
             for (where, struct), value in zip(leaves, got, strict=True):
                 value = np.asarray(value)
+                if _is_one_count_per_group(item, path, where, value, struct):
+                    # zerojax before per-parameter step counts (torch's) saved one count per
+                    # param group; every parameter of the group had stepped that many times.
+                    value = np.full(struct.shape, value, dtype=struct.dtype)
                 if value.shape != struct.shape:
                     shapes_wrong.append(
                         f"{label}{jax.tree_util.keystr(tuple(_keys(path)) + where)}: shape "
