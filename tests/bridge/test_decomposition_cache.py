@@ -363,6 +363,23 @@ def test_a_damaged_entry_warns_and_is_recaptured(damage, cache, monkeypatch):
     assert cache.loads == [str(entry)]
 
 
+def test_an_entry_of_an_earlier_format_is_replaced_without_a_warning(cache, monkeypatch):
+    """An upgrade leaves entries of the previous format: stale, not damaged (no warning per
+    entry), captured again and replaced."""
+    module, x = Heads(), torch.randn(2, 5, 16)
+    capture(module, (x,), {}, train=True)
+    (entry,) = cache.directory.iterdir()
+    magic, number, rest = entry.read_bytes().split(b" ", 2)
+    entry.write_bytes(b" ".join([magic, b"%d" % (int(number) - 1), rest]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = capture(module, (x,), {}, train=True)
+    assert not cache.loads
+    assert_same_program(got, uncached_capture(module, (x,), train=True, monkeypatch=monkeypatch))
+    capture(module, (x,), {}, train=True)
+    assert cache.loads == [str(entry)]
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o757], ids=lambda mode: f"{mode:04o}")
 def test_a_cache_directory_others_can_write_is_refused(mode, cache, monkeypatch):
     """As ssh refuses a key others can write: a planted entry would change what trains."""

@@ -25,7 +25,8 @@ no torch.load), read by a decoder that checks every value's type and refuses wha
 an evaluator in torch's own reader (symbolic shape expressions go to `sympy.sympify`) or in FX
 code generation. `<key>.pickle` files of earlier versions are never read, only evicted. An
 entry that does not load (damaged, truncated, filed under another key, refused) is a
-`CaptureCacheWarning` naming it and why; the graph is decomposed again and the entry replaced.
+`CaptureCacheWarning` naming it and why; the graph is decomposed again and the entry replaced
+(an entry of an earlier format is replaced the same way, at debug level: stale, not damaged).
 A valid but different program planted by someone who can write to the directory cannot be told
 from a real one, so the directory, like JAX's around it, must be writable by this user alone
 (`runtime/private_directory.py`: UnsafeDirectoryError otherwise).
@@ -144,6 +145,8 @@ def decompose(
         loaded = _load(path, exported)
     except FileNotFoundError:
         pass  # not cached (or just evicted by another process)
+    except program_data.OtherFormatError as error:  # an earlier zerojax's entry: replaced
+        log.debug("zerojax: capture cache entry %s is stale (%s); replacing it", path, error)
     except Exception as error:  # noqa: BLE001 - a bad entry only costs the decomposition
         reason = f"{type(error).__name__}: {error}"
         warnings.warn(

@@ -105,6 +105,11 @@ class ProgramDataError(ValueError):
     program may not (module docstring). The message names the field."""
 
 
+class OtherFormatError(ProgramDataError):
+    """A well-formed header of another `FORMAT` (an entry an earlier zerojax wrote): stale, not
+    damaged."""
+
+
 def encode(program: torch.export.ExportedProgram, label: str) -> bytes:
     """`program` without its weights or example inputs, filed under `label` (letters, digits,
     `_` and `-`), as `decode` reads it. ProgramDataError if a constant cannot be stored as data
@@ -150,7 +155,7 @@ def decode(
     if len(fields) != 4 or fields[0] != MAGIC:
         raise ProgramDataError(f"not a zerojax program: the file starts {header[:60]!r}")
     if fields[1] != b"%d" % FORMAT:
-        raise ProgramDataError(f"format {fields[1][:20]!r}, expected {FORMAT}")
+        raise OtherFormatError(f"format {fields[1][:20]!r}, expected {FORMAT}")
     if fields[2] != label.encode():
         raise ProgramDataError(f"filed under {fields[2][:80]!r}, not {label!r}")
     if hashlib.sha256(body).hexdigest().encode() != fields[3]:
