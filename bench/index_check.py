@@ -30,35 +30,14 @@ jax.config.update("jax_platforms", "cpu")
 
 import torch
 
-import zerojax
 from bench.timing import paired_ratio
-from bench.train_step import LR, PRECISIONS, WARMUP_STEPS, build, lm_loss
+from bench.train_step import PRECISIONS, WARMUP_STEPS, zerojax_step
 
 
 def step_fn(quick: bool, precision: str, fused: bool, check: bool):
-    """One training step of the bench model, the index check on or off."""
-    model, tokens, targets = build(quick)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    config = {
-        "mesh": {"data": 1},
-        "precision": precision,
-        "train": {"check_index_bounds": check},
-        "runtime": {"compilation_cache_dir": None, "report_effective_time": False},
-    }
-    model, optimizer = zerojax.initialize(
-        model, optimizer, config=config, loss_fn=lm_loss if fused else None
-    )
-    engine = model.engine
-
-    def step():
-        loss = model(tokens, targets) if fused else lm_loss(model(tokens), targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        jax.block_until_ready(engine.params)
-        return loss
-
-    return step, engine
+    """One training step of the bench model, the index check on or off; and its engine."""
+    step = zerojax_step(quick, precision, fused, train={"check_index_bounds": check})
+    return step, step.engine
 
 
 def _instruction_counts(hlo: str) -> dict[str, int]:

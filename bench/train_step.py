@@ -73,12 +73,21 @@ def build(quick: bool):
 # --- contenders: each returns a step function that trains one step and returns the loss ------
 
 
-def zerojax_step(quick: bool, precision: str, fused: bool, cache_dir: str | None = None):
+def zerojax_step(
+    quick: bool,
+    precision: str,
+    fused: bool,
+    cache_dir: str | None = None,
+    train: dict | None = None,
+):
+    """The step function; its `engine` attribute is the engine (for its compiled programs).
+    `train`: the config's train section (bench/index_check.py switches the index check)."""
     model, tokens, targets = build(quick)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     config = {
         "mesh": {"data": 1},
         "precision": precision,
+        "train": train or {},
         # None: no persistent compilation cache (zerojax's default would use one).
         "runtime": {"compilation_cache_dir": cache_dir, "report_effective_time": False},
     }
@@ -95,6 +104,7 @@ def zerojax_step(quick: bool, precision: str, fused: bool, cache_dir: str | None
         jax.block_until_ready(engine.params)
         return loss
 
+    step.engine = engine
     return step
 
 
