@@ -116,6 +116,22 @@ def _after_failed_save(row_fault: str, group: str, error, directory: Path, step:
                observed=one_line(observed))  # fmt: skip
 
 
+def _save_step(ckpt, step: int, *, close: bool = True) -> Exception | None:
+    """`ckpt.save(step)`, then `close()` (or `wait()`); what either raised, after closing
+    the Checkpointer anyway (its threads must not outlive the fault)."""
+    try:
+        ckpt.save(step)
+        if close:
+            ckpt.close()
+        else:
+            ckpt.wait()
+    except Exception as error:  # noqa: BLE001 - judged by the caller
+        with contextlib.suppress(Exception):
+            ckpt.close()
+        return error
+    return None
+
+
 def _failing_save(base_root: Path, directory: Path, *, async_save: bool, close: bool,
                   before_second=None) -> BaseException | None:  # fmt: skip
     """Save pristine step 1 into `directory`, call `before_second()`, save step 2 (and
@@ -131,17 +147,7 @@ def _failing_save(base_root: Path, directory: Path, *, async_save: bool, close: 
     if before_second is not None:
         before_second()
     restore_values_from(model, optimizer, base_root / "ckpt", 2)
-    try:
-        ckpt.save(2)
-        if close:
-            ckpt.close()
-        else:
-            ckpt.wait()
-    except Exception as error:  # noqa: BLE001 - judged
-        with contextlib.suppress(Exception):
-            ckpt.close()
-        return error
-    return None
+    return _save_step(ckpt, 2, close=close)
 
 
 # --------------------------------------------------------------------------- children
@@ -279,14 +285,7 @@ def child_read_only(base_root: Path, scratch: Path) -> list[Row]:
         restore_values_from(model, optimizer, base_root / "ckpt", 2)
         ckpt = Checkpointer(ro_dir / "ckpt", model, optimizer, max_to_keep=None,
                             async_save=async_save)  # fmt: skip
-        error = None
-        try:
-            ckpt.save(3)
-            ckpt.close()
-        except Exception as exc:  # noqa: BLE001 - judged
-            error = exc
-            with contextlib.suppress(Exception):
-                ckpt.close()
+        error = _save_step(ckpt, 3)
         mode = "async save + close()" if async_save else "sync save"
         expected = "CheckpointError naming step 3 or the directory"
         if error is None:
@@ -300,15 +299,7 @@ def child_read_only(base_root: Path, scratch: Path) -> list[Row]:
     model, optimizer = make_model(22)
     restore_values_from(model, optimizer, base_root / "ckpt", 1)
     expected = "step 3 committed and restorable; the failed deletion of step 1 reported"
-    error = None
-    ckpt = Checkpointer(ro_oldest / "ckpt", model, optimizer, max_to_keep=2)
-    try:
-        ckpt.save(3)
-        ckpt.close()
-    except Exception as exc:  # noqa: BLE001 - judged
-        error = exc
-        with contextlib.suppress(Exception):
-            ckpt.close()
+    error = _save_step(Checkpointer(ro_oldest / "ckpt", model, optimizer, max_to_keep=2), 3)
     try:
         _, diffs = _restored(ro_oldest / "ckpt", 3, base_root, seed=23)
         state = f"step 3 restores, {len(diffs)} values differ"
