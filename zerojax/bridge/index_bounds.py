@@ -127,10 +127,18 @@ def _user_ops(node: torch.fx.Node) -> frozenset[str]:
     original = node.meta.get("original_aten")
     if isinstance(original, torch._ops.OpOverload):
         names.add(original._schema.name.split("::", 1)[-1])
+    called = _torch_fn_name(node)
+    if called is not None:
+        names.add(called)
+    return frozenset(names)
+
+
+def _torch_fn_name(node: torch.fx.Node) -> str | None:
+    """The torch function torch.export recorded the node under ('cross_entropy'), if any."""
     torch_fn = node.meta.get("torch_fn")
     if isinstance(torch_fn, tuple) and len(torch_fn) == 2:
-        names.add(str(torch_fn[1]).rsplit(".", 1)[-1])
-    return frozenset(names)
+        return str(torch_fn[1]).rsplit(".", 1)[-1]
+    return None
 
 
 def _user_op(node: torch.fx.Node, *candidates: str) -> str | None:
@@ -268,10 +276,7 @@ def _site(node, low, high, error, message, dim=0) -> IndexSite:
 
 
 def _nll_name(node) -> str:
-    torch_fn = node.meta.get("torch_fn")
-    if isinstance(torch_fn, tuple) and len(torch_fn) == 2:
-        return str(torch_fn[1]).rsplit(".", 1)[-1]
-    return "nll_loss"
+    return _torch_fn_name(node) or "nll_loss"
 
 
 # --- the recorder, inside the trace ----------------------------------------------------------
