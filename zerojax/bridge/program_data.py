@@ -204,11 +204,12 @@ def _decode_original_aten(entries: Any) -> dict[str, torch._ops.OpOverload]:
         raise ProgramDataError(f"original_aten: expected an object, got {type(entries).__name__}")
     decoded = {}
     for name, target in entries.items():
-        if not _string(target).startswith("torch.ops."):
-            raise ProgramDataError(f"original_aten: {target[:200]!r} is not an ATen overload")
-        _check_target(target)
-        _, _, namespace, packet, overload = target.split(".")
-        decoded[_string(name)] = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+        overload = _core_overload(_string(target))
+        if overload is None:
+            raise ProgramDataError(
+                f"original_aten: {target[:200]!r} is not a core ATen/prims overload"
+            )
+        decoded[_string(name)] = overload
     return decoded
 
 
@@ -510,14 +511,21 @@ def _is_allowed_target(target: str) -> bool:
     parts = target.split(".")
     if len(parts) == 2 and parts[0] == "_operator":
         return callable(getattr(operator, parts[1], None)) and not parts[1].startswith("_")
+    return _core_overload(target) is not None
+
+
+@functools.lru_cache(maxsize=4096)
+def _core_overload(target: str) -> torch._ops.OpOverload | None:
+    """The overload `torch.ops.<core namespace>.<op>.<overload>` names, if it is one."""
+    parts = target.split(".")
     if len(parts) != 5 or parts[:2] != ["torch", "ops"] or parts[2] not in CORE_NAMESPACES:
-        return False
+        return None
     try:
         packet = getattr(getattr(torch.ops, parts[2]), parts[3])
         overload = getattr(packet, parts[4])
     except (AttributeError, RuntimeError):
-        return False
-    return isinstance(overload, torch._ops.OpOverload)
+        return None
+    return overload if isinstance(overload, torch._ops.OpOverload) else None
 
 
 _CHECKED_FIELDS: dict[tuple[str, str], Callable[[Any], None]] = {
