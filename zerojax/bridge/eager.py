@@ -33,6 +33,7 @@ __all__ = [
     "EagerCall",
     "ScalarsMustBeConstant",
     "eager_call",
+    "functional_of_out",
     "functional_variant",
     "meta_of",
 ]
@@ -83,6 +84,34 @@ class EagerCall:
         costs more than most ops)."""
         self._program = jax.jit(self._run)
         self._collectives: dict[tuple, bool] = {}
+        self._avals: list[jax.ShapeDtypeStruct] | None = None
+        self.key: Any = None
+        """The `eager_call` cache key: the op's whole signature (set by `eager_call`)."""
+
+    def run(self, arrays: list, rng: jax.Array | None):
+        """(The result, the index flag vector or None) for `arrays`, traceable: what a
+        recording of live-tensor ops runs (`zerojax.train.deferred`)."""
+        return self._run(arrays, rng)
+
+    def output_avals(self, inputs: list) -> list[jax.ShapeDtypeStruct]:
+        """Shapes and dtypes of the result's leaves for inputs shaped like `inputs` (arrays,
+        values with `shape`/`dtype`, traced scalars), traced once. Raises
+        `ScalarsMustBeConstant` as `__call__` does."""
+        if self._avals is None:
+            abstract = [
+                x if isinstance(x, (bool, int, float)) else jax.ShapeDtypeStruct(x.shape, x.dtype)
+                for x in inputs
+            ]
+            key = jax.random.key(0) if self.random else None
+            try:
+                out, _ = jax.eval_shape(self._run, abstract, key)
+            except jax.errors.ConcretizationTypeError:
+                if not self.traced_scalars:
+                    raise
+                _needs_constant_scalars.add(self.op)
+                raise ScalarsMustBeConstant from None
+            self._avals = jax.tree.leaves(out)
+        return self._avals
 
     def _run(self, arrays: list, rng: jax.Array | None):
         env = dict(zip(self._placeholders, arrays, strict=True))
@@ -203,6 +232,7 @@ def eager_call(
         return call
     metas = [meta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
     call = EagerCall(op, spec, metas, traced)
+    call.key = key
     _calls[key] = call
     if len(_calls) > _MAX_CACHED_CALLS:
         _calls.popitem(last=False)
@@ -232,6 +262,23 @@ def functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
             functional = getattr(packet, overload)
             if _argument_types(functional) == arguments:
                 return functional
+    return None
+
+
+@functools.cache
+def functional_of_out(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """`aten.maximum.default` for `aten.maximum.out`: the overload of the same op taking the
+    same arguments but the keyword-only outputs it writes, or None."""
+    arguments = tuple(
+        t
+        for t, a in zip(_argument_types(op), op._schema.arguments, strict=True)
+        if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+    )
+    packet = getattr(getattr(torch.ops, op.namespace), op._schema.name.split("::", 1)[1], None)
+    for overload in () if packet is None else packet.overloads():
+        candidate = getattr(packet, overload)
+        if candidate is not op and _argument_types(candidate) == arguments:
+            return candidate
     return None
 
 

@@ -50,7 +50,7 @@ from zerojax.distributed.arrays import host_copy
 from zerojax.parallel.placement import placement_kind
 from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
-from zerojax.train import optimizers
+from zerojax.train import deferred, optimizers
 from zerojax.train.parameters import plain_parameters
 from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
 from zerojax.train.programs import (
@@ -169,6 +169,17 @@ class Engine:
         self._index_flags: list[jax.Array] = []
 
     # --- the state -------------------------------------------------------------------------
+
+    @property
+    def _state(self) -> TrainState:
+        # Recorded live-tensor ops (torch's clip_grad_norm_, an EMA, an optimizer's own step)
+        # run before anything reads the state: the engine never sees a value they will change.
+        deferred.flush()
+        return self._current
+
+    @_state.setter
+    def _state(self, state: TrainState) -> None:
+        self._current = state
 
     def before_next_update(self, wait: Callable[[], None]) -> None:
         """Have the next optimizer update call `wait()` before it is dispatched.
@@ -358,7 +369,7 @@ class Engine:
 
     @property
     def scale(self) -> jax.Array:
-        loss_scale = self._state.loss_scale
+        loss_scale = self._current.loss_scale
         return loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
 
     @_capturing
@@ -545,19 +556,22 @@ class Engine:
 
     # --- single entries, for live tensors (zerojax.train.live_tensor) ------------------------
 
+    # The readers read the state as it is, recorded ops pending: a recording reads through them
+    # (`zerojax.train.parameters.EngineEntry` overlays what it has written).
+
     def has_grad(self, name: str) -> bool:
-        grads = self._state.grads
+        grads = self._current.grads
         return grads is not None and name in grads
 
     def grad_value(self, name: str, dtype) -> jax.Array | None:
         """One parameter's accumulated gradient as torch shows it: unscaled, in `dtype`; None
         when it has none. On the shards: nothing is gathered."""
-        grads = self._state.grads
+        grads = self._current.grads
         if grads is None or name not in grads:
             return None
         # An offloaded gradient: torch's ops on it meet device arrays (see weight_value).
         grad = _in_device_memory(grads[name], self.plan)
-        if self._state.loss_scale is not None:
+        if self._current.loss_scale is not None:
             return _unscaled(grad, self.scale, dtype)
         return grad if grad.dtype == dtype else grad.astype(dtype)
 
@@ -576,14 +590,14 @@ class Engine:
 
     def weight_value(self, name: str, dtype) -> jax.Array:
         """One parameter's authoritative value (its master weight where kept), in `dtype`."""
-        weights = self._state.master if self._state.master is not None else {}
+        weights = self._current.master if self._current.master is not None else {}
         # An offloaded weight: torch's ops on it meet device arrays (inputs, gradients), and
         # JAX computes only on operands in one memory space.
-        weight = _in_device_memory(weights.get(name, self._state.params[name]), self.plan)
+        weight = _in_device_memory(weights.get(name, self._current.params[name]), self.plan)
         return weight if weight.dtype == dtype else weight.astype(dtype)
 
     def buffer_value(self, name: str, dtype) -> jax.Array:
-        buffer = self._state.buffers[name]
+        buffer = self._current.buffers[name]
         return buffer if buffer.dtype == dtype else buffer.astype(dtype)
 
     def write_buffer(self, name: str, value: jax.Array) -> None:

@@ -40,6 +40,8 @@ from zerojax.bridge import eager
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch
 from zerojax.bridge.registry import get_lowering
 from zerojax.distributed.arrays import host_copy
+from zerojax.train import deferred
+from zerojax.train.deferred import Deferred
 
 __all__ = ["LiveTensor", "Owned", "to_host"]
 
@@ -52,17 +54,24 @@ _WIDE = frozenset({torch.float64, torch.complex128})
 
 
 class Owned:
-    """The source of an op's result: an array the tensor owns."""
+    """The source of an op's result: an array the tensor owns (a `Deferred` until the
+    recording that computes it runs)."""
 
     __slots__ = ("array",)
 
-    def __init__(self, array: jax.Array):
+    def __init__(self, array: jax.Array | Deferred):
         self.array = array
 
-    def read(self) -> jax.Array:
+    def value(self) -> jax.Array | Deferred:
         return self.array
 
-    def write(self, value: jax.Array) -> None:
+    def read(self) -> jax.Array:
+        array = self.array
+        if isinstance(array, Deferred):
+            array = self.array = array.resolve()
+        return array
+
+    def write(self, value: jax.Array | Deferred) -> None:
         self.array = value
 
 
@@ -84,20 +93,25 @@ class LiveTensor(torch.Tensor):
         return tensor
 
     @classmethod
-    def owning(cls, array: jax.Array, dtype: torch.dtype):
+    def owning(cls, array: jax.Array | Deferred, dtype: torch.dtype):
         return cls(Owned(array), array.shape, dtype)
 
     @property
     def array(self) -> jax.Array:
-        """The value, in the JAX dtype that holds this tensor's torch dtype."""
+        """The value, in the JAX dtype that holds this tensor's torch dtype (running the
+        recorded ops it waits for: `zerojax.train.deferred`)."""
         return self._source.read()
 
-    def write(self, value: jax.Array) -> None:
+    def value(self) -> jax.Array | Deferred:
+        """The value, or the Deferred a recorded op will produce: what later ops record."""
+        return self._source.value()
+
+    def write(self, value: jax.Array | Deferred) -> None:
         """Replace the value (broadcast and cast to this tensor's shape and dtype)."""
-        dtype = to_jax_dtype(self.dtype)
-        if value.shape != tuple(self.shape):
-            value = jnp.broadcast_to(value, tuple(self.shape))
-        self._source.write(value if value.dtype == dtype else value.astype(dtype))
+        shape, dtype = tuple(self.shape), to_jax_dtype(self.dtype)
+        if value.shape != shape or value.dtype != dtype:
+            value = _conform(value, shape, dtype)
+        self._source.write(value)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -141,8 +155,27 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host if host.dtype == tensor.dtype else host.to(tensor.dtype)
 
 
-def _array_of(tensor: torch.Tensor) -> jax.Array:
-    return tensor.array if isinstance(tensor, LiveTensor) else from_torch(tensor)
+def _value_of(tensor: torch.Tensor) -> jax.Array | Deferred:
+    return tensor.value() if isinstance(tensor, LiveTensor) else from_torch(tensor)
+
+
+def _conform(value: jax.Array | Deferred, shape: tuple[int, ...], dtype) -> jax.Array | Deferred:
+    """`value` broadcast to `shape` and cast to `dtype`, recorded when it is not computed yet."""
+    if not isinstance(value, Deferred):
+        value = value if value.shape == shape else jnp.broadcast_to(value, shape)
+        return value if value.dtype == dtype else value.astype(dtype)
+    (result,) = deferred.record(
+        ("conform", value.shape, value.dtype, shape, dtype),
+        functools.partial(_conformed, shape=shape, dtype=dtype),
+        [value],
+        [jax.ShapeDtypeStruct(shape, dtype)],
+    )
+    return result
+
+
+def _conformed(arrays: list, rng, *, shape, dtype):
+    (value,) = arrays
+    return jnp.broadcast_to(value, shape).astype(dtype), None
 
 
 def _key_of(tensor: torch.Tensor):
@@ -185,6 +218,8 @@ def run_op(func, args: tuple, kwargs: dict):
         return _copy_(*args, **kwargs)
     if func.namespace == "aten" and func.__name__.startswith("_foreach_"):
         return _foreach(func, args, kwargs)
+    if _written_kwargs(func):
+        return _into_out(func, args, kwargs)
     mutated = _mutated_positions(func)
     if mutated:
         functional = eager.functional_variant(func)
@@ -193,7 +228,7 @@ def run_op(func, args: tuple, kwargs: dict):
         if get_lowering(functional) is None and func in decomposition_table:
             # e.g. square_: torch's reference runs the out-of-place ops and copy_s the result.
             return decomposition_table[func](*args, **kwargs)
-        args[0].write(_array_of(run_op(functional, args, kwargs)))
+        args[0].write(_value_of(run_op(functional, args, kwargs)))
         return args[0]
     if get_lowering(func) is None:
         decomposition = decomposition_table.get(func)
@@ -212,18 +247,27 @@ def run_op(func, args: tuple, kwargs: dict):
         return _on_host(func, args, kwargs, mutated)
     if _returns_view(func) and isinstance(args[0], LiveTensor):
         return _views(func, spec, spec_key, leaves, call, args[0])  # computed when read
-    values = [leaves[i] for i in call.dynamic]
+    inputs = [
+        _value_of(x) if isinstance(x, torch.Tensor) else x
+        for x in (leaves[i] for i in call.dynamic)
+    ]
+    return _recorded(call, inputs, func, args, kwargs)
+
+
+def _recorded(call, inputs: list, func, args: tuple, kwargs: dict):
+    """`call` on `inputs`, recorded (`zerojax.train.deferred`): live tensors over its results,
+    computed when the recording runs."""
     try:
-        result = call(
-            [_array_of(x) if isinstance(x, torch.Tensor) else x for x in values], _next_rng
-        )
+        avals = call.output_avals(inputs)
     except eager.ScalarsMustBeConstant:
         return run_op(func, args, kwargs)
-    if isinstance(result, jax.Array):
-        return LiveTensor.owning(result, call.out_meta.dtype)
-    return torch_pytree.tree_map(
-        lambda array, meta: LiveTensor.owning(array, meta.dtype), result, call.out_meta
-    )
+    outputs = deferred.record(call.key, call.run, inputs, avals, _next_rng if call.random else None)
+    meta = call.out_meta
+    if isinstance(meta, torch.Tensor):
+        return LiveTensor.owning(outputs[0], meta.dtype)
+    metas, spec = torch_pytree.tree_flatten(meta)
+    tensors = [LiveTensor.owning(d, m.dtype) for d, m in zip(outputs, metas, strict=True)]
+    return torch_pytree.tree_unflatten(tensors, spec)
 
 
 class ViewOf:
@@ -231,23 +275,44 @@ class ViewOf:
     is the op applied to its base's current value; written, the base's elements it selects are
     set (torch's aliasing, as functionalization replays it: `y = x.t(); y.mul_(2)` changes x)."""
 
-    __slots__ = ("base", "index", "positions_call", "view_call")
+    __slots__ = ("_positions", "base", "index", "positions_call", "view_call")
 
     def __init__(self, base: LiveTensor, view_call, positions_call, index: int | None):
         self.base, self.view_call, self.positions_call = base, view_call, positions_call
         self.index = index
+        self._positions = None
+
+    def value(self) -> jax.Array | Deferred:
+        base = self.base.value()
+        outputs = deferred.record(
+            self.view_call.key,
+            self.view_call.run,
+            [base],
+            self.view_call.output_avals([base]),
+        )
+        return outputs[0 if self.index is None else self.index]
 
     def read(self) -> jax.Array:
-        out = self.view_call([self.base.array], _no_rng)
-        return out if self.index is None else out[self.index]
+        return deferred.resolve(self.value())
 
-    def write(self, value: jax.Array) -> None:
-        base = self.base.array
-        # The view of the base's element numbers: which element each view element is.
-        positions = self.positions_call([_element_numbers(base.shape)], _no_rng)
-        if self.index is not None:
-            positions = positions[self.index]
-        self.base.write(_set_elements(base, positions, value))
+    def write(self, value: jax.Array | Deferred) -> None:
+        base = self.base.value()
+        positions = self.positions()
+        (written,) = deferred.record(
+            ("set_elements", base.shape, base.dtype, positions.shape, value.shape, value.dtype),
+            _set_elements_op,
+            [base, positions, value],
+            [jax.ShapeDtypeStruct(base.shape, base.dtype)],
+        )
+        self.base.write(written)
+
+    def positions(self) -> jax.Array:
+        """Which element of the base each view element is: the view op on the base's element
+        numbers (computed once)."""
+        if self._positions is None:
+            positions = self.positions_call([_element_numbers(tuple(self.base.shape))], _no_rng)
+            self._positions = positions if self.index is None else positions[self.index]
+        return self._positions
 
 
 def _views(func, spec, spec_key, leaves: list, call, base: LiveTensor):
@@ -276,31 +341,36 @@ def _element_numbers(shape: tuple[int, ...]) -> jax.Array:
     return jnp.arange(int(np.prod(shape)), dtype=jnp.int32).reshape(shape)
 
 
-@jax.jit
-def _set_elements(base: jax.Array, positions: jax.Array, value: jax.Array) -> jax.Array:
+def _set_elements_op(arrays: list, rng):
+    base, positions, value = arrays
     value = jnp.broadcast_to(value, positions.shape).astype(base.dtype)
     flat = base.reshape(-1).at[positions.reshape(-1)].set(value.reshape(-1))
-    return flat.reshape(base.shape)
+    return flat.reshape(base.shape), None
 
 
 def _flatten(args: tuple, kwargs: dict):
-    """(leaves, tree spec, its cache key) of an op's arguments: positional arguments without
-    containers (most calls) skip the pytree walk, and their spec is keyed by its count."""
-    if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+    """(leaves, tree spec, its cache key) of an op's arguments: arguments without containers
+    (most calls: `add_(g, alpha=-lr)`) skip the pytree walk, and their spec is keyed by the
+    argument count and keyword names."""
+    if any(isinstance(a, (list, tuple, dict)) for a in args) or any(
+        isinstance(v, (list, tuple, dict)) for v in kwargs.values()
+    ):
         leaves, spec = torch_pytree.tree_flatten((args, kwargs))
         return leaves, spec, None
-    return list(args), _flat_spec(len(args)), len(args)
+    key = (len(args), tuple(kwargs))
+    return [*args, *kwargs.values()], _flat_spec(key), key
 
 
 @functools.cache
-def _flat_spec(count: int):
-    return torch_pytree.tree_flatten((tuple(range(count)), {}))[1]
+def _flat_spec(key: tuple[int, tuple[str, ...]]):
+    count, names = key
+    return torch_pytree.tree_flatten((tuple(range(count)), dict.fromkeys(names, 0)))[1]
 
 
 def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
     if not isinstance(dst, LiveTensor):
         return dst.copy_(to_host(src))
-    dst.write(_array_of(src))
+    dst.write(_value_of(src))
     return dst
 
 
@@ -388,9 +458,31 @@ def _on_host(func, args: tuple, kwargs: dict, mutated: list[int]):
     return torch_pytree.tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), result)
 
 
-def _written_kwargs(func):
+@functools.cache
+def _written_kwargs(func) -> list:
     return [
         a
         for a in func._schema.arguments
         if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
     ]
+
+
+def _into_out(func, args: tuple, kwargs: dict):
+    """An `out=` op (`torch.maximum(a, b, out=exp_inf)`, Adamax's step): its functional
+    overload, written into the live `out` tensors (recorded like any write). Host copies where
+    an `out` is not live, the shapes differ (torch would resize it) or there is no functional
+    overload."""
+    names = [a.name for a in _written_kwargs(func)]
+    outs = [kwargs.get(name) for name in names]
+    functional = eager.functional_of_out(func)
+    if functional is None or not all(isinstance(o, LiveTensor) for o in outs):
+        return _on_host(func, args, kwargs, _mutated_positions(func))
+    result = run_op(functional, args, {k: v for k, v in kwargs.items() if k not in names})
+    results = [result] if isinstance(result, torch.Tensor) else list(result)
+    if len(results) != len(outs) or any(
+        tuple(r.shape) != tuple(o.shape) for r, o in zip(results, outs, strict=True)
+    ):
+        return _on_host(func, args, kwargs, _mutated_positions(func))
+    for out, value in zip(outs, results, strict=True):
+        out.write(_value_of(value))
+    return outs[0] if len(outs) == 1 else tuple(outs)

@@ -31,6 +31,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype
+from zerojax.train import deferred
+from zerojax.train.deferred import Deferred
 from zerojax.train.live_tensor import LiveTensor, to_host
 
 __all__ = [
@@ -109,7 +111,12 @@ class EngineEntry:
         self.reader, self.writer = reader, writer
         self.name, self.dtype = name, to_jax_dtype(dtype)
 
-    def read(self) -> jax.Array:
+    def value(self) -> jax.Array | Deferred:
+        """The entry's value, or what recorded ops have written into it and not yet run
+        (`zerojax.train.deferred`)."""
+        pending = deferred.pending_write(self.writer, self.name)
+        if pending is not None:
+            return pending
         value = self.reader(self.name, self.dtype)
         if value is None:
             raise RuntimeError(
@@ -118,8 +125,14 @@ class EngineEntry:
             )
         return value
 
-    def write(self, value: jax.Array) -> None:
-        self.writer(self.name, value)
+    def read(self) -> jax.Array:
+        return deferred.resolve(self.value())
+
+    def write(self, value: jax.Array | Deferred) -> None:
+        if isinstance(value, Deferred) or deferred.pending_write(self.writer, self.name):
+            deferred.write(self.writer, self.name, value)
+        else:
+            self.writer(self.name, value)
 
 
 class _StandIn:
@@ -132,8 +145,12 @@ class _StandIn:
     _writer: str
 
     def live(self) -> LiveTensor:
-        """The value as a live tensor (what `.data` and `.detach()` give)."""
-        return _live_view(self, self._reader, self._writer)
+        """The value as a live tensor (what `.data` and `.detach()` give): one per stand-in,
+        made on first use (it reads the engine afresh at every use)."""
+        view = self.__dict__.get("_zerojax_live_view")
+        if view is None:
+            view = self._zerojax_live_view = _live_view(self, self._reader, self._writer)
+        return view
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):

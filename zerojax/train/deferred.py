@@ -1,0 +1,286 @@
+"""Ops on live tensors, recorded and then run as one compiled program (lazy tensors).
+
+An op on a live tensor (`zerojax.train.live_tensor`) does not run when torch calls it: it is
+recorded, and its result is a `Deferred` value with a known shape and dtype. The recording
+runs as one jitted program when a value is needed -- on the host (`.item()`, printing,
+`torch.save`), or by the engine's next program (the forward, `step()`, a checkpoint: the
+engine's state is never read with work pending) -- so torch's `clip_grad_norm_`, an EMA's
+`lerp_` over every parameter, `p.data.add_(p.grad, alpha=-lr)` loops and a torch optimizer's
+own `step()` each cost one program per step, not one call per op.
+
+This is torch_xla's lazy tensor and torch.compile's optimizer capture, with their known
+pitfalls kept out:
+
+- **No recompile per step.** Python floats in arithmetic (a scheduled learning rate, a bias
+  correction computed from the step count, a clip coefficient) are program inputs
+  (`zerojax.bridge.eager`'s traced scalars), so the program is keyed by the op sequence alone:
+  each op's signature (op, shapes, dtypes, constant arguments), where its inputs come from,
+  and which results are still referenced when the recording runs. A recording that meets a new
+  key compiles once and says why at info level (`zerojax.train.deferred`: the first op where it
+  differs from the program compiled before it); `programs_compiled()` counts them.
+- **No hidden host syncs.** Recording reads no values; the only syncs are the ones torch
+  semantics demand (a host read) and, with a program whose arrays span several devices, waiting
+  for its result (the rendezvous argument of `EagerCall.__call__`).
+- **Bounded recordings.** The engine runs pending work before each of its programs, so a
+  recording never spans a step; a recording that reaches `_MAX_OPS` runs at once.
+
+Only results still referenced when the recording runs leave the program (a Python temporary's
+value never reaches memory), which CPython's reference counting decides deterministically.
+Writes into the engine's state (a gradient, a weight, a buffer) are kept as pending writes
+that later reads see, and are handed to the engine after the program runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from zerojax.bridge.index_bounds import raise_if_out_of_range
+
+__all__ = ["Deferred", "flush", "programs_compiled", "programs_run", "record", "resolve"]
+
+log = logging.getLogger(__name__)
+
+# A recording this long runs at once: a loop that never reads a value (an EMA updated for many
+# steps with no engine program between) must not grow one program without bound.
+_MAX_OPS = 20_000
+# Compiled recordings kept; beyond it the least recently added is dropped.
+_MAX_PROGRAMS = 256
+
+
+class Deferred:
+    """The value of a recorded op that has not run yet (shape and JAX dtype known)."""
+
+    __slots__ = ("__weakref__", "_array", "_error", "dtype", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+        self._array: jax.Array | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def resolve(self) -> jax.Array:
+        """The value, running the recording if it has not run."""
+        if self._array is None and self._error is None:
+            flush()
+        if self._error is not None:
+            raise RuntimeError(
+                "zerojax: this tensor's value was to come from recorded ops whose program "
+                f"failed: {self._error}"
+            ) from self._error
+        assert self._array is not None, "a Deferred outlived its recording unresolved"
+        return self._array
+
+
+def resolve(value):
+    """`value` as an array: a Deferred's value (running the recording if needed), else itself."""
+    return value.resolve() if isinstance(value, Deferred) else value
+
+
+# One recorded op: `fn(arrays, rng)` -> (its result: an array or a list/tuple of them, an index
+# flag vector or None), traced into the recording's program. `key` identifies `fn`'s
+# computation (same key, same computation on same-shaped inputs).
+class _Op:
+    __slots__ = ("fn", "key", "random", "refs")
+
+    def __init__(self, key: Hashable, fn: Callable, refs: tuple, random: bool):
+        self.key, self.fn, self.refs, self.random = key, fn, refs, random
+
+
+class _Recording:
+    def __init__(self):
+        self.ops: list[_Op] = []
+        self.outputs: list[list[weakref.ref]] = []
+        self.arrays: list[jax.Array] = []
+        self.array_slots: dict[int, int] = {}
+        self.scalars: list[Any] = []
+        self.rngs: list[jax.Array] = []
+        # Deferred -> (op index, output index) of the values this recording will produce.
+        self.positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # (writer, name) -> the Deferred last written into that engine entry.
+        self.writes: dict[tuple[Callable, str], Deferred] = {}
+
+    def ref(self, value) -> tuple:
+        """Where an op's input comes from: an earlier op's output, an array or a scalar."""
+        if isinstance(value, Deferred):
+            if value._array is None and value._error is None:
+                return ("op", *self.positions[value])
+            value = value.resolve()  # raises for a value whose recording failed
+        if isinstance(value, jax.Array):
+            slot = self.array_slots.get(id(value))
+            if slot is None:
+                slot = self.array_slots[id(value)] = len(self.arrays)
+                self.arrays.append(value)
+            return ("array", slot)
+        self.scalars.append(value)
+        return ("scalar", len(self.scalars) - 1)
+
+
+_lock = threading.RLock()
+_recording = _Recording()
+_programs: dict[tuple, Callable] = {}
+_last_key: list[tuple] = []
+_compiled = [0]
+_runs = [0]
+
+
+def record(
+    key: Hashable,
+    fn: Callable,
+    inputs: Sequence[Any],
+    out_avals: Sequence[jax.ShapeDtypeStruct],
+    rng: Callable[[], jax.Array] | None = None,
+) -> list[Deferred]:
+    """Record `fn(inputs, rng_key)` (see `_Op`) and return its outputs as Deferreds, one per
+    leaf of its result in `out_avals`. `inputs` are Deferreds, arrays or traced scalars; `rng`
+    makes the op's key (random ops only)."""
+    with _lock:
+        recording = _recording
+        refs = tuple(recording.ref(x) for x in inputs)
+        op = _Op(key, fn, refs, rng is not None)
+        if rng is not None:
+            recording.rngs.append(rng())
+        index = len(recording.ops)
+        recording.ops.append(op)
+        outputs = [Deferred(a.shape, a.dtype) for a in out_avals]
+        recording.outputs.append([weakref.ref(d) for d in outputs])
+        for k, deferred in enumerate(outputs):
+            recording.positions[deferred] = (index, k)
+        if len(recording.ops) >= _MAX_OPS:
+            flush()
+        return outputs
+
+
+def pending_write(writer: Callable, name: str) -> Deferred | None:
+    """The value last written into engine entry `name` (through `writer`) while recording."""
+    return _recording.writes.get((writer, name))
+
+
+def write(writer: Callable, name: str, value: Deferred | jax.Array) -> None:
+    """Write `value` into engine entry `name` when the recording runs (reads see it now)."""
+    with _lock:
+        _recording.writes[(writer, name)] = value
+
+
+def programs_compiled() -> int:
+    """How many distinct recordings have been compiled in this process."""
+    return _compiled[0]
+
+
+def programs_run() -> int:
+    """How many recordings have run in this process (one program each)."""
+    return _runs[0]
+
+
+def flush() -> None:
+    """Run what has been recorded, as one program; resolve every Deferred still referenced and
+    hand pending writes to the engine. Nothing to do without recorded ops."""
+    global _recording
+    if not _recording.ops:
+        return
+    with _lock:
+        recording = _recording
+        if not recording.ops:
+            return
+        _recording = _Recording()
+        wanted = [
+            (i, k)
+            for i, outputs in enumerate(recording.outputs)
+            for k, output in enumerate(outputs)
+            if output() is not None
+        ]
+        key = (
+            tuple((op.key, op.refs) for op in recording.ops),
+            tuple(wanted),
+            len(recording.arrays),
+        )
+        try:
+            program = _programs.get(key)
+            if program is None:
+                program = _compile(recording, wanted, key)
+            results, flags = program(recording.arrays, recording.scalars, recording.rngs)
+            if any(_spans_devices(a) for a in recording.arrays):
+                jax.block_until_ready(results)
+        except Exception as error:
+            # The values are lost, not wrong: every tensor waiting for them says why when read.
+            for i, k in wanted:
+                deferred = recording.outputs[i][k]()
+                if deferred is not None:
+                    deferred._error = error
+            raise
+        _runs[0] += 1
+        for (i, k), array in zip(wanted, results, strict=True):
+            deferred = recording.outputs[i][k]()
+            if deferred is not None:
+                deferred._array = array
+        for (writer, name), value in recording.writes.items():
+            writer(name, resolve(value))
+        for vector in flags:
+            raise_if_out_of_range(vector)
+
+
+def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
+    steps = [(op.fn, op.refs, op.random) for op in recording.ops]
+
+    def program(arrays, scalars, rngs):
+        produced, flags, draws = [], [], iter(rngs)
+        for fn, refs, random in steps:
+            inputs = [
+                produced[r[1]][r[2]]
+                if r[0] == "op"
+                else arrays[r[1]]
+                if r[0] == "array"
+                else scalars[r[1]]
+                for r in refs
+            ]
+            value, flag = fn(inputs, next(draws) if random else None)
+            produced.append(jax.tree.leaves(value))
+            if flag is not None:
+                flags.append(flag)
+        return [produced[i][k] for i, k in wanted], flags
+
+    _compiled[0] += 1
+    log.info("zerojax: compiling recorded live-tensor ops: %s", _why_new(key))
+    compiled = jax.jit(program)
+    if len(_programs) >= _MAX_PROGRAMS:
+        _programs.pop(next(iter(_programs)))
+    _programs[key] = compiled
+    _last_key[:] = [key]
+    return compiled
+
+
+def _why_new(key: tuple) -> str:
+    """A sentence on what makes `key` a new program: the first op where it differs from the
+    program compiled before it."""
+    ops = key[0]
+    if not _last_key:
+        return f"{len(ops)} ops, the first recording"
+    previous = _last_key[0][0]
+    for i, (op, before) in enumerate(zip(ops, previous, strict=False)):
+        if op != before:
+            return f"{len(ops)} ops, differing from the previous program at op {i}: {op[0]!r}"
+    if len(ops) != len(previous):
+        return f"{len(ops)} ops where the previous program had {len(previous)}"
+    return f"{len(ops)} ops, the same ops with other results still referenced"
+
+
+def _spans_devices(array: jax.Array) -> bool:
+    sharding = getattr(array, "sharding", None)
+    return isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+
+
+def abstract(value) -> Any:
+    """A stand-in for `value` to trace an op's output shapes with (`jax.eval_shape`)."""
+    if isinstance(value, (Deferred, jax.Array, np.ndarray)):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype)
+    return value
