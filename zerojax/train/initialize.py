@@ -10,7 +10,7 @@ from zerojax import distributed
 from zerojax.config import Config, apply_devices, load_config
 from zerojax.integrations import accelerate as accelerate_integration
 from zerojax.integrations import hf_trainer as hf_trainer_integration
-from zerojax.runtime import effective_time
+from zerojax.runtime import effective_time, worker_processes
 from zerojax.runtime.compilation_cache import enable_compilation_cache
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule, zero_module
@@ -109,6 +109,8 @@ def initialize(
             check_optimizer_matches_config(single, config.optimizer)
     runtime = config.runtime
     enable_compilation_cache(runtime.compilation_cache_dir)
+    # DataLoader workers started from here on: forkserver where safe, never a warned fork.
+    worker_processes.install()
     ledger = effective_time.LEDGER
     # Several processes: one report, rank 0's; the log is one file per rank, and `zerojax ett`
     # accounts for the job across ranks and restarts.
