@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import copyreg
 import functools
 import threading
 import types
@@ -128,8 +129,10 @@ class ZeroModule(torch.nn.Module):
     `loss_type`) and `inspect.signature(model.forward)` are the model's own. What it adds:
     `forward` (the engine's program; the class's own forward while torch.export captures it),
     `engine`, `clip_grad_norm_`, a gathered `state_dict`/`load_state_dict`, `zero_grad` on the
-    engine, `module` (the model itself, for the DDP idiom `raw_model = model.module`) unless
+    engine, `module` (for the DDP idiom `raw_model = model.module`, see `_module_view`) unless
     the model has its own, and `copy.deepcopy`/pickling as an ordinary instance of its class.
+    The class keeps the model's name: `save_pretrained` writes `type(model).__name__` into
+    `config.json`'s `architectures`, and transformers picks loss and label handling by it.
     """
 
     _zerojax_base: type
@@ -151,8 +154,12 @@ class ZeroModule(torch.nn.Module):
         return copied
 
     def __reduce_ex__(self, protocol):
-        # torch.save(model): the ordinary model (its dynamic class is not importable).
-        return copy.deepcopy(self).__reduce_ex__(protocol)
+        """torch.save(model), pickle: the ordinary model (see `__deepcopy__`), which plain torch
+        loads without zerojax. Reconstructed through `copyreg._reconstructor` (the standard
+        library's), not `object`'s `copyreg.__newobj__`: pickle refuses a `__newobj__` whose
+        class is not the pickled object's own (this one is a zerojax subclass)."""
+        copied = copy.deepcopy(self)
+        return copyreg._reconstructor, (type(copied), object, None), copied.__getstate__()
 
     def _zerojax_forward(self, *args, **kwargs):
         engine = self._zerojax_engine
@@ -299,12 +306,22 @@ class ZeroModule(torch.nn.Module):
         )
         return jax.tree.unflatten(treedef, list(torch_leaves))
 
+    @torch._dynamo.disable
     def __call__(self, *args, **kwargs):
+        """`Module.__call__` (hooks, then the engine's forward), never traced by torch.compile:
+        the engine's program is already compiled, and dynamo tracing into it fails (fake
+        tensors reach JAX). `torch.compile(model)` thus wraps a call that runs as it is (the
+        same numbers), and `model.compile()`, before or after `initialize`, leaves the model as
+        it is (its `_compiled_call_impl` is not called)."""
         # The forward `Module.__call__` reads first is the engine's, also where a forward was
         # set on the instance (see _EngineForward).
         _engine_call.pending = True
         try:
-            return super().__call__(*args, **kwargs)
+            if is_plain():
+                # torch.export capturing the model: the model's own hooks run around the
+                # program, on every call as torch runs them, not also traced into it.
+                return self.forward(*args, **kwargs)
+            return self._call_impl(*args, **kwargs)
         finally:
             _engine_call.pending = False
 
@@ -447,21 +464,55 @@ def _module_state_dict(module: torch.nn.Module, **kwargs):
     return torch.nn.Module.state_dict(module, **kwargs)
 
 
-_CLASSES: dict[type, type] = {}
+# (model class, whether it gets a `module`) -> its zerojax class; model class -> the class of
+# its `module` view.
+_CLASSES: dict[tuple[type, bool], type] = {}
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+def _zero_class(base: type, namespace: dict) -> type:
+    """A subclass of `ZeroModule` and `base` that keeps `base`'s name (see ZeroModule)."""
+    namespace = {"_zerojax_base": base, "forward": _EngineForward(_forward_of(base)), **namespace}
+    cls = type(base.__name__, (ZeroModule, base), namespace)
+    cls.__module__ = base.__module__
+    cls.__qualname__ = base.__qualname__
+    return cls
+
+
+def _module_view(self) -> ZeroModule:
+    """`model.module`: what DDP's `.module` is to a script (`raw_model = model.module`,
+    `model.module.state_dict()`, `model.module(x)`), and where every unwrap loop stops.
+
+    timm's `unwrap_model`, transformers' (without accelerate) and accelerate's recursive one
+    unwrap `while hasattr(model, "module")`; Lightning and accelerate unwrap by class (DDP, FSDP,
+    `OptimizedModule._orig_mod`), which a zerojax model is not. So `.module` cannot be the model
+    itself (the loop never ends): it is a view of it, an object of a sibling class without
+    `module` that shares the model's `__dict__` -- its parameters, submodules, hooks, `training`,
+    attributes and engine -- so everything done through either is done to the model, and its
+    forward is the engine's program too. One view per model (`model.module is model.module`).
+    """
+    view = self.__dict__.get("_zerojax_module_view")
+    if view is None:
+        base = type(self)._zerojax_base
+        view_class = _VIEW_CLASSES.get(base)
+        if view_class is None:
+            view_class = _VIEW_CLASSES[base] = _zero_class(base, {})
+        view = object.__new__(view_class)
+        object.__setattr__(view, "__dict__", self.__dict__)
+        self.__dict__["_zerojax_module_view"] = view
+    return view
 
 
 def zero_module(module: torch.nn.Module, engine: Engine) -> ZeroModule:
     """Make `module` (the same object) run through `engine`: its class becomes a subclass of
     `ZeroModule` and its own class (see ZeroModule). Returns `module`."""
     base = type(module)
-    cls = _CLASSES.get(base)
+    # A `module` of the model's own (a submodule, an attribute of its class) wins.
+    with_module = "module" not in module._modules and not hasattr(base, "module")
+    cls = _CLASSES.get((base, with_module))
     if cls is None:
-        namespace = {"_zerojax_base": base, "forward": _EngineForward(_forward_of(base))}
-        if "module" not in module._modules and not hasattr(base, "module"):  # theirs wins
-            namespace["module"] = property(lambda self: self, doc="The model itself.")
-        cls = _CLASSES[base] = type(f"ZeroJax{base.__name__}", (ZeroModule, base), namespace)
-        cls.__module__ = base.__module__
-        cls.__qualname__ = f"ZeroJax{base.__qualname__}"
+        namespace = {"module": property(_module_view)} if with_module else {}
+        cls = _CLASSES[base, with_module] = _zero_class(base, namespace)
     module.__class__ = cls
     object.__setattr__(module, "_zerojax_engine", engine)
     object.__setattr__(module, "_zerojax_anchor", torch.zeros((), requires_grad=True))

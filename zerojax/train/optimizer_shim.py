@@ -27,6 +27,7 @@ Two ways to update, chosen by the optimizer's class:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import torch
@@ -80,6 +81,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._adopting_groups = False
         self.param_groups = optimizer.param_groups
+        # The step hooks are the original's own (the same dicts, as the groups): hooks
+        # registered on it before `initialize` fire, and hooks registered on either after. They
+        # fire once per step, around this step(); the live path's inner step skips them.
+        self._optimizer_step_pre_hooks = optimizer._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
         # The engine's names of this optimizer's parameters (zero_grad drops only theirs).
         names = {id(p): n for n, p in engine.module.named_parameters(remove_duplicate=False)}
         self._param_names = {
@@ -142,7 +148,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         clipping = engine.config.train.gradient_clipping
         if clipping is not None:
             engine.clip_grad_norm(clipping)
-        self._optimizer.step()
+        _unhooked_step(self._optimizer)()
         self._place_state()
         if self._reports_steps:
             engine.count_update()
@@ -230,6 +236,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self._optimizer!r}, zero_stage={self._engine.plan.stage})"
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer):
+    """`optimizer.step` without the step hooks torch's `Optimizer` wraps around it (its own and
+    the global ones): they fire around `ZeroOptimizer.step`, once."""
+    step = type(optimizer).step
+    return functools.partial(getattr(step, "__wrapped__", step), optimizer)
 
 
 def _check_runs_on_live_tensors(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
