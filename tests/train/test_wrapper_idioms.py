@@ -168,6 +168,18 @@ def test_module_is_ddps_module():
 # --- whole-module pickling ------------------------------------------------------------------
 
 
+# The classes word_language_model's main.py allows when it loads the model it saved.
+RNN_MODEL_CLASSES = [
+    RNNModel,
+    torch.nn.modules.dropout.Dropout,
+    torch.nn.modules.linear.Linear,
+    torch.nn.modules.rnn.GRU,
+    torch.nn.modules.rnn.LSTM,
+    torch.nn.modules.rnn.RNN,
+    torch.nn.modules.sparse.Embedding,
+]
+
+
 def word_language_model(rnn_type: str) -> RNNModel:
     """pytorch/examples' word_language_model RNNModel (tests/third_party), small."""
     torch.manual_seed(0)
@@ -195,7 +207,9 @@ def saved_whole(model, how: str):
     if how == "torch.save":
         buffer = io.BytesIO()
         torch.save(model, buffer)
-        return torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+        # word_language_model's own load: weights_only (torch's default), its classes allowed.
+        with torch.serialization.safe_globals(RNN_MODEL_CLASSES):
+            return torch.load(io.BytesIO(buffer.getvalue()))
     if how == "pickle":
         return pickle.loads(pickle.dumps(model))
     return copy.deepcopy(model)
@@ -204,10 +218,10 @@ def saved_whole(model, how: str):
 @pytest.mark.parametrize("how", ["torch.save", "pickle", "copy.deepcopy"])
 @pytest.mark.parametrize("rnn_type", ["LSTM", "GRU"])
 def test_whole_model_pickles_as_an_ordinary_module(rnn_type, how):
-    """word_language_model's `torch.save(model, f)` after training: an instance of the user's
-    own class (no zerojax class, no live tensors) with the trained values, running as plain
-    torch's. RNNs took the PicklingError ("args[0] from __newobj__ args has the wrong
-    class")."""
+    """word_language_model's `torch.save(model, f)` after training, loaded as it loads it
+    (`weights_only`, its classes allowed): an instance of the user's own class (no zerojax
+    class, no live tensors) with the trained values, running as plain torch's. It raised
+    PicklingError ("args[0] from __newobj__ args has the wrong class")."""
     module = word_language_model(rnn_type)
     reference = copy.deepcopy(module)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.5)
@@ -234,7 +248,11 @@ def test_whole_model_pickles_as_an_ordinary_module(rnn_type, how):
 
 FRESH_LOAD = """
 import sys, torch
-model = torch.load(sys.argv[1], weights_only=False)
+from tests.third_party.word_language_model.model import RNNModel
+nn = torch.nn
+classes = [RNNModel, nn.Dropout, nn.Linear, nn.GRU, nn.LSTM, nn.RNN, nn.Embedding]
+with torch.serialization.safe_globals(classes):  # as word_language_model loads it
+    model = torch.load(sys.argv[1])
 expected = torch.load(sys.argv[2])
 assert type(model).__name__ == "RNNModel", type(model)
 for name, value in expected.items():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import copyreg
 import functools
 import threading
 import types
@@ -154,12 +153,33 @@ class ZeroModule(torch.nn.Module):
         return copied
 
     def __reduce_ex__(self, protocol):
-        """torch.save(model), pickle: the ordinary model (see `__deepcopy__`), which plain torch
-        loads without zerojax. Reconstructed through `copyreg._reconstructor` (the standard
-        library's), not `object`'s `copyreg.__newobj__`: pickle refuses a `__newobj__` whose
-        class is not the pickled object's own (this one is a zerojax subclass)."""
+        """torch.save(model), pickle: the ordinary model (see `__deepcopy__`), reduced as its
+        class reduces it, so plain torch loads it without zerojax, `weights_only` included
+        (whose unpickler builds a module only through NEWOBJ of an allowed class).
+
+        Pickle refuses a `copyreg.__newobj__` whose class is not the pickled object's
+        `__class__` ("args[0] from __newobj__ args has the wrong class"): this object's class
+        is a zerojax subclass. So the next read of `__class__`, pickle's check, which follows
+        at once, answers the model's own class (`_pickled_as_base`)."""
         copied = copy.deepcopy(self)
-        return copyreg._reconstructor, (type(copied), object, None), copied.__getstate__()
+        reduced = copied.__reduce_ex__(protocol)
+        if getattr(reduced[0], "__name__", None) in ("__newobj__", "__newobj_ex__"):
+            _pickled_as_base.ids.add(id(self))
+        return reduced
+
+    @property  # type: ignore[misc]
+    def __class__(self):
+        """The object's class; the model's own class once, for pickle's check (see
+        `__reduce_ex__`)."""
+        ids = _pickled_as_base.ids
+        if ids and id(self) in ids:
+            ids.discard(id(self))
+            return type(self)._zerojax_base
+        return type(self)
+
+    @__class__.setter
+    def __class__(self, cls) -> None:
+        _OBJECT_CLASS.__set__(self, cls)
 
     def _zerojax_forward(self, *args, **kwargs):
         engine = self._zerojax_engine
@@ -530,6 +550,18 @@ class _EngineCall(threading.local):
 
 
 _engine_call = _EngineCall()
+
+
+class _PickledAsBase(threading.local):
+    """Ids of zerojax models whose next `__class__` read is pickle's check of the reduction
+    `ZeroModule.__reduce_ex__` just returned."""
+
+    def __init__(self):
+        self.ids: set[int] = set()
+
+
+_pickled_as_base = _PickledAsBase()
+_OBJECT_CLASS = object.__dict__["__class__"]
 
 
 class _EngineForward:
