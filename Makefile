@@ -146,6 +146,7 @@ $(DOCS_STAMP): $(STAMP) pyproject.toml
 
 docs: $(DOCS_STAMP)
 	$(PY) -m tools.config_reference
+	$(PY) -m tools.benchmark_table
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 	$(PY) -m pytest -q -n 2 -p no:cacheprovider -m '' tests/test_docs.py
 
