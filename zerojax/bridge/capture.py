@@ -8,7 +8,8 @@ implementation where they have one (custom_ops.py). Last, runtime assertions and
 computed only for them leave the graph (assertions.py): a compiled program cannot raise.
 The model's torch.utils.checkpoint calls are tagged in the graph (torch_checkpoint.py); in train
 mode Hugging Face's host-side draws (LayerDrop, SpecAugment) are made traceable
-(hf_train_randomness.py).
+(hf_train_randomness.py). torch's own transformer modules decide `is_causal` from the caller's
+hint and take their general path, not a native fast path (torch_transformer.py).
 The decomposition step's result is cached on disk, keyed by the graph it decomposes, beside
 JAX's persistent compilation cache (decomposition_cache.py); torch.export itself always runs.
 """
@@ -21,28 +22,37 @@ import io
 import logging
 import random
 import warnings
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 from torch._decomp import core_aten_decompositions
 
-from zerojax.bridge import custom_ops, decomposition_cache
+from zerojax.bridge import custom_ops, decomposition_cache, symbolic_shapes
 from zerojax.bridge.assertions import drop_assertions
 from zerojax.bridge.errors import CaptureError
 from zerojax.bridge.hf_cache import register_cache_pytrees
 from zerojax.bridge.hf_train_randomness import traceable_train_randomness
 from zerojax.bridge.torch_checkpoint import tagging_checkpoint_calls
+from zerojax.bridge.torch_transformer import transformer_modules_traceable
 from zerojax.bridge.value_inputs import (
     FoldConstants,
     integer_inputs,
     mark_value_known,
     reads_values_on_host,
 )
-from zerojax.compat.torch_export import correct_recorded_values, exporting
+from zerojax.compat.torch_export import (
+    correct_recorded_values,
+    exporting,
+    var_keywords_flattened,
+)
 from zerojax.runtime.private_directory import UnsafeDirectoryError
 
 aten = torch.ops.aten
 log = logging.getLogger("zerojax")
+
+# graph_module.meta key of a symbolic capture's deferred size checks (symbolic_shapes.py).
+SHAPE_ASSERTIONS = "zerojax_shape_assertions"
 
 # Kept whole: each has a lowering of its own that is better than torch's decomposition.
 KEPT_WHOLE = (
@@ -109,11 +119,15 @@ def capture(
     *,
     train: bool,
     value_inputs: frozenset[str] = frozenset(),
+    dynamic: Mapping[str, Sequence[int]] | None = None,
 ):
     """torch.export `module` on (args, kwargs) in train/eval mode and decompose to core ATen.
 
     `value_inputs` names integer inputs (`value_inputs.input_key`) the program is specialised
-    on: traced as constants, not taken as inputs (value_inputs.py).
+    on: traced as constants, not taken as inputs (value_inputs.py). `dynamic` names, per input,
+    the dims captured as symbols (`Dim.AUTO`: torch specialises one the model guards on); the
+    size checks torch deferred to run time are kept in `graph_module.meta[SHAPE_ASSERTIONS]`
+    before the graph's assertions are dropped (symbolic_shapes.py).
     """
     # A Hugging Face model returns (and takes) its KV cache: export must see into it.
     register_cache_pytrees(module)
@@ -127,11 +141,12 @@ def capture(
                 fold,
                 _quiet_failure(),
                 tagging_checkpoint_calls(),
+                transformer_modules_traceable(),
                 _keeping_autocast_state(),
                 _warning_on_host_random_draws(module),
                 exporting(),
             ):
-                exported = torch.export.export(module, args, kwargs, strict=False)
+                exported = _export(module, args, kwargs, dynamic)
             with warnings.catch_warnings():
                 # torch's own deepcopy of its pytree specs warns about its own deprecated API.
                 warnings.filterwarnings("ignore", category=FutureWarning, module="copyreg")
@@ -148,9 +163,21 @@ def capture(
                 f"untraceable calls). torch's reason:\n{reason}"
             ) from error
     correct_recorded_values(decomposed.graph_module.graph)
+    if dynamic:
+        decomposed.graph_module.meta[SHAPE_ASSERTIONS] = symbolic_shapes.shape_assertions(
+            decomposed.graph_module.graph
+        )
     if drop_assertions(decomposed.graph_module.graph):
         decomposed.graph_module.recompile()
     return decomposed
+
+
+def _export(module, args, kwargs, dynamic):
+    if not dynamic:
+        return torch.export.export(module, args, kwargs, strict=False)
+    shapes = symbolic_shapes.dynamic_shapes(args, kwargs, dynamic)
+    with var_keywords_flattened():
+        return torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=shapes)
 
 
 def _run_decompositions(exported, table):
@@ -227,7 +254,13 @@ def _host_reads(module, args, kwargs, candidates) -> set[str]:
     marked_args, marked_kwargs = mark_value_known(args, kwargs, candidates, tag=True)
     fold = FoldConstants()
     try:
-        with fold, _quiet_failure(), tagging_checkpoint_calls(), exporting():
+        with (
+            fold,
+            _quiet_failure(),
+            tagging_checkpoint_calls(),
+            transformer_modules_traceable(),
+            exporting(),
+        ):
             torch.export.export(module, marked_args, marked_kwargs, strict=False)
     except Exception:  # noqa: BLE001 - any failure: specialising would not help
         return set()
@@ -238,7 +271,13 @@ def _exports(module, args, kwargs, value_inputs) -> bool:
     """Whether specialising on `value_inputs` captures a graph with no host read left."""
     marked_args, marked_kwargs = mark_value_known(args, kwargs, value_inputs)
     try:
-        with FoldConstants(), _quiet_failure(), tagging_checkpoint_calls(), exporting():
+        with (
+            FoldConstants(),
+            _quiet_failure(),
+            tagging_checkpoint_calls(),
+            transformer_modules_traceable(),
+            exporting(),
+        ):
             exported = torch.export.export(module, marked_args, marked_kwargs, strict=False)
     except Exception:  # noqa: BLE001 - any failure means "not without these"
         return False
