@@ -82,15 +82,17 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 import numpy as np
+import orbax.checkpoint as ocp
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 import zerojax
 from bench.architectures import GPT2, GPT2Config
-from zerojax.ckpt import Checkpointer
+from zerojax.ckpt import Checkpointer, layout
 from zerojax.ckpt import training_state as ts
-from zerojax.ckpt.manifest import verify_manifest
+from zerojax.ckpt.direct_read import DirectRead, plan_item
+from zerojax.ckpt.manifest import read_manifest, verify_manifest
 from zerojax.ckpt.snapshot import snapshot
 
 # DCP warns on every call that it "assumes" a single process, though no_dist=True says so.
@@ -430,6 +432,223 @@ def snapshot_table(engine, repeats: int) -> str:
     )
 
 
+# --- where a restore's time goes -----------------------------------------------------------------
+
+
+def _read_files(step_dir: str) -> int:
+    """Every file of the step read once into one reused buffer: the page-cache floor."""
+    total = 0
+    buffer = bytearray(1 << 24)
+    view = memoryview(buffer)
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            with open(os.path.join(root, name), "rb", buffering=0) as f:
+                while n := f.readinto(view):
+                    total += n
+    return total
+
+
+class _Timers:
+    """Wall time spent inside a few functions during one restore (patched while it runs)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, label: str):
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, timed_call)
+        return lambda: setattr(owner, attr, original)
+
+
+def restore_profile(contender: ZerojaxContender, repeats: int) -> str:
+    """The restore of one saved step, taken apart: the whole restore, its phases (timed inside
+    it), and each part alone (interleaved), then cProfile's top functions of one restore."""
+    import cProfile
+    import io
+    import pstats
+
+    from zerojax.ckpt import checkpointer as checkpointer_module
+
+    ckpt, engine = contender.ckpt, contender.engine
+    step = 20_000
+    ckpt.save(step, force=True)
+    ckpt.wait()
+    step_dir = ckpt.step_dir(step)
+    files = [p for p in Path(step_dir).rglob("*") if p.is_file()]
+    nbytes = sum(p.stat().st_size for p in files)
+    largest = sorted(files, key=lambda p: p.stat().st_size, reverse=True)[:3]
+
+    def whole():
+        ckpt.restore(step)
+        jax.block_until_ready((engine.params, engine.opt_state))
+
+    meta = ckpt._mgr().restore(
+        step, args=ocp.args.Composite(**{layout.META: ocp.args.JsonRestore()})
+    )[layout.META]
+    targets = {
+        layout.MODEL: ts.without_empty(ts.model_target(engine, meta["parameters"])[0]),
+        layout.OPTIMIZER: ts.without_empty(ts.optimizer_target(engine)[0]),
+    }
+
+    def orbax_to_host():
+        # The same reads the restore makes, to numpy, nothing placed on the devices.
+        args = {}
+        for item, target in targets.items():
+            restore_args = jax.tree.map(
+                lambda s: ocp.RestoreArgs(restore_type=np.ndarray, dtype=s.dtype), target
+            )
+            args[item] = ocp.args.PyTreeRestore(
+                target, restore_args=restore_args, partial_restore=True
+            )
+        return ckpt._mgr().restore(step, args=ocp.args.Composite(**args))
+
+    host = orbax_to_host()
+    pairs = [
+        pair
+        for item, target in targets.items()
+        for pair in jax.tree.leaves(
+            jax.tree.map(lambda s, h: (h, s.sharding), target, host[item]),
+            is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[-1], jax.sharding.Sharding),
+        )
+    ]
+    host_leaves, shardings = [h for h, _ in pairs], [s for _, s in pairs]
+
+    def place():
+        jax.block_until_ready(jax.device_put(host_leaves, shardings))
+
+    def direct():
+        # zerojax's own read of the same arrays (what restore now does): each data file once,
+        # crc32 checked as it is read, placed on the devices.
+        files = read_manifest(step_dir)
+        reader = DirectRead(
+            step_dir, files, {item: plan_item(step_dir, item, files) for item in targets}
+        )
+        for item, target in targets.items():
+            names = jax.tree.leaves(ocp.tree.get_param_names(target))
+            wanted = dict(zip(names, jax.tree.leaves(target), strict=True))
+            jax.block_until_ready(reader.read(item, wanted))
+
+    ways = {
+        "`Checkpointer.restore(step)` (what the table above times)": whole,
+        "read every file of the step once (page-cache floor)": lambda: _read_files(step_dir),
+        "manifest crc32 pass alone (`verify_manifest`)": lambda: verify_manifest(step_dir),
+        "Orbax read of model + optimizer to host numpy, nothing placed": orbax_to_host,
+        "`jax.device_put` of those host arrays onto the engine's shardings": place,
+        "direct read of model + optimizer: read once, crc32 checked, placed": direct,
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for way in ways.values():
+        way()  # warm
+    for i in range(repeats):
+        print(f"  restore-profile repeat {i + 1}/{repeats} ...", file=sys.stderr, flush=True)
+        for name, way in ways.items():
+            seconds[name].append(timed(way)[0])
+
+    # Phases inside one restore (main thread; the crc pass runs on its own thread).
+    timers = _Timers()
+    undo = [
+        timers.wrap(checkpointer_module, "verify_manifest", "crc32 pass (helper thread)"),
+        timers.wrap(checkpointer_module.Checkpointer, "_plan_direct", "direct read: plan"),
+        timers.wrap(
+            checkpointer_module.DirectRead, "read", "direct read: read + crc32 + place (arrays)"
+        ),
+        timers.wrap(checkpointer_module.Checkpointer, "_read", "Orbax restore calls (all items)"),
+        timers.wrap(jax, "device_put", "jax.device_put"),
+        timers.wrap(
+            checkpointer_module.Checkpointer, "_check_optimizer", "optimizer check (leaf names)"
+        ),
+        timers.wrap(engine, "load", "engine.load"),
+    ]
+    phases: dict[str, list[float]] = {}
+    try:
+        for _ in range(repeats):
+            timers.seconds = {}
+            total = timed(whole)[0]
+            for k, v in {"whole restore": total, **timers.seconds}.items():
+                phases.setdefault(k, []).append(v)
+    finally:
+        for u in reversed(undo):
+            u()
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    whole()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out).sort_stats("cumulative")
+    stats.print_stats(25)
+    top = "\n".join(
+        line for line in out.getvalue().splitlines() if line.strip() and "{built-in" not in line[:0]
+    )
+
+    med = statistics.median
+    base = med(seconds["read every file of the step once (page-cache floor)"])
+    lines = [
+        "| part of a restore, each alone | median (ms) | vs reading the files |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {n} | {med(s) * 1e3:.0f} | {med(s) / base:.2f}x |" for n, s in seconds.items()]
+    lines += ["", "| inside one restore | median (ms) |", "|---|---|"]
+    lines += [f"| {n} | {med(s) * 1e3:.0f} |" for n, s in phases.items()]
+    sizes = ", ".join(
+        f"{p.relative_to(step_dir)} {p.stat().st_size / 2**20:.1f} MiB" for p in largest
+    )
+    return "\n".join(lines) + (
+        f"\n\nStep {step_dir}: {len(files)} files, {nbytes / 2**20:.1f} MiB (largest: {sizes}); "
+        f"medians of {repeats}, interleaved.\n\ncProfile of one restore (main thread):\n\n```\n"
+        f"{top}\n```"
+    )
+
+
+def save_profile(contender: ZerojaxContender, repeats: int) -> str:
+    """One save taken apart: its phases on the Checkpointer's thread (timed inside it), and the
+    floor of writing as many bytes to one file."""
+    from zerojax.ckpt import checkpointer as checkpointer_module
+    from zerojax.ckpt import commit as commit_module
+
+    timers = _Timers()
+    undo = [
+        timers.wrap(checkpointer_module, "snapshot", "snapshot enqueued"),
+        timers.wrap(checkpointer_module.Checkpointer, "_start_write", "Orbax `save()` call"),
+        timers.wrap(checkpointer_module.Checkpointer, "_commit", "Orbax background write + commit"),
+        timers.wrap(commit_module, "write_manifest", "manifest (crc32 of every file)"),
+    ]
+    phases: dict[str, list[float]] = {}
+    floor: list[float] = []
+    nbytes = tree_bytes(ts.gather_items(contender.engine, with_optimizer=True))
+    data = np.ones(nbytes, np.uint8)
+    try:
+        for i in range(repeats):
+            print(f"  save-profile repeat {i + 1}/{repeats} ...", file=sys.stderr, flush=True)
+            timers.seconds = {}
+            _, total, path = contender.save(30_000 + i)
+            for k, v in {"total save": total, **timers.seconds}.items():
+                phases.setdefault(k, []).append(v)
+            target = Path(path).parent / f"floor-{i}.bin"
+            floor.append(timed(lambda: target.write_bytes(data.data))[0])  # noqa: B023
+            target.unlink()
+    finally:
+        for u in reversed(undo):
+            u()
+    med = statistics.median
+    lines = ["| inside one save (Checkpointer's thread) | median (ms) |", "|---|---|"]
+    lines += [f"| {n} | {med(s) * 1e3:.0f} |" for n, s in phases.items()]
+    lines.append(f"| floor: one write of as many bytes to one file | {med(floor) * 1e3:.0f} |")
+    return "\n".join(lines) + (
+        f"\n\n{nbytes / 2**20:.0f} MiB; medians of {repeats}. The manifest runs inside Orbax's "
+        f"commit (part of the background write)."
+    )
+
+
 # --- export peak RSS -----------------------------------------------------------------------------
 
 _BASELINE = (
@@ -525,6 +744,14 @@ def main() -> None:
     parser.add_argument("--skip-step", action="store_true")
     parser.add_argument("--skip-snapshot", action="store_true")
     parser.add_argument(
+        "--profile-restore",
+        action="store_true",
+        help="also take a restore and a save apart: each part alone, their phases, cProfile",
+    )
+    parser.add_argument(
+        "--skip-dcp", action="store_true", help="zerojax and torch.save only (a quicker A/B)"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke test: a 2-layer width-128 GPT-2, 2 repeats"
     )
     options = parser.parse_args()
@@ -550,13 +777,20 @@ def main() -> None:
         contenders = [
             ZerojaxContender(root, z_model, z_opt),
             TorchSaveContender(root, t_model, t_opt),
-            DcpContender(root, t_model, t_opt),
-            DcpAsyncContender(root, t_model, t_opt),
         ]
+        if not options.skip_dcp:
+            contenders += [
+                DcpContender(root, t_model, t_opt),
+                DcpAsyncContender(root, t_model, t_opt),
+            ]
         results = measure(contenders, repeats)
         step = None
         if not options.skip_step:
             step = step_after_save_table(contenders[0], z_model, z_opt, batch, repeats)
+        profile = None
+        if options.profile_restore:
+            profile = restore_profile(contenders[0], repeats)
+            profile += "\n\n" + save_profile(contenders[0], repeats)
         contenders[0].ckpt.close()
         snapshots = None if options.skip_snapshot else snapshot_table(engine, repeats)
         export = None
@@ -588,6 +822,9 @@ def main() -> None:
     if step is not None:
         print("\n## A save inside the training loop\n")
         print(step)
+    if profile is not None:
+        print("\n## Where a restore's (and a save's) time goes\n")
+        print(profile)
     if snapshots is not None:
         print(
             f"\n## Out of the next update's reach: snapshot vs copies to host ({os.cpu_count()} CPUs)\n"

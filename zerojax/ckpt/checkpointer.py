@@ -52,13 +52,15 @@ Concurrency contract:
 - Readers (another process restoring or `zerojax ckpt inspect`) may run while a writer
   saves: they only ever see committed steps. A step deleted by `max_to_keep` while being read
   fails with CheckpointCorruptedError.
-- `restore` checks the manifest on a helper thread while it reads the arrays, and every item
-  the step says it holds (a missing `optimizer/` would otherwise leave the moments as they
-  are), and writes nothing into the model, optimizer or scheduler until both are done: a
-  damaged file raises CheckpointCorruptedError (naming it) and leaves the current state
-  untouched. `restore()` of the latest step takes the newest step that verifies, and names
-  every newer step it skipped (damaged, or uncommitted) in a CheckpointWarning; it never
-  deletes them. A step asked for by number that does not verify raises.
+- `restore` checks every file against the manifest -- the arrays' data files as it reads
+  them, once (one process: `zerojax.ckpt.direct_read`), the rest on a helper thread meanwhile
+  -- and every item the step says it holds (a missing `optimizer/` would otherwise leave the
+  moments as they are), and writes nothing into the model, optimizer or scheduler until all
+  of it is done: a damaged file raises CheckpointCorruptedError (naming it) and leaves the
+  current state untouched. `restore()` of the latest step takes the newest step that
+  verifies, and names every newer step it skipped (damaged, or uncommitted) in a
+  CheckpointWarning; it never deletes them. A step asked for by number that does not verify
+  raises.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax.ckpt import at_exit, commit, layout, quiet_orbax
+from zerojax.ckpt import at_exit, commit, direct_read, layout, quiet_orbax
 from zerojax.ckpt import training_state as ts
+from zerojax.ckpt.direct_read import DirectRead
 from zerojax.ckpt.errors import (
     CheckpointCorruptedError,
     CheckpointError,
@@ -91,7 +94,7 @@ from zerojax.ckpt.errors import (
     CheckpointSaveError,
     CheckpointWarning,
 )
-from zerojax.ckpt.manifest import verify_manifest
+from zerojax.ckpt.manifest import read_manifest, verify_manifest
 from zerojax.ckpt.snapshot import Method, snapshot
 from zerojax.runtime.effective_time import LEDGER
 
@@ -704,19 +707,48 @@ class Checkpointer:
 
     def _restore_step(self, engine, step: int, load_optimizer: bool) -> RestoredState:
         step_dir = self.step_dir(step)
-        # The crc32 pass over every file runs while Orbax reads them (zlib releases the GIL);
-        # nothing read is written into the engine before it passes, and when it fails its
-        # error (naming the damaged file) wins over whatever the read raised.
-        check = _Background("zerojax-verify", verify_manifest, step_dir)
+        # The arrays' data files are checked against the manifest as they are read, once
+        # (`direct_read`); the crc32 pass over every other file runs meanwhile on a helper
+        # thread (zlib releases the GIL). Nothing read is written into the engine before both
+        # pass, and when the pass fails its error (naming the damaged file) wins over whatever
+        # the read raised.
+        direct = self._plan_direct(step_dir, load_optimizer)
+        skip = direct.skip if direct is not None else frozenset()
+        check = _Background(
+            "zerojax-verify", functools.partial(verify_manifest, step_dir, skip=skip)
+        )
         try:
-            apply = self._read_step(engine, step, step_dir, load_optimizer)
+            apply = self._read_step(engine, step, step_dir, load_optimizer, direct)
+            if direct is not None:
+                direct.verify_unread()
         except BaseException as error:
             check.raise_error(cause=error)
             raise
         check.raise_error()
         return apply()
 
-    def _read_step(self, engine, step: int, step_dir: str, load_optimizer: bool):
+    def _plan_direct(self, step_dir: str, load_optimizer: bool) -> DirectRead | None:
+        """Where the model's (and optimizer's) chunks lie in their files, for the direct read
+        of one process (`zerojax.ckpt.direct_read`); None when it does not apply."""
+        if not (_HOST_READ and jax.process_count() == 1):
+            return None
+        try:
+            files = read_manifest(step_dir)
+        except CheckpointCorruptedError:
+            return None  # the manifest pass names the problem
+        plans = {}
+        for item in (layout.MODEL, layout.OPTIMIZER) if load_optimizer else (layout.MODEL,):
+            if not os.path.isdir(os.path.join(step_dir, item)):
+                continue  # `commit.check_items` decides whether that is damage
+            try:
+                plans[item] = direct_read.plan_item(step_dir, item, files)
+            except direct_read.Unsupported as why:
+                log.debug("zerojax: %s/%s is read through Orbax: %s", step_dir, item, why)
+        return DirectRead(step_dir, files, plans)
+
+    def _read_step(
+        self, engine, step: int, step_dir: str, load_optimizer: bool, direct: DirectRead | None
+    ):
         """Check the step against the current model and read every array it holds; returns the
         function that writes them into the engine, optimizer and scheduler."""
         meta = self._read(step, {layout.META: ocp.args.JsonRestore()})[layout.META]
@@ -744,11 +776,11 @@ class Checkpointer:
             self._check_optimizer(step_dir, optimizer, meta)
 
         model_abstract, _, source = ts.model_target(engine, meta["parameters"])
-        model = self._read_arrays(step, layout.MODEL, model_abstract, "model")
+        model = self._read_arrays(step, layout.MODEL, model_abstract, "model", direct)
         opt_state = None
         if with_optimizer:
             abstract, _ = ts.optimizer_target(engine)
-            opt_state = self._read_arrays(step, layout.OPTIMIZER, abstract, "state")
+            opt_state = self._read_arrays(step, layout.OPTIMIZER, abstract, "state", direct)
         train_state = None
         if layout.TRAIN_STATE in items:
             saved = self._saved_paths(step_dir, layout.TRAIN_STATE)
@@ -842,7 +874,9 @@ class Checkpointer:
         tree = getattr(metadata, "tree", metadata) or {}
         return {ts.path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-    def _read_arrays(self, step: int, item: str, abstract: Any, label: str) -> Any:
+    def _read_arrays(
+        self, step: int, item: str, abstract: Any, label: str, direct: DirectRead | None = None
+    ) -> Any:
         """Read the arrays of `item` into the shapes, dtypes and shardings of `abstract` (a tree
         of jax.ShapeDtypeStruct with shardings); returns the same tree of jax.Arrays.
 
@@ -854,14 +888,23 @@ class Checkpointer:
         would read every array whole, so there Orbax reads just the shards each process
         needs (a stored shape that differs then surfaces as Orbax's error, wrapped in
         CheckpointCorruptedError; on one process it is a CheckpointMismatchError listing every
-        array). Zero-size arrays are not stored (`ts.is_empty`): they are created here."""
+        array). Zero-size arrays are not stored (`ts.is_empty`): they are created here.
+
+        Before any of that, in one process, the arrays stored as the target wants them (same
+        shape and dtype) are read by `direct_read` when the item's layout allows it and they
+        fit in `_HOST_BATCH_BYTES` together: each data file once, checked against the
+        manifest as it is read, then one `jax.device_put`."""
         pieces = list(_pieces(abstract))
         host = jax.process_count() == 1 and _HOST_READ
         budget = _HOST_BATCH_BYTES if host else float("inf")
         done: dict[tuple, Any] = {}
+        if host and direct is not None and item in direct.plans:
+            done = self._read_direct(direct, item, abstract, pieces, budget)
         batch: list[tuple[tuple, Any]] = []
         size = 0
         for path, sub in pieces:
+            if path in done:
+                continue
             if all(ts.is_empty(s) for s in jax.tree.leaves(sub)):
                 done[path] = jax.tree.map(
                     lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), sub
@@ -878,6 +921,39 @@ class Checkpointer:
         if len(pieces) == 1 and pieces[0][0] == ():
             return done[()]
         return _nest((path, done[path]) for path, _ in pieces)
+
+    def _read_direct(
+        self, direct: DirectRead, item: str, abstract: Any, pieces: list, budget: float
+    ) -> dict:
+        """{piece path: tree of placed jax.Arrays} for the pieces `direct` can read (see
+        `_read_arrays`); {} when the item's files turn out not to be what it can read."""
+        plan = direct.plans[item]
+        names = ocp.tree.get_param_names(abstract)
+        wanted: dict[str, jax.ShapeDtypeStruct] = {}
+        chosen = []
+        for path, sub in pieces:
+            structs, sub_names = jax.tree.leaves(sub), jax.tree.leaves(_get(names, path))
+            if not structs or any(ts.is_empty(s) for s in structs):
+                continue
+            stored = [plan.arrays.get(n) for n in sub_names]
+            if all(
+                a is not None and a.shape == tuple(s.shape) and a.dtype == np.dtype(s.dtype)
+                for a, s in zip(stored, structs, strict=True)
+            ):
+                chosen.append((path, sub, sub_names))
+                wanted.update(zip(sub_names, structs, strict=True))
+        nbytes = sum(s.size * np.dtype(s.dtype).itemsize for s in wanted.values())
+        if not chosen or nbytes > budget:
+            return {}
+        try:
+            arrays = direct.read(item, wanted)
+        except direct_read.Unsupported as why:
+            log.debug("zerojax: %s/%s is read through Orbax: %s", direct.step_dir, item, why)
+            return {}
+        return {
+            path: jax.tree.unflatten(jax.tree.structure(sub), [arrays[n] for n in sub_names])
+            for path, sub, sub_names in chosen
+        }
 
     def _read_batch(self, step: int, item: str, batch: list, label: str, host: bool) -> dict:
         target = batch[0][1] if batch[0][0] == () else _nest(batch)

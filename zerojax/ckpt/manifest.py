@@ -28,8 +28,11 @@ from zerojax.ckpt.errors import CheckpointCorruptedError
 
 __all__ = [
     "file_crc32",
+    "file_problem",
     "has_manifest",
     "manifest_problems",
+    "read_manifest",
+    "unreadable_problem",
     "verify_manifest",
     "write_manifest",
 ]
@@ -87,39 +90,70 @@ def write_manifest(step_dir: str | os.PathLike) -> None:
     os.replace(tmp, target)
 
 
-def verify_manifest(step_dir: str | os.PathLike) -> None:
+def verify_manifest(step_dir: str | os.PathLike, *, skip: frozenset[str] = frozenset()) -> None:
     """Check every file the manifest lists: present, same size, same crc32.
 
     Raises CheckpointCorruptedError naming the first file that differs and how, or the
     missing manifest itself: a step without one cannot be verified, and nothing unverified is
     read. Files added after the manifest was written are not checked (nothing reads them).
+    `skip`: relative paths a caller checks itself as it reads them (`file_problem`, e.g.
+    `zerojax.ckpt.direct_read`), so that no byte is hashed twice.
 
     >>> verify_manifest("ckpt/100")
     """
-    for problem in manifest_problems(step_dir, first_only=True):
+    for problem in manifest_problems(step_dir, first_only=True, skip=skip):
         raise problem
 
 
-def manifest_problems(
-    step_dir: str | os.PathLike, *, first_only: bool = False
-) -> list[CheckpointCorruptedError]:
-    """Every way `step_dir` differs from its manifest (empty: verified), one
-    CheckpointCorruptedError each, naming the file; `verify_manifest` raises the first.
+def read_manifest(step_dir: str | os.PathLike) -> dict[str, dict]:
+    """{relative path: {"size": int, "crc32": int}} of `step_dir`'s manifest; raises
+    CheckpointCorruptedError when it is missing or damaged (see `manifest_problems`)."""
+    entries = _load(Path(step_dir))
+    if isinstance(entries, CheckpointCorruptedError):
+        raise entries
+    return entries
 
-    >>> [str(p) for p in manifest_problems("ckpt/100")]
-    ["checkpoint file 'ckpt/100/model/d/3f2a' changed since it was saved: crc32 ..."]
-    """
-    step_dir = Path(step_dir)
+
+def file_problem(
+    path: str | os.PathLike, expected: dict, *, size: int, crc: int | None
+) -> CheckpointCorruptedError | None:
+    """The problem of a file whose `size` and crc32 (`crc`; None when the size already
+    differs) were measured by the caller, against its manifest entry `expected`; None if it
+    matches."""
+    where = f"checkpoint file {str(path)!r}"
+    if size != expected["size"]:
+        kind = "truncated" if size < expected["size"] else "grown"
+        problem = f"{where} is {kind}: size {size} bytes vs {expected['size']} when saved"
+    elif crc is not None and crc != expected["crc32"]:
+        problem = (
+            f"{where} changed since it was saved: crc32 {crc:#010x} vs {expected['crc32']:#010x}"
+        )
+    else:
+        return None
+    return CheckpointCorruptedError(problem, path=str(path))
+
+
+def unreadable_problem(
+    path: str | os.PathLike, expected: dict, error: OSError
+) -> CheckpointCorruptedError:
+    """The problem of a file that could not be opened or read (`error`)."""
+    where = f"checkpoint file {str(path)!r}"
+    if isinstance(error, FileNotFoundError):
+        problem = f"{where} is missing (listed in {layout.MANIFEST}, {expected['size']} bytes)"
+    else:  # permissions, an I/O error: not verified
+        problem = f"{where} cannot be read: {type(error).__name__}: {error.strerror or error}"
+    return CheckpointCorruptedError(problem, path=str(path))
+
+
+def _load(step_dir: Path) -> dict[str, dict] | CheckpointCorruptedError:
     manifest_path = step_dir / layout.MANIFEST
     if not manifest_path.is_file():
-        return [
-            CheckpointCorruptedError(
-                f"checkpoint step {str(step_dir)!r} has no {layout.MANIFEST}: it was not "
-                "committed by zerojax (a save or copy cut short, or the manifest was deleted), "
-                "so nothing vouches for its files; restore another step",
-                path=str(manifest_path),
-            )
-        ]
+        return CheckpointCorruptedError(
+            f"checkpoint step {str(step_dir)!r} has no {layout.MANIFEST}: it was not "
+            "committed by zerojax (a save or copy cut short, or the manifest was deleted), "
+            "so nothing vouches for its files; restore another step",
+            path=str(manifest_path),
+        )
     try:
         files = json.loads(manifest_path.read_text())["files"]
         # Every entry {"size": int, "crc32": int}; anything else is a damaged manifest (a
@@ -136,29 +170,41 @@ def manifest_problems(
             path=str(manifest_path),
         )
         error.__cause__ = exc
-        return [error]
+        return error
+    return files
+
+
+def manifest_problems(
+    step_dir: str | os.PathLike, *, first_only: bool = False, skip: frozenset[str] = frozenset()
+) -> list[CheckpointCorruptedError]:
+    """Every way `step_dir` differs from its manifest (empty: verified), one
+    CheckpointCorruptedError each, naming the file; `verify_manifest` raises the first.
+    Files in `skip` (relative paths) are left to the caller.
+
+    >>> [str(p) for p in manifest_problems("ckpt/100")]
+    ["checkpoint file 'ckpt/100/model/d/3f2a' changed since it was saved: crc32 ..."]
+    """
+    step_dir = Path(step_dir)
+    files = _load(step_dir)
+    if isinstance(files, CheckpointCorruptedError):
+        return [files]
     problems = []
     for rel, expected in sorted(files.items()):
+        if rel in skip:
+            continue
         path = step_dir / rel
-        where = f"checkpoint file {str(path)!r}"
         try:
             if not path.is_file():
-                problem = (
-                    f"{where} is missing (listed in {layout.MANIFEST}, {expected['size']} bytes)"
-                )
+                problem = unreadable_problem(path, expected, FileNotFoundError(path))
             elif (size := path.stat().st_size) != expected["size"]:
-                kind = "truncated" if size < expected["size"] else "grown"
-                problem = f"{where} is {kind}: size {size} bytes vs {expected['size']} when saved"
-            elif (crc := file_crc32(path)) != expected["crc32"]:
-                problem = (
-                    f"{where} changed since it was saved: crc32 {crc:#010x} vs "
-                    f"{expected['crc32']:#010x}"
-                )
+                problem = file_problem(path, expected, size=size, crc=None)
             else:
+                problem = file_problem(path, expected, size=size, crc=file_crc32(path))
+            if problem is None:
                 continue
         except OSError as exc:  # unreadable (permissions, an I/O error): not verified
-            problem = f"{where} cannot be read: {type(exc).__name__}: {exc.strerror or exc}"
-        problems.append(CheckpointCorruptedError(problem, path=str(path)))
+            problem = unreadable_problem(path, expected, exc)
+        problems.append(problem)
         if first_only:
             break
     return problems

@@ -1,0 +1,420 @@
+"""Restore's fast path: the arrays of an Orbax item read straight from the files Orbax wrote,
+each byte read once and checked against the step's manifest as it is read.
+
+Why: restoring the bench's 409 MiB state through Orbax took 685 ms to read the arrays into host
+memory, on a host where reading every file of the step once takes 111 ms, and the manifest's
+crc32 pass read every byte a second time (BENCHMARKS.md, "Where a restore's time goes"):
+TensorStore decodes the item's 2,978 chunks one by one through the OCDBT b-tree, and Orbax
+drives it with ~0.2 ms of Python per array. The files themselves are simple: Orbax stores a
+PyTree item as zarr v2 arrays (one chunk per shard written) in an OCDBT key-value database,
+and zerojax saves them uncompressed (`checkpointer._handlers`), so every chunk is its array's
+raw little-endian bytes at some offset of some data file.
+
+How (one process; `Checkpointer._read_arrays` decides):
+
+1. `plan_item` lists the item's b-tree with TensorStore's own OCDBT reader
+   (`tensorstore.ocdbt.dump`: the manifest, then the root node): for every key its value,
+   inline (small chunks and each array's `.zarray`) or as (data file, offset, length). The
+   b-tree nodes carry their own crc32c, which TensorStore checks as it decodes them; the files
+   holding them are small and are checked against the manifest by the usual pass.
+2. `DirectRead.read` streams every data file of the item once, in offset order, on a few
+   threads (`readinto` and `zlib.crc32` release the GIL): a chunk whose place in its
+   destination array is contiguous (ZeRO's row shards, replicated arrays) is read straight
+   into it, any other chunk into a scratch buffer and copied into place, and the bytes between
+   chunks into scratch. The file's crc32 is computed over those same bytes right after they
+   are read, while they are still in cache, and compared with the manifest: the bytes restored
+   are the bytes verified, and the manifest pass skips these files (`verify_manifest(skip=)`).
+   A size or crc32 that differs raises the manifest's own CheckpointCorruptedError naming the
+   file.
+
+Anything this reader does not know -- compressed chunks (older zerojax saves, Orbax defaults),
+zarr v3, a b-tree of more than one node, a missing chunk (Orbax's fill value), an unknown dtype
+or byte order, a file shorter than its offsets say -- raises `Unsupported`, and the item (or
+the array: another shape or dtype than the target's) goes through Orbax as before. Nothing is
+written to disk differently: a checkpoint stays what Orbax reads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import sys
+import threading
+import zlib
+from collections.abc import Iterable, Mapping
+
+import jax
+import numpy as np
+
+from zerojax.ckpt.manifest import file_crc32, file_problem, unreadable_problem
+
+__all__ = ["DirectRead", "ItemPlan", "StoredArray", "Unsupported", "plan_item"]
+
+_READ_THREADS = 4
+"""Data files streamed at once: enough to overlap one file's crc32 with another's read."""
+_SCRATCH = 1 << 22
+"""Bytes between chunks (and chunks read out of place) go through a scratch buffer this big."""
+
+
+class Unsupported(Exception):
+    """The item's layout is not one this reader knows: read it through Orbax instead."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Value:
+    inline: bytes | None
+    file: str | None  # relative to the step directory
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredArray:
+    """One zarr v2 array of an item: shape, dtype, chunk shape, and where each chunk lies."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[int, ...]
+    values: dict[tuple[int, ...], _Value]
+
+    def chunk_grid(self) -> Iterable[tuple[int, ...]]:
+        counts = [math.ceil(s / c) if c else 0 for s, c in zip(self.shape, self.chunks)]
+        return np.ndindex(*counts)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItemPlan:
+    """Every array of an Orbax item (by Orbax's parameter name) and the data files holding
+    their chunks (relative to the step directory)."""
+
+    arrays: dict[str, StoredArray]
+    files: frozenset[str]
+
+
+def _dtype(text: str) -> np.dtype:
+    try:
+        dtype = np.dtype(text)
+    except TypeError:
+        import ml_dtypes  # bfloat16 and the float8s: JAX's own dtypes
+
+        dtype = np.dtype(getattr(ml_dtypes, text.lstrip("<>|"), None) or "V0")
+    if dtype.kind == "V" or dtype.hasobject:
+        raise Unsupported(f"dtype {text!r}")
+    # Chunks are read into native arrays as they are: little-endian data on a little-endian
+    # host only.
+    if dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder != "little"):
+        raise Unsupported(f"byte order of {text!r}")
+    return dtype
+
+
+def _value(entry: Mapping, item: str, files: Mapping[str, dict]) -> _Value:
+    if "inline_value" in entry:
+        data = entry["inline_value"]
+        if not isinstance(data, bytes):
+            raise Unsupported("inline value is not bytes")
+        return _Value(data, None, 0, len(data))
+    ref = entry.get("indirect_value")
+    if not isinstance(ref, str) or not ref.startswith("value:"):
+        raise Unsupported(f"value reference {ref!r}")
+    # "value:<base path>:<relative path>:<offset>:<length>", paths relative to the item.
+    head, offset, length = ref[len("value:") :].rsplit(":", 2)
+    base, _, rel = head.partition(":")
+    path = f"{item}/{base}{rel}"
+    if path not in files:
+        raise Unsupported(f"data file {path!r} is not in the manifest")
+    return _Value(None, path, int(offset), int(length))
+
+
+def plan_item(step_dir: str, item: str, files: Mapping[str, dict]) -> ItemPlan:
+    """Where every chunk of item `item` lies (see the module docstring); `files` is the step's
+    manifest (`read_manifest`). Raises Unsupported for a layout this reader does not know."""
+    import tensorstore as ts
+
+    try:
+        base = ts.KvStore.open(f"file://{os.path.join(step_dir, item)}/").result()
+        manifest = ts.ocdbt.dump(base).result()
+        version = manifest["versions"][-1]
+        if version["root_height"] != 0:
+            raise Unsupported("b-tree deeper than one node")
+        if "location" not in version["root"]:
+            return ItemPlan({}, frozenset())  # an empty database
+        node = ts.ocdbt.dump(base, version["root"]["location"]).result()
+    except Unsupported:
+        raise
+    except Exception as e:  # damaged, or not OCDBT: Orbax's read reports it
+        raise Unsupported(f"{type(e).__name__}: {e}") from e
+    metadata: dict[str, dict] = {}
+    chunks: dict[str, dict[str, _Value]] = {}
+    for entry in node["entries"]:
+        key = entry["key"].decode() if isinstance(entry["key"], bytes) else entry["key"]
+        name, _, leaf = key.rpartition("/")
+        if leaf == ".zarray":
+            value = _value(entry, item, files)
+            if value.inline is None:
+                raise Unsupported(f"{key}: metadata out of line")
+            metadata[name] = json.loads(value.inline)
+        elif not leaf.startswith("."):
+            chunks.setdefault(name, {})[leaf] = _value(entry, item, files)
+    arrays = {}
+    for name, meta in metadata.items():
+        if (
+            meta.get("zarr_format") != 2
+            or meta.get("compressor") is not None
+            or meta.get("filters") is not None
+            or meta.get("order", "C") != "C"
+        ):
+            raise Unsupported(f"{name}: zarr metadata {meta!r}")
+        shape, chunk_shape = tuple(meta["shape"]), tuple(meta["chunks"])
+        dtype = _dtype(meta["dtype"])
+        separator = meta.get("dimension_separator", ".")
+        stored = StoredArray(shape, dtype, chunk_shape, {})
+        chunk_bytes = math.prod(chunk_shape) * dtype.itemsize
+        own = chunks.get(name, {})
+        for index in stored.chunk_grid():
+            key = separator.join(map(str, index)) if index else "0"
+            value = own.get(key)
+            if value is None or value.length != chunk_bytes:
+                # Absent: Orbax's fill value; another length: compressed or not zarr v2 bytes.
+                raise Unsupported(f"{name}: chunk {key}")
+            stored.values[tuple(index)] = value
+        arrays[name] = stored
+    files_used = frozenset(
+        v.file for a in arrays.values() for v in a.values.values() if v.file is not None
+    )
+    return ItemPlan(arrays, files_used)
+
+
+# --------------------------------------------------------------------------- reading
+
+_ALIGN = 64  # XLA's CPU client aliases a host array aligned to this instead of copying it
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    offset = -raw.ctypes.data % _ALIGN
+    return raw[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def _shard_buffers(array: StoredArray, struct: jax.ShapeDtypeStruct) -> dict | None:
+    """{"buffers": {chunk index: host buffer}, "devices": {device: chunk index}} when every
+    addressable device's shard of `struct` is exactly one whole stored chunk; else None."""
+    devices = {}
+    for device, index in struct.sharding.addressable_devices_indices_map(array.shape).items():
+        chunk = []
+        for s, c, dim in zip(index, array.chunks, array.shape, strict=True):
+            start, stop, _ = s.indices(dim)
+            if c == 0 or start % c or stop - start != c:
+                return None
+            chunk.append(start // c)
+        devices[device] = tuple(chunk)
+    buffers = {i: _aligned_empty(array.chunks, array.dtype) for i in set(devices.values())}
+    return {"buffers": buffers, "devices": devices}
+
+
+def _into_whole(array: StoredArray, index: tuple[int, ...], dest: np.ndarray):
+    """(destination bytes, None) when chunk `index` is one run of `dest`'s memory, else
+    (None, where to copy it)."""
+    region = _chunk_region(array, index)
+    if all(r.stop - r.start == c for r, c in zip(region, array.chunks)) and _contiguous(
+        array.shape, region
+    ):
+        first = [r.start for r in region]
+        start = (int(np.ravel_multi_index(first, array.shape)) if array.shape else 0) * (
+            array.dtype.itemsize
+        )
+        length = math.prod(array.chunks) * array.dtype.itemsize
+        return memoryview(dest.reshape(-1).view(np.uint8))[start : start + length], None
+    return None, (dest, region, array)
+
+
+def _place(sharded: dict, whole: dict) -> dict[str, jax.Array]:
+    """The read arrays on their devices: one batched `jax.device_put` for every shard
+    buffer (a device sharing a shard with another gets a copy: no two device arrays alias one
+    buffer) and one for the arrays assembled whole."""
+    hosts, devices, owners = [], [], []
+    for name, (_, shards) in sharded.items():
+        used = set()
+        for device, index in shards["devices"].items():
+            buffer = shards["buffers"][index]
+            hosts.append(buffer if index not in used else np.array(buffer))
+            used.add(index)
+            devices.append(device)
+            owners.append(name)
+    out: dict[str, jax.Array] = {}
+    pieces: dict[str, list[jax.Array]] = {}
+    for name, piece in zip(owners, jax.device_put(hosts, devices), strict=True):
+        pieces.setdefault(name, []).append(piece)
+    for name, (struct, _) in sharded.items():
+        out[name] = jax.make_array_from_single_device_arrays(
+            struct.shape, struct.sharding, pieces[name]
+        )
+    if whole:
+        names = list(whole)
+        placed = jax.device_put([whole[n][1] for n in names], [whole[n][0].sharding for n in names])
+        out.update(zip(names, placed, strict=True))
+    return out
+
+
+def _chunk_region(array: StoredArray, index: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(
+        slice(i * c, min((i + 1) * c, s)) for i, c, s in zip(index, array.chunks, array.shape)
+    )
+
+
+def _contiguous(shape: tuple[int, ...], region: tuple[slice, ...]) -> bool:
+    """Whether `region` of a C-ordered array of `shape` is one run of memory."""
+    extents = [r.stop - r.start for r in region]
+    dims = [d for d, e in enumerate(extents) if e != 1]
+    return not dims or all(extents[d] == shape[d] for d in dims[1:])
+
+
+@dataclasses.dataclass(slots=True)
+class _Piece:
+    offset: int
+    length: int
+    into: memoryview | None  # the destination bytes, when contiguous
+    place: tuple[np.ndarray, tuple[slice, ...], StoredArray] | None  # else: copied there
+
+
+class DirectRead:
+    """The data files of the planned items of one step, each checked exactly once: by the
+    reader as it reads an item, or by `verify_unread` for files no read took."""
+
+    def __init__(self, step_dir: str, files: Mapping[str, dict], plans: Mapping[str, ItemPlan]):
+        self.step_dir = step_dir
+        self.files = files
+        self.plans = dict(plans)
+        self.skip = frozenset(f for plan in self.plans.values() for f in plan.files)
+        """What the manifest pass leaves to this reader (`verify_manifest(skip=)`)."""
+        self._checked: set[str] = set()
+        self._lock = threading.Lock()
+
+    def read(self, item: str, wanted: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+        """{name: jax.Array on its target's sharding} for every name in `wanted` (targets with
+        the shape and dtype the item's plan holds); every data file of the item is read whole
+        and checked against the manifest.
+
+        Where each device's shard is exactly one stored chunk (a restore onto the mesh that
+        saved), the chunk is read straight into a buffer of its own that becomes the device's
+        array without a copy (`jax.device_put` of an aligned numpy array on a CPU device
+        aliases it; elsewhere it is one transfer); otherwise the array is assembled whole in
+        host memory and `jax.device_put` slices it onto its devices."""
+        plan = self.plans[item]
+        by_file: dict[str, list[_Piece]] = {f: [] for f in plan.files}
+        sharded: dict[str, tuple[jax.ShapeDtypeStruct, dict]] = {}
+        whole: dict[str, tuple[jax.ShapeDtypeStruct, np.ndarray]] = {}
+        for name, array in plan.arrays.items():
+            struct = wanted.get(name)
+            shards = _shard_buffers(array, struct) if struct is not None else None
+            dest = None
+            if struct is not None and shards is None:
+                dest = np.empty(array.shape, array.dtype)
+                whole[name] = (struct, dest)
+            elif shards is not None:
+                sharded[name] = (struct, shards)
+            for index, value in array.values.items():
+                into, place = None, None  # not wanted: read, checked, dropped
+                if shards is not None:
+                    buffer = shards["buffers"][index]
+                    into = memoryview(buffer.reshape(-1).view(np.uint8))
+                elif dest is not None:
+                    into, place = _into_whole(array, index, dest)
+                if value.file is None:
+                    if into is not None or place is not None:
+                        _put(value.inline, into, place)
+                    continue
+                by_file[value.file].append(_Piece(value.offset, value.length, into, place))
+        with concurrent.futures.ThreadPoolExecutor(
+            min(_READ_THREADS, max(len(by_file), 1)), thread_name_prefix="zerojax-read"
+        ) as pool:
+            ordered = sorted(by_file, key=lambda f: -self.files[f]["size"])
+            for future in [pool.submit(self._read_file, f, by_file[f]) for f in ordered]:
+                future.result()
+        return _place(sharded, whole)
+
+    def verify_unread(self) -> None:
+        """Check the data files of planned items that no `read` took (the optimizer's, when
+        the optimizer was not restored) against the manifest."""
+        for rel in sorted(self.skip - self._checked):
+            path = os.path.join(self.step_dir, rel)
+            try:
+                size = os.stat(path).st_size
+                crc = file_crc32(path) if size == self.files[rel]["size"] else None
+            except OSError as error:
+                raise unreadable_problem(path, self.files[rel], error) from error
+            if problem := file_problem(path, self.files[rel], size=size, crc=crc):
+                raise problem
+            self._checked.add(rel)
+
+    def _read_file(self, rel: str, pieces: list[_Piece]) -> None:
+        path = os.path.join(self.step_dir, rel)
+        expected = self.files[rel]
+        try:
+            crc, size = self._stream(path, rel, pieces)
+        except OSError as error:
+            raise unreadable_problem(path, expected, error) from error
+        if problem := file_problem(path, expected, size=size, crc=crc):
+            raise problem
+        with self._lock:
+            self._checked.add(rel)
+
+    def _stream(self, path: str, rel: str, pieces: list[_Piece]) -> tuple[int, int]:
+        """(crc32, size) of the file at `path`, every piece read into its place on the way."""
+        expected = self.files[rel]
+        scratch = bytearray(_SCRATCH)
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if problem := file_problem(path, expected, size=size, crc=None):
+                raise problem
+            crc, position = 0, 0
+            for piece in sorted(pieces, key=lambda p: p.offset):
+                if piece.offset < position or piece.offset + piece.length > size:
+                    raise Unsupported(f"{rel}: chunk at {piece.offset}+{piece.length}")
+                crc = _skip(f, piece.offset - position, crc, scratch, rel)
+                if piece.into is not None:
+                    _read_exactly(f, piece.into, rel)
+                    crc = zlib.crc32(piece.into, crc)
+                else:
+                    if piece.length > len(scratch):
+                        scratch = bytearray(piece.length)
+                    view = memoryview(scratch)[: piece.length]
+                    _read_exactly(f, view, rel)
+                    crc = zlib.crc32(view, crc)
+                    if piece.place is not None:
+                        _put(view, None, piece.place)
+                position = piece.offset + piece.length
+            crc = _skip(f, size - position, crc, scratch, rel)
+        return crc, size
+
+
+def _read_exactly(f, view: memoryview, rel: str) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise Unsupported(f"{rel}: ends early")  # shorter than its stat said: Orbax names it
+        done += n
+
+
+def _skip(f, count: int, crc: int, scratch: bytearray, rel: str) -> int:
+    """Read `count` bytes no array takes (and fold them into the crc32)."""
+    view = memoryview(scratch)
+    while count > 0:
+        part = view[: min(count, len(view))]
+        _read_exactly(f, part, rel)
+        crc = zlib.crc32(part, crc)
+        count -= len(part)
+    return crc
+
+
+def _put(data, into: memoryview | None, place) -> None:
+    if into is not None:
+        into[:] = data
+        return
+    dest, region, array = place
+    chunk = np.frombuffer(data, array.dtype).reshape(array.chunks)
+    dest[region] = chunk[tuple(slice(0, r.stop - r.start) for r in region)]
