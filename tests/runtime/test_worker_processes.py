@@ -132,12 +132,12 @@ class _Loader:
 def test_dataset_that_does_not_pickle_or_is_large_keeps_the_fork(monkeypatch):
     """The verdict once the script is known to be guarded (pytest's own __main__ is)."""
     monkeypatch.setattr(worker_processes, "_main_not_importable", lambda: None)
-    tensors = torch.utils.data.TensorDataset(torch.randn(1 << 20, 64))  # 256 MiB, in shm
+    tensors = torch.utils.data.TensorDataset(torch.randn(1 << 17, 64))  # 32 MiB, sent in shm
     assert worker_processes.choose_start_method(_Loader(tensors))[0] == "forkserver"
     unpicklable = _Loader(tensors, collate_fn=lambda batch: batch)
     method, why = worker_processes.choose_start_method(unpicklable)
     assert method == "fork" and "does not pickle" in why, why
-    large = _Loader(list(range(20_000_000)))  # a Python list: pickled to every worker
+    large = _Loader([bytes(17 * 2**20)])  # over MAX_PICKLED_BYTES, pickled to every worker
     method, why = worker_processes.choose_start_method(large)
     assert method == "fork" and "MiB" in why, why
     assert worker_processes.choose_start_method(_Loader([1], context="spawn"))[0] == "user"

@@ -60,7 +60,7 @@ __all__ = ["MAX_PICKLED_BYTES", "choose_start_method", "install"]
 
 log = logging.getLogger("zerojax")
 
-MAX_PICKLED_BYTES = 64 * 2**20
+MAX_PICKLED_BYTES = 16 * 2**20
 """Above this, a dataset (with its collate_fn and worker_init_fn) keeps the fork: forkserver
 would pickle it to every worker at every epoch (a NumPy array or a Python list of a million
 file names; tensors travel through shared memory and do not count)."""
