@@ -533,7 +533,7 @@ def restore_profile(contender: ZerojaxContender, repeats: int) -> str:
             step_dir, files, {item: plan_item(step_dir, item, files) for item in targets}
         )
         for item, target in targets.items():
-            names = jax.tree.leaves(ocp.tree.get_param_names(target))
+            names = jax.tree.leaves(ocp.tree.get_param_names(target, include_empty_nodes=False))
             wanted = dict(zip(names, jax.tree.leaves(target), strict=True))
             jax.block_until_ready(reader.read(item, wanted))
 

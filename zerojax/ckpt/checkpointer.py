@@ -928,12 +928,14 @@ class Checkpointer:
         """{piece path: tree of placed jax.Arrays} for the pieces `direct` can read (see
         `_read_arrays`); {} when the item's files turn out not to be what it can read."""
         plan = direct.plans[item]
-        names = ocp.tree.get_param_names(abstract)
+        names = ocp.tree.get_param_names(abstract, include_empty_nodes=False)
         wanted: dict[str, jax.ShapeDtypeStruct] = {}
         chosen = []
         for path, sub in pieces:
             structs, sub_names = jax.tree.leaves(sub), jax.tree.leaves(_get(names, path))
-            if not structs or any(ts.is_empty(s) for s in structs):
+            if len(structs) != len(sub_names) or not structs:
+                continue
+            if any(ts.is_empty(s) for s in structs):
                 continue
             stored = [plan.arrays.get(n) for n in sub_names]
             if all(

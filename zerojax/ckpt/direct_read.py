@@ -200,8 +200,9 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def _shard_buffers(array: StoredArray, struct: jax.ShapeDtypeStruct) -> dict | None:
-    """{"buffers": {chunk index: host buffer}, "devices": {device: chunk index}} when every
-    addressable device's shard of `struct` is exactly one whole stored chunk; else None."""
+    """{"buffers": {chunk index: host buffer}, "chunks": {first element: the same buffer}}
+    when every addressable device's shard of `struct` is exactly one whole stored chunk; else
+    None."""
     devices = {}
     for device, index in struct.sharding.addressable_devices_indices_map(array.shape).items():
         chunk = []
@@ -212,7 +213,9 @@ def _shard_buffers(array: StoredArray, struct: jax.ShapeDtypeStruct) -> dict | N
             chunk.append(start // c)
         devices[device] = tuple(chunk)
     buffers = {i: _aligned_empty(array.chunks, array.dtype) for i in set(devices.values())}
-    return {"buffers": buffers, "devices": devices}
+    # By each shard's first element, which is how a shard's index names its chunk.
+    chunks = {tuple(i * c for i, c in zip(index, array.chunks)): b for index, b in buffers.items()}
+    return {"buffers": buffers, "chunks": chunks}
 
 
 def _into_whole(array: StoredArray, index: tuple[int, ...], dest: np.ndarray):
@@ -232,26 +235,25 @@ def _into_whole(array: StoredArray, index: tuple[int, ...], dest: np.ndarray):
 
 
 def _place(sharded: dict, whole: dict) -> dict[str, jax.Array]:
-    """The read arrays on their devices: one batched `jax.device_put` for every shard
-    buffer (a device sharing a shard with another gets a copy: no two device arrays alias one
-    buffer) and one for the arrays assembled whole."""
-    hosts, devices, owners = [], [], []
-    for name, (_, shards) in sharded.items():
-        used = set()
-        for device, index in shards["devices"].items():
-            buffer = shards["buffers"][index]
-            hosts.append(buffer if index not in used else np.array(buffer))
-            used.add(index)
-            devices.append(device)
-            owners.append(name)
+    """The read arrays on their devices. Shard buffers become the shards through
+    `jax.make_array_from_callback` (JAX's batched placement: ~3x fewer microseconds per shard
+    than `jax.device_put` of a list here); a device sharing a shard with another gets a copy,
+    so that no two device arrays alias one buffer. Arrays assembled whole go through one
+    `jax.device_put`."""
     out: dict[str, jax.Array] = {}
-    pieces: dict[str, list[jax.Array]] = {}
-    for name, piece in zip(owners, jax.device_put(hosts, devices), strict=True):
-        pieces.setdefault(name, []).append(piece)
-    for name, (struct, _) in sharded.items():
-        out[name] = jax.make_array_from_single_device_arrays(
-            struct.shape, struct.sharding, pieces[name]
-        )
+    for name, (struct, shards) in sharded.items():
+        chunks = shards["chunks"]
+        handed: set[tuple[int, ...]] = set()
+
+        def shard(index, chunks=chunks, handed=handed, shape=struct.shape):
+            first = tuple(s.indices(d)[0] for s, d in zip(index, shape, strict=True))
+            buffer = chunks[first]
+            if first in handed:
+                return np.array(buffer)
+            handed.add(first)
+            return buffer
+
+        out[name] = jax.make_array_from_callback(struct.shape, struct.sharding, shard)
     if whole:
         names = list(whole)
         placed = jax.device_put([whole[n][1] for n in names], [whole[n][0].sharding for n in names])
