@@ -15,7 +15,7 @@ import os
 import pytest
 
 from zerojax.cli import main
-from zerojax.runtime.effective_time import rank_log_path
+from zerojax.runtime.effective_time import goodput, rank_log_path
 from zerojax.runtime.job_time import JOB_CATEGORIES, LedgerLogError, job_summary, log_files
 
 
@@ -93,6 +93,12 @@ def test_restart_is_split_into_redone_work_downtime_restore_and_recompile(tmp_pa
     assert job["productive"] == (1012.0 - 1000.0 - 5.0) + (1048.0 - 1036.0 - 4.0)
     assert sum(job[c] for c in JOB_CATEGORIES) == pytest.approx(job["wall"])
     assert job["productive_fraction"] == round(15.0 / 55.0, 4)
+    # Google's goodput terms: the 14 s between attempts are scheduling badput; the rest of the
+    # loss is runtime badput; ETT is their product.
+    terms = goodput(job)
+    assert terms["scheduling"] == pytest.approx(41.0 / 55.0)
+    assert terms["runtime"] == pytest.approx(15.0 / 41.0) and terms["program"] is None
+    assert terms["scheduling"] * terms["runtime"] == pytest.approx(15.0 / 55.0)
     assert job["optimizer_steps"] == 6 and job["redone_step_count"] == 2
     assert job["restarts"] == [
         {
@@ -119,6 +125,7 @@ def test_cli_reports_every_rank(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 rank(s), 2 attempt(s), 6 optimizer steps, 2 redone after a restart; rank 0's" in out
     assert "ETT 27.3 %" in out and "attempt 1: 14.00 6.00 1.00 1.00 2.00 3.00" in out
+    assert "goodput: scheduling 74.5 %, runtime 36.6 %, program (MFU) not measured" in out
     assert main(["ett", str(log), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert sorted(summary["ranks"]) == ["0", "1"]

@@ -17,6 +17,9 @@ At exit the summary is printed to stderr (`runtime.report_effective_time`) and, 
 Only a config that asks for either registers the exit hook. JAX's compile events are listened
 to while an engine is alive (`attach`): the listener is removed when the last one is collected.
 
+In Google's ML goodput terms every lost category here costs *runtime goodput*, and a job's
+restarts add *scheduling* badput between attempts (`GOODPUT`); the report ends with both.
+
 The ledger is one per process on purpose: it accounts for the process's wall clock, which
 engines and checkpointers share. It lives here, below `train` and `ckpt`, which both report
 to it.
@@ -52,6 +55,48 @@ import jax
 
 CATEGORIES = ("init", "trace_compile", "checkpoint_blocking", "checkpoint_restore", "productive")
 _LOST = CATEGORIES[:-1]
+
+GOODPUT = {
+    "between_attempts": "scheduling",
+    "startup": "runtime",
+    "init": "runtime",
+    "trace_compile": "runtime",
+    "checkpoint_blocking": "runtime",
+    "checkpoint_restore": "runtime",
+    "redone_steps": "runtime",
+    "after_last_step": "runtime",
+}
+"""Which of Google's ML goodput terms each lost-time category (this ledger's and the job's,
+`zerojax.runtime.job_time`) takes away from. *Scheduling goodput*: the share of the job's
+time in which it holds every resource it needs -- lost between a failure and the relaunched
+processes' start (`between_attempts`). *Runtime goodput*: the share of that time spent on
+training progress that is kept -- lost to startup, init, compiles, checkpoint blocking and
+restores, and steps redone after a restart. *Program goodput*: how much of the hardware's
+peak the steps reach (MFU); a ledger of wall-clock time cannot measure it, so it is reported
+as not measured. ETT (productive / wall) = scheduling goodput x runtime goodput."""
+
+
+def goodput(summary: dict) -> dict[str, float | None]:
+    """{"scheduling": f, "runtime": f, "program": None} of a summary (this ledger's or a job's:
+    seconds per category, "productive" and "wall"); see `GOODPUT`."""
+    wall = summary.get("wall") or 0.0
+    unscheduled = sum(v for k, v in summary.items() if GOODPUT.get(k) == "scheduling")
+    held = wall - unscheduled
+    return {
+        "scheduling": held / wall if wall > 0 else 0.0,
+        "runtime": summary.get("productive", 0.0) / held if held > 0 else 0.0,
+        "program": None,
+    }
+
+
+def goodput_line(summary: dict) -> str:
+    """The goodput terms of `summary` as one report line."""
+    terms = goodput(summary)
+    return (
+        f"  goodput: scheduling {100 * terms['scheduling']:.1f} %, runtime "
+        f"{100 * terms['runtime']:.1f} %, program (MFU) not measured"
+    )
+
 
 # JAX's durations for tracing to a jaxpr, lowering it and compiling it (a persistent-cache hit
 # skips the backend compile but still traces and lowers).
@@ -189,6 +234,7 @@ class EffectiveTimeLedger:
             seconds = summary[name]
             lines.append(f"  {name:<20} {seconds:9.2f} s  {100 * seconds / wall:5.1f} %")
         lines.append(f"  {'wall':<20} {summary['wall']:9.2f} s")
+        lines.append(goodput_line(summary))
         return "\n".join(lines)
 
     def _log(self, record: dict) -> None:

@@ -38,7 +38,7 @@ import json
 import re
 from pathlib import Path
 
-from zerojax.runtime.effective_time import CATEGORIES
+from zerojax.runtime.effective_time import CATEGORIES, goodput_line
 
 MEASURED = CATEGORIES[:-1]  # the ledger's lost-time categories, logged as events
 JOB_CATEGORIES = (
@@ -234,6 +234,7 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  {name:<20} {job[name]:9.2f} s  {100 * job[name] / wall:5.1f} %")
     lines.append(f"  {'wall':<20} {job['wall']:9.2f} s")
     lines.append(f"  ETT {100 * job['productive_fraction']:.1f} %")
+    lines.append(goodput_line(job))
     if job["restarts"]:
         lines.append("restarts (s): between_attempts startup init restore recompile redone")
         for r in job["restarts"]:
