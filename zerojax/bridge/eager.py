@@ -85,8 +85,9 @@ class EagerCall:
         self._program = jax.jit(self._run)
         self._collectives: dict[tuple, bool] = {}
         self._avals: list[jax.ShapeDtypeStruct] | None = None
-        self.key: Any = None
-        """The `eager_call` cache key: the op's whole signature (set by `eager_call`)."""
+        self.serial = next(_serials)
+        """A number no other call has: what a recording keys this call's computation by
+        (cheaper to hash than the signature)."""
 
     def run(self, arrays: list, rng: jax.Array | None):
         """(The result, the index flag vector or None) for `arrays`, traceable: what a
@@ -208,6 +209,7 @@ _TRACED = object()  # a traced scalar's place in a cache key
 _COLLECTIVE_OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 
 _calls: OrderedDict[Any, EagerCall] = OrderedDict()
+_serials = itertools.count()
 
 
 def eager_call(
@@ -232,7 +234,6 @@ def eager_call(
         return call
     metas = [meta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
     call = EagerCall(op, spec, metas, traced)
-    call.key = key
     _calls[key] = call
     if len(_calls) > _MAX_CACHED_CALLS:
         _calls.popitem(last=False)

@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 _MAX_OPS = 20_000
 # Compiled recordings kept; beyond it the least recently added is dropped.
 _MAX_PROGRAMS = 256
+# Distinct recorded-op signatures numbered before the numbering starts again.
+_MAX_SIGNATURES = 1_000_000
 
 
 class Deferred:
@@ -91,10 +93,16 @@ def resolve(value):
 # flag vector or None), traced into the recording's program. `key` identifies `fn`'s
 # computation (same key, same computation on same-shaped inputs).
 class _Op:
-    __slots__ = ("fn", "key", "random", "refs")
+    __slots__ = ("fn", "random", "refs", "signature")
 
-    def __init__(self, key: Hashable, fn: Callable, refs: tuple, random: bool):
-        self.key, self.fn, self.refs, self.random = key, fn, refs, random
+    def __init__(self, signature: int, fn: Callable, refs: tuple, random: bool):
+        self.signature, self.fn, self.refs, self.random = signature, fn, refs, random
+
+
+# (op key, input refs) -> a small int standing for it in program keys (hashed once, when
+# recorded), and back (for the log line saying why a program is new).
+_signatures: dict[tuple, int] = {}
+_described: list[tuple] = []
 
 
 class _Recording:
@@ -107,7 +115,8 @@ class _Recording:
         self.rngs: list[jax.Array] = []
         # Deferred -> (op index, output index) of the values this recording will produce.
         self.positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # (writer, name) -> the Deferred last written into that engine entry.
+        # (writer, name) -> the value last written into that engine entry; `writer` takes
+        # {name: array} (all of a recording's writes through it at once).
         self.writes: dict[tuple[Callable, str], Deferred] = {}
 
     def ref(self, value) -> tuple:
@@ -147,7 +156,13 @@ def record(
     with _lock:
         recording = _recording
         refs = tuple(recording.ref(x) for x in inputs)
-        op = _Op(key, fn, refs, rng is not None)
+        signature = _signatures.get((key, refs))
+        if signature is None:
+            if len(_described) >= _MAX_SIGNATURES:  # numbers are reused: programs go too
+                _signatures.clear(), _described.clear(), _programs.clear(), _last_key.clear()
+            signature = _signatures[(key, refs)] = len(_described)
+            _described.append((key, refs))
+        op = _Op(signature, fn, refs, rng is not None)
         if rng is not None:
             recording.rngs.append(rng())
         index = len(recording.ops)
@@ -200,7 +215,7 @@ def flush() -> None:
             if output() is not None
         ]
         key = (
-            tuple((op.key, op.refs) for op in recording.ops),
+            tuple(op.signature for op in recording.ops),
             tuple(wanted),
             len(recording.arrays),
         )
@@ -223,8 +238,11 @@ def flush() -> None:
             deferred = recording.outputs[i][k]()
             if deferred is not None:
                 deferred._array = array
+        by_writer: dict[Callable, dict[str, jax.Array]] = {}
         for (writer, name), value in recording.writes.items():
-            writer(name, resolve(value))
+            by_writer.setdefault(writer, {})[name] = resolve(value)
+        for writer, values in by_writer.items():
+            writer(values)
         for vector in flags:
             raise_if_out_of_range(vector)
 
@@ -245,7 +263,9 @@ def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
             ]
             value, flag = fn(inputs, next(draws) if random else None)
             produced.append(jax.tree.leaves(value))
-            if flag is not None:
+            if isinstance(flag, list):  # one per element of a foreach op
+                flags.extend(flag)
+            elif flag is not None:
                 flags.append(flag)
         return [produced[i][k] for i, k in wanted], flags
 
@@ -268,7 +288,8 @@ def _why_new(key: tuple) -> str:
     previous = _last_key[0][0]
     for i, (op, before) in enumerate(zip(ops, previous, strict=False)):
         if op != before:
-            return f"{len(ops)} ops, differing from the previous program at op {i}: {op[0]!r}"
+            key = _described[op][0]
+            return f"{len(ops)} ops, differing from the previous program at op {i}: {key!r}"
     if len(ops) != len(previous):
         return f"{len(ops)} ops where the previous program had {len(previous)}"
     return f"{len(ops)} ops, the same ops with other results still referenced"

@@ -575,18 +575,20 @@ class Engine:
             return _unscaled(grad, self.scale, dtype)
         return grad if grad.dtype == dtype else grad.astype(dtype)
 
-    def write_grad(self, name: str, value: jax.Array) -> None:
-        """Set one parameter's accumulated gradient to `value` (as torch shows it: unscaled),
-        stored times the loss scale, in the grad dtype, on the plan's sharding."""
-        if name not in self.plan.grads:
-            raise ValueError(f"zerojax: '{name}' is not a float parameter; it has no gradient")
-        if self._state.loss_scale is not None:
-            value = value.astype(jnp.float32) * self.scale
-        dtype = self.policy.grad_dtype
-        grad = self.placement.put(
-            value if value.dtype == dtype else value.astype(dtype), self.plan.grads[name]
-        )
-        self._state = self._state.replace(grads={**(self._state.grads or {}), name: grad})
+    def write_grads(self, values: dict[str, jax.Array]) -> None:
+        """Set parameters' accumulated gradients (name -> value as torch shows it: unscaled),
+        stored times the loss scale, in the grad dtype, on the plan's shardings."""
+        for name in values:
+            if name not in self.plan.grads:
+                raise ValueError(f"zerojax: '{name}' is not a float parameter; it has no gradient")
+        dtype, scaled = self.policy.grad_dtype, self._current.loss_scale is not None
+        grads = {}
+        for name, value in values.items():
+            if scaled:
+                value = value.astype(jnp.float32) * self.scale
+            grads[name] = value if value.dtype == dtype else value.astype(dtype)
+        placed = self._placed(grads, self.plan.grads)
+        self._state = self._state.replace(grads={**(self._state.grads or {}), **placed})
 
     def weight_value(self, name: str, dtype) -> jax.Array:
         """One parameter's authoritative value (its master weight where kept), in `dtype`."""
@@ -600,22 +602,36 @@ class Engine:
         buffer = self._current.buffers[name]
         return buffer if buffer.dtype == dtype else buffer.astype(dtype)
 
-    def write_buffer(self, name: str, value: jax.Array) -> None:
-        current = self._state.buffers[name]
-        buffer = self.placement.put(value.astype(current.dtype), self.replicated)
-        self._state = self._state.replace(buffers={**self._state.buffers, name: buffer})
+    def write_buffers(self, values: dict[str, jax.Array]) -> None:
+        current = self._state.buffers
+        cast = {
+            n: v if v.dtype == current[n].dtype else v.astype(current[n].dtype)
+            for n, v in values.items()
+        }
+        placed = self._placed(cast, dict.fromkeys(cast, self.replicated))
+        self._state = self._state.replace(buffers={**current, **placed})
 
-    def write_weight(self, name: str, value: jax.Array) -> None:
-        """Set one parameter (its master weight, and the param cast from it, where the policy
-        keeps one: what the optimizer update does), on the plan's shardings."""
-        state = self._state.with_weights({name: value})
-        plan = self.plan
-        put = self.placement.put
-        params = {**state.params, name: put(state.params[name], plan.params[name])}
-        master = state.master
-        if master is not None and name in master:
-            master = {**master, name: put(master[name], plan.master_weights[name])}
+    def write_weights(self, values: dict[str, jax.Array]) -> None:
+        """Set parameters (their master weights, and the params cast from them, where the
+        policy keeps them: what the optimizer update does), on the plan's shardings."""
+        state, plan = self._state, self.plan
+        params, master = dict(state.params), None if state.master is None else dict(state.master)
+        for name, value in values.items():
+            if master is not None and name in master:
+                kept = master[name] = _as_dtype(value, master[name].dtype)
+                params[name] = _as_dtype(kept, params[name].dtype)
+            else:
+                params[name] = _as_dtype(value, params[name].dtype)
+        params.update(self._placed({n: params[n] for n in values}, plan.params))
+        if master is not None:
+            written = {n: master[n] for n in values if n in master}
+            master.update(self._placed(written, plan.master_weights))
         self._state = state.replace(params=params, master=master)
+
+    def _placed(self, arrays: dict[str, jax.Array], shardings) -> dict[str, jax.Array]:
+        """`arrays`, each on `shardings[name]`."""
+        put = self.placement.put
+        return {n: put(a, shardings[n]) for n, a in arrays.items()}
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> jax.Array:
         """Scale the accumulated gradients so their global norm is at most `max_norm`, on the
@@ -773,6 +789,11 @@ class Engine:
 def _reached_only(grads: dict, reached: dict) -> dict:
     """The gradients the loss reached (`Program.last_reached`): the others are torch's None."""
     return {n: g for n, g in grads.items() if reached[n]}
+
+
+def _as_dtype(array, dtype):
+    array = jnp.asarray(array) if not isinstance(array, jax.Array) else array
+    return array if array.dtype == dtype else array.astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames="dtype")

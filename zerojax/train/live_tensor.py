@@ -261,7 +261,9 @@ def _recorded(call, inputs: list, func, args: tuple, kwargs: dict):
         avals = call.output_avals(inputs)
     except eager.ScalarsMustBeConstant:
         return run_op(func, args, kwargs)
-    outputs = deferred.record(call.key, call.run, inputs, avals, _next_rng if call.random else None)
+    outputs = deferred.record(
+        (call.serial, call.op), call.run, inputs, avals, _next_rng if call.random else None
+    )
     meta = call.out_meta
     if isinstance(meta, torch.Tensor):
         return LiveTensor.owning(outputs[0], meta.dtype)
@@ -285,7 +287,7 @@ class ViewOf:
     def value(self) -> jax.Array | Deferred:
         base = self.base.value()
         outputs = deferred.record(
-            self.view_call.key,
+            (self.view_call.serial, self.view_call.op),
             self.view_call.run,
             [base],
             self.view_call.output_avals([base]),
@@ -388,7 +390,7 @@ def _foreach(func, args: tuple, kwargs: dict):
         if str(argument.type).startswith("List[")
         or (argument.name == "scalars" and str(argument.type) == "Tensor")
     }
-    per_tensor = _per_tensor_op(func)
+    per_tensor, written = _per_tensor_op(func)
     # The per-tensor schema takes some of the foreach op's positional arguments by keyword
     # (`addcmul_`'s value): bind them in order, by its names.
     target = per_tensor._schema.arguments
@@ -400,7 +402,7 @@ def _foreach(func, args: tuple, kwargs: dict):
         item = argument[i]
         return item.item() if schema[j].name == "scalars" and torch.is_tensor(item) else item
 
-    def call(i):
+    def bind(i):
         positional, keywords = [], dict(kwargs)
         for j, argument in enumerate(args):
             value = element(j, argument, i)
@@ -408,10 +410,77 @@ def _foreach(func, args: tuple, kwargs: dict):
                 keywords[target[j].name] = value
             else:
                 positional.append(value)
-        return per_tensor(*positional, **keywords)
+        return positional, keywords
 
-    results = [call(i) for i in range(count)]
+    elements = [bind(i) for i in range(count)]
+    results = _foreach_recorded(per_tensor, elements, written)
+    if results is None:  # element by element, as torch's fallback does
+        results = [per_tensor(*positional, **keywords) for positional, keywords in elements]
+        if written:
+            for (positional, _), result in zip(elements, results, strict=True):
+                positional[0].copy_(result)
     return None if name.endswith("_") else results
+
+
+def _foreach_recorded(per_tensor, elements: list, written: bool) -> list | None:
+    """A foreach op recorded as one op over all its elements (an optimizer's `_foreach_*`
+    steps: the per-element Python of `run_op` once per list, not per tensor): the live
+    results, written into the first list where the op is in place. None where an element needs
+    another path (a host tensor written, an op without lowering, a view, float64): the caller
+    runs the elements one at a time."""
+    in_place = written or bool(_mutated_positions(per_tensor))
+    op = eager.functional_variant(per_tensor) if in_place and not written else per_tensor
+    if op is None or get_lowering(op) is None or _returns_view(op):
+        return None
+    calls, inputs, sizes, avals = [], [], [], []
+    for positional, keywords in elements:
+        if in_place and not isinstance(positional[0], LiveTensor):
+            return None
+        leaves, spec, spec_key = _flatten(tuple(positional), keywords)
+        if any(isinstance(x, torch.Tensor) and x.dtype in _WIDE for x in leaves):
+            return None
+        try:
+            call = eager.eager_call(op, spec, leaves, _key_of, eager.meta_of, spec_key)
+        except (RuntimeError, NotImplementedError):
+            return None
+        if not isinstance(call.out_meta, torch.Tensor) or call.out_meta.dtype in _WIDE:
+            return None
+        values = [
+            _value_of(x) if isinstance(x, torch.Tensor) else x
+            for x in (leaves[i] for i in call.dynamic)
+        ]
+        try:
+            avals.append(call.output_avals(values)[0])
+        except eager.ScalarsMustBeConstant:
+            return None
+        calls.append(call)
+        inputs.extend(values)
+        sizes.append(len(values))
+    outputs = deferred.record(
+        ("foreach", per_tensor, tuple(call.serial for call in calls)),
+        functools.partial(_run_elements, tuple(calls), tuple(sizes)),
+        inputs,
+        avals,
+    )
+    if in_place:
+        for (positional, _), value in zip(elements, outputs, strict=True):
+            positional[0].write(value)
+    return [
+        LiveTensor.owning(value, call.out_meta.dtype)
+        for value, call in zip(outputs, calls, strict=True)
+    ]
+
+
+def _run_elements(calls: tuple, sizes: tuple, arrays: list, rng):
+    """The recorded function of a foreach op: each element's call on its slice of `arrays`."""
+    values, flags, start = [], [], 0
+    for call, size in zip(calls, sizes, strict=True):
+        value, flag = call.run(arrays[start : start + size], None)
+        values.append(value)
+        if flag is not None:
+            flags.append(flag)
+        start += size
+    return values, flags or None
 
 
 # Foreach overload -> the per-tensor overloads it applies, best first.
@@ -426,14 +495,19 @@ _PER_TENSOR_OVERLOADS = {
 
 
 @functools.cache
-def _per_tensor_op(func) -> torch._ops.OpOverload:
+def _per_tensor_op(func) -> tuple[torch._ops.OpOverload, bool]:
+    """(The per-tensor overload `func` applies, whether its result is written into the first
+    list's tensors by `_foreach` rather than by the op: `_foreach_maximum_` applies
+    `maximum`, which has no in-place form)."""
     name = func.__name__.split(".")[0].removeprefix("_foreach_")
     if name == "norm":  # _foreach_norm(tensors, ord, dtype) applies linalg_vector_norm
-        return aten.linalg_vector_norm.default
-    packet = getattr(aten, name)
+        return aten.linalg_vector_norm.default, False
+    packet, written = getattr(aten, name, None), False
+    if packet is None and name.endswith("_"):
+        packet, written = getattr(aten, name[:-1], None), True
     for overload in _PER_TENSOR_OVERLOADS.get(func._overloadname, ("default",)):
-        if overload in packet.overloads():
-            return getattr(packet, overload)
+        if packet is not None and overload in packet.overloads():
+            return getattr(packet, overload), written
     raise NotImplementedError(f"zerojax: no per-tensor form of {func} for live tensors")
 
 

@@ -103,7 +103,8 @@ def is_plain() -> bool:
 class EngineEntry:
     """A live tensor's source: one entry of the engine's state (a parameter, its gradient, a
     buffer), read afresh at every use through `reader(name, dtype)` and replaced through
-    `writer(name, value)` (engine methods that know the entry's dtype, sharding and scaling)."""
+    `writer({name: value})` (engine methods that know the entry's dtype, sharding and scaling;
+    a recording's writes reach them together, `zerojax.train.deferred`)."""
 
     __slots__ = ("dtype", "name", "reader", "writer")
 
@@ -132,7 +133,7 @@ class EngineEntry:
         if isinstance(value, Deferred) or deferred.pending_write(self.writer, self.name):
             deferred.write(self.writer, self.name, value)
         else:
-            self.writer(self.name, value)
+            self.writer({self.name: value})
 
 
 class _StandIn:
@@ -205,7 +206,7 @@ class ShardedParameter(_StandIn, torch.nn.Parameter):
 
     _zerojax_engine: object
     _zerojax_name: str
-    _reader, _writer = "weight_value", "write_weight"
+    _reader, _writer = "weight_value", "write_weights"
 
     @property
     def grad(self):
@@ -216,7 +217,7 @@ class ShardedParameter(_StandIn, torch.nn.Parameter):
         # cost a lookup each.
         view = self.__dict__.get("_zerojax_grad_view")
         if view is None:
-            view = self._zerojax_grad_view = _live_view(self, "grad_value", "write_grad")
+            view = self._zerojax_grad_view = _live_view(self, "grad_value", "write_grads")
         return view
 
     @grad.setter
@@ -231,7 +232,7 @@ class ShardedParameter(_StandIn, torch.nn.Parameter):
                 f"of shape {tuple(self.shape)}"
             )
         array = value.array if isinstance(value, LiveTensor) else from_torch(value)
-        engine.write_grad(name, array)
+        engine.write_grads({name: array})
 
     def _ordinary(self) -> torch.nn.Parameter:
         return torch.nn.Parameter(to_host(self.live()), self.requires_grad)
@@ -243,7 +244,7 @@ class ShardedBuffer(_StandIn, torch.Tensor):
 
     _zerojax_engine: object
     _zerojax_name: str
-    _reader, _writer = "buffer_value", "write_buffer"
+    _reader, _writer = "buffer_value", "write_buffers"
 
 
 def release_parameters(module: torch.nn.Module, engine) -> None:
