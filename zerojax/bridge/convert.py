@@ -14,7 +14,8 @@ import torch
 import torch.utils._pytree as torch_pytree
 from torch.export._tree_utils import reorder_kwargs
 
-from zerojax.bridge.capture import capture, find_host_read_inputs
+from zerojax.bridge import symbolic_shapes
+from zerojax.bridge.capture import SHAPE_ASSERTIONS, capture, find_host_read_inputs
 from zerojax.bridge.dtype_checks import check_operand_dtypes
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch, to_torch_dtype
 from zerojax.bridge.errors import CaptureError
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
     from zerojax.parallel.plan import ParallelPlan
 
 log = logging.getLogger("zerojax")
+
+MANY_SHAPES = 8
+"""After this many distinct input shapes of one input structure, warn once (naming the dims that
+keep changing and the fix)."""
 
 
 @jax.tree_util.register_static
@@ -108,6 +113,10 @@ class Converted:
         # Before the first program key is computed: a cache argument must flatten to its arrays.
         register_cache_pytrees(module)
         self._programs: dict[Any, tuple[GraphFunction, Any, Any]] = {}
+        # Per input structure (`_structure_of`): the shapes seen, and the symbolic captures
+        # with the shapes each admits (symbolic_shapes.py).
+        self._shapes_seen: dict[Any, list[dict]] = {}
+        self._symbolic: dict[Any, list[tuple[symbolic_shapes.ShapeGuards, Any]]] = {}
         self._program_for(args, kwargs, reason=None)
 
     @property
@@ -212,10 +221,12 @@ class Converted:
         leaves for its arrays, read off the captured program (captured first if these input
         shapes are new), not traced: no lowering runs."""
         args, kwargs = _unwrap_static((args, kwargs))
-        program, _, out_spec = self._program_for(
+        program, in_spec, out_spec = self._program_for(
             args, kwargs, reason="new input shapes or non-tensor arguments"
         )
-        outputs = torch_pytree.tree_unflatten(program.output_shapes(), out_spec)
+        leaves = drop_value_known_leaves(args, reorder_kwargs(kwargs, in_spec), self.value_inputs)
+        sizes = program.sizes_for(leaves)
+        outputs = torch_pytree.tree_unflatten(program.output_shapes(sizes), out_spec)
         if self.train and not _wants_cache(args, kwargs):
             outputs = drop_caches(outputs)
         return outputs
@@ -274,32 +285,111 @@ class Converted:
         return specialised
 
     def _program_for(self, args, kwargs, *, reason):
+        """The program for these inputs: cached by signature; else a symbolic capture of the
+        same inputs that admits their shapes (no torch.export: XLA compiles the new shape);
+        else a new capture, with the dims that changed since the first shape symbolic
+        (symbolic_shapes.py), or as they are if that capture fails."""
         key = _signature_key(args, kwargs, self.value_inputs, self.name)
         entry = self._programs.get(key)
-        if entry is None:
-            if reason is not None:
-                log.warning(
-                    "zerojax: %s for %s (%s); tracing and compiling a new program, cached "
-                    "for later calls with these shapes",
-                    reason,
+        if entry is not None:
+            return entry
+        structure = _structure_of(key)
+        seen = self._shapes_seen.setdefault(structure, [])
+        seen.append(symbolic_shapes.input_shapes(args, dict(sorted(kwargs.items()))))
+        changed = symbolic_shapes.changed_dims(seen)
+        if len(seen) == MANY_SHAPES and changed:
+            log.warning(
+                "zerojax: %s has been called with %d distinct input shapes (changing: %s); "
+                "each new shape compiles a new XLA program. Pad the inputs to a few sizes: "
+                "`pad_to_multiple_of=` in the data collator (Hugging Face's "
+                "DataCollatorWithPadding, DataCollatorForSeq2Seq), or zerojax's "
+                "`inputs.pad_to_multiple_of` config option (zerojax.train.shape_buckets)",
+                self.name,
+                len(seen),
+                symbolic_shapes.describe_dims(changed),
+            )
+        for guards, candidate in self._symbolic.get(structure, ()):
+            leaves = drop_value_known_leaves(
+                args, reorder_kwargs(kwargs, candidate[1]), self.value_inputs
+            )
+            if guards.bind([tuple(np.shape(x)) if _is_array(x) else None for x in leaves]):
+                log.debug(
+                    "zerojax: new input shapes for %s served by its symbolic capture (%s); "
+                    "compiling, not capturing",
                     self.name,
                     ", ".join(str(k) for k in key[1] if k is not None),
                 )
-            example_args, example_kwargs = torch_pytree.tree_map(_as_torch_example, (args, kwargs))
-            # A new program can be traced inside the caller's jax.jit (new shapes, a new static
-            # value): JAX work torch.export triggers on the side (it reads each parameter's
-            # .grad, which a zerojax engine gathers) must stay concrete, not join that trace.
-            with jax.ensure_compile_time_eval():
-                exported = self._capture(example_args, example_kwargs)
-            key = _signature_key(args, kwargs, self.value_inputs, self.name)
-            program = GraphFunction(
-                exported, train=self.train, alias=self.alias, model_name=self.name
+                self._programs[key] = candidate
+                return candidate
+        # Sizes 0 and 1 torch.export specialises (its 0/1 specialisation): such a dim is not
+        # captured symbolic from this example; a later one can be.
+        dynamic = {
+            name: kept
+            for name, dims in changed.items()
+            if (kept := tuple(d for d in dims if seen[-1][name][d] >= 2))
+        }
+        dynamic = dynamic if len(seen) > 1 and not self.value_inputs else {}
+        if reason is not None:
+            log.warning(
+                "zerojax: %s for %s (%s); tracing and compiling a new program, cached "
+                "for later calls with these shapes%s",
+                reason,
+                self.name,
+                ", ".join(str(k) for k in key[1] if k is not None),
+                f"; captured with {symbolic_shapes.describe_dims(dynamic)} symbolic, so later "
+                "shapes that differ there compile without capturing again"
+                if dynamic
+                else "",
             )
-            out_spec = exported.call_spec.out_spec
-            register_output_types(out_spec)
-            entry = (program, exported.call_spec.in_spec, out_spec)
-            self._programs[key] = entry
+        example_args, example_kwargs = torch_pytree.tree_map(_as_torch_example, (args, kwargs))
+        # A new program can be traced inside the caller's jax.jit (new shapes, a new static
+        # value): JAX work torch.export triggers on the side (it reads each parameter's
+        # .grad, which a zerojax engine gathers) must stay concrete, not join that trace.
+        with jax.ensure_compile_time_eval():
+            exported = (
+                self._capture_symbolic(example_args, example_kwargs, dynamic) if dynamic else None
+            )
+            symbolic = exported is not None
+            if exported is None:
+                exported = self._capture(example_args, example_kwargs)
+        key = _signature_key(args, kwargs, self.value_inputs, self.name)
+        program = GraphFunction(exported, train=self.train, alias=self.alias, model_name=self.name)
+        out_spec = exported.call_spec.out_spec
+        register_output_types(out_spec)
+        entry = (program, exported.call_spec.in_spec, out_spec)
+        self._programs[key] = entry
+        if symbolic:
+            guards = symbolic_shapes.ShapeGuards.of(
+                exported, exported.graph_module.meta.get(SHAPE_ASSERTIONS, ())
+            )
+            self._symbolic.setdefault(structure, []).append((guards, entry))
         return entry
+
+    def _capture_symbolic(self, args, kwargs, dynamic):
+        """capture() with the `dynamic` dims symbolic, or None where that does not give a
+        program serving other shapes: the capture fails (a guard on a size torch cannot keep
+        symbolic), torch specialised every one of them (0/1, a guard on the value), or it
+        leaves a host read of values (`_capture` specialises those)."""
+        try:
+            exported = capture(self.module, args, kwargs, train=self.train, dynamic=dynamic)
+        except CaptureError as error:
+            log.debug(
+                "zerojax: %s did not capture with %s symbolic (%s); capturing these shapes as "
+                "they are",
+                self.name,
+                symbolic_shapes.describe_dims(dynamic),
+                str(error).splitlines()[-1][:300],
+            )
+            return None
+        if reads_values_on_host(exported.graph) or not symbolic_shapes.is_symbolic(exported):
+            log.debug(
+                "zerojax: %s's capture with %s symbolic specialised them or reads values on "
+                "the host; capturing these shapes as they are",
+                self.name,
+                symbolic_shapes.describe_dims(dynamic),
+            )
+            return None
+        return exported
 
 
 def convert(
@@ -418,6 +508,15 @@ def _signature_key(args, kwargs, value_inputs=frozenset(), model_name=""):
         else:
             described.append(repr(leaf))
     return str(spec), tuple(described)
+
+
+def _structure_of(key) -> tuple:
+    """A signature key with each array's shape replaced by its rank: the calls a symbolic
+    capture may serve (same pytree, dtypes, ranks, non-array values, value inputs)."""
+    spec, described = key
+    return spec, tuple(
+        (len(d[0]), d[1]) if isinstance(d, tuple) and len(d) == 2 else d for d in described
+    )
 
 
 def _value_of(leaf, key: str, model_name: str):

@@ -208,9 +208,22 @@ def _only_used_by(node: torch.fx.Node, user: torch.fx.Node) -> bool:
     return set(node.users) == {user}
 
 
-def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+def _shape(node: torch.fx.Node) -> tuple | None:
+    """The recorded shape: ints, and a symbolic capture's sizes as their sympy expressions
+    (equal sizes compare equal; `int()` of a SymInt would give the size traced with, not the
+    size the graph runs at: symbolic_shapes.py)."""
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(
+        int(d) if isinstance(d, int) or d.node.is_constant() else d.node.expr for d in val.shape
+    )
+
+
+def _static_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    """The recorded shape when every dim is an int, else None."""
+    shape = _shape(node)
+    return shape if shape is not None and all(isinstance(d, int) for d in shape) else None
 
 
 def _replace(graph: torch.fx.Graph, last: torch.fx.Node, op: FusedOp, args: tuple) -> None:
@@ -231,8 +244,9 @@ def _fuse_bmm_broadcast_matrix(graph: torch.fx.Graph, bmm: torch.fx.Node) -> Non
             operand = operand.args[0]  # views reshape row-major: their chain is one reshape
         if not _is(operand, aten.expand.default):
             continue
-        source, expanded, viewed = operand.args[0], _shape(operand), _shape(bmm.args[position])
-        source_shape = _shape(source)
+        # Static shapes only: the fused op takes sizes as arguments, fixed in the graph.
+        source, expanded = operand.args[0], _static_shape(operand)
+        viewed, source_shape = _static_shape(bmm.args[position]), _static_shape(source)
         if source_shape is None or expanded is None or viewed is None:
             continue
         new_dims = len(expanded) - len(source_shape)

@@ -12,6 +12,7 @@ gradients add up.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
-from zerojax.bridge import custom_ops, fusion
+from zerojax.bridge import custom_ops, fusion, symbolic_shapes
 from zerojax.bridge import remat as remat_regions
 from zerojax.bridge.dtype_checks import check_operand_dtypes
 from zerojax.bridge.dtypes import from_torch, to_jax_dtype
@@ -53,6 +54,19 @@ _PYTHON_FUNCTIONS = {
     operator.le,
     operator.gt,
     operator.ge,
+    # Size arithmetic of a graph captured with symbolic shapes (symbolic_shapes.py): at trace
+    # time the sizes are ints, and these are Python functions of ints.
+    operator.pow,
+    operator.and_,
+    operator.or_,
+    math.ceil,
+    math.floor,
+    torch.sym_max,
+    torch.sym_min,
+    torch.sym_not,
+    torch.sym_float,
+    torch.sym_int,
+    torch.sym_ite,
 }
 
 RANDOM_OPS_NEED_RNG = "pass rng=jax.random.key(seed) to apply() (a fresh key per step)"
@@ -122,11 +136,12 @@ class GraphFunction:
         # Precisions (compute dtypes) whose operand dtypes were checked (dtype_checks.py).
         self._dtypes_checked: set[str] = set()
 
-    def output_shapes(self) -> list:
+    def output_shapes(self, sizes: symbolic_shapes.Sizes | None = None) -> list:
         """The user outputs as torch.export recorded them, without tracing: a
         `jax.ShapeDtypeStruct` per tensor output (its JAX dtype, as `__call__` returns it), the
         value itself for any other output. What a program's outputs look like (is there a scalar
-        loss?) is known from the capture; an `eval_shape` of the whole model would trace it."""
+        loss?) is known from the capture; an `eval_shape` of the whole model would trace it.
+        `sizes` binds the symbols of a symbolic capture (`ShapeGuards.bind`)."""
         output = next(node for node in reversed(self.graph.nodes) if node.op == "output")
         shapes = []
         for value, (kind, _) in zip(output.args[0], self.outputs, strict=True):
@@ -134,9 +149,21 @@ class GraphFunction:
                 continue
             val = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
             if isinstance(val, torch.Tensor):
-                val = jax.ShapeDtypeStruct(tuple(val.shape), to_jax_dtype(val.dtype))
+                shape = tuple(symbolic_shapes.concrete(d, sizes or {}) for d in val.shape)
+                val = jax.ShapeDtypeStruct(shape, to_jax_dtype(val.dtype))
             shapes.append(val)
         return shapes
+
+    def sizes_for(self, user_inputs: list) -> dict:
+        """symbol -> size: what the symbols of a symbolic capture (symbolic_shapes.py) stand
+        for with these user inputs; empty for a capture of fixed shapes."""
+        placeholders = (n for n in self.graph.nodes if n.op == "placeholder")
+        recorded = [
+            node.meta.get("val")
+            for node, (kind, _) in zip(placeholders, self.inputs, strict=False)
+            if kind == InputKind.USER_INPUT
+        ]
+        return symbolic_shapes.bind(zip(recorded, user_inputs, strict=True))
 
     def graph_for(self, kernels: KernelsConfig | None) -> torch.fx.Graph:
         """The graph to run: patterns of the kernel families `kernels` enables fused."""
@@ -217,6 +244,8 @@ class GraphFunction:
         env: dict[torch.fx.Node, object] = {}
         feed = iter(user_inputs)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        # A symbolic capture is specialised here: its size symbols are the arrays' sizes.
+        sizes = self.sizes_for(user_inputs)
         param_names: dict[torch.fx.Node, str] = {}
         for node, (kind, name) in zip(placeholders, self.inputs, strict=True):
             if kind == InputKind.PARAMETER:
@@ -260,6 +289,7 @@ class GraphFunction:
                 float_dtype=float_dtype,
                 kernels=kernels,
                 parallel=parallel,
+                sizes=sizes,
             )
 
         regions = self.regions_for(graph, remat)
@@ -416,6 +446,15 @@ def _is_static(dim) -> bool:
     return isinstance(dim, int) or (isinstance(dim, torch.SymInt) and dim.node.is_constant())
 
 
+def _bound(dim: torch.SymInt, sizes: symbolic_shapes.Sizes, got: int) -> int:
+    """A symbolic dim's size for the bound input sizes; `got` where no input binds it (an
+    unbacked size, such as bincount's, sized by values: whatever the lowering chose)."""
+    try:
+        return symbolic_shapes.concrete(dim, sizes)
+    except ValueError:
+        return got
+
+
 def _conform(value, meta, ctx: LoweringContext, node):
     """Cast a lowering's result to torch's recorded dtype and check torch's recorded shape."""
     if isinstance(meta, torch.Tensor):
@@ -423,7 +462,8 @@ def _conform(value, meta, ctx: LoweringContext, node):
         # A dim torch could only record as an unbacked symbol (bincount's length, sized by
         # values) is whatever the lowering chose; the static dims are checked.
         expected = tuple(
-            int(d) if _is_static(d) else got for d, got in zip(meta.shape, value.shape)
+            int(d) if _is_static(d) else _bound(d, ctx.sizes, got)
+            for d, got in zip(meta.shape, value.shape)
         )
         if value.ndim != meta.ndim or value.shape != expected:
             raise AssertionError(

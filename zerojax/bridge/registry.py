@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from zerojax.bridge.dtypes import to_jax_dtype
+from zerojax.bridge.symbolic_shapes import concrete
 from zerojax.config import KernelsConfig
 
 if TYPE_CHECKING:
@@ -248,6 +249,8 @@ class LoweringContext:
     # (`kernel_batch`, kernel_sharding.py), grouped GEMMs expert-parallel (`experts`),
     # attention sequence-parallel (`sequence`). None runs every op whole.
     parallel: ParallelPlan | None = None
+    # The sizes a symbolic capture's symbols stand for in this trace (symbolic_shapes.py).
+    sizes: Mapping[Any, int] = dataclasses.field(default_factory=dict)
 
     def kernel(self, family: str) -> tuple[str, bool] | None:
         """(implementation, interpret) for a kernel family ("attention", "norm", "optimizer",
@@ -279,7 +282,7 @@ class LoweringContext:
         meta = self.out_meta
         if isinstance(meta, (tuple, list)):
             meta = meta[0]
-        return tuple(int(d) for d in meta.shape)
+        return tuple(concrete(d, self.sizes) for d in meta.shape)
 
     def rng_key(self) -> jax.Array:
         """A PRNG key private to this graph node; fresh per call key, stable across traces."""

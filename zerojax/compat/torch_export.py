@@ -17,6 +17,12 @@
   runtime assertions from the captured graph anyway (`bridge/assertions.py`: a jitted program
   cannot raise), so under torch 2.11 `exporting()` makes the check a no-op while torch.export
   traces: the graph is the one later torch gives after the assertions are dropped.
+- Symbolic shapes with keyword inputs the forward takes through `**kwargs` (Hugging Face's
+  `num_items_in_batch`). torch 2.13's export with `dynamic_shapes` fails on them ("Must provide
+  a tree_name when there might be a mismatch"): `_get_range_constraints` reorders the combined
+  arguments by the call's keywords and so lists such an input twice, inside the `**kwargs` dict
+  and at the top level. `var_keywords_flattened()` puts them at the top level wherever torch
+  combines arguments, so every step sees one structure (the order it traces in).
 """
 
 from __future__ import annotations
@@ -98,3 +104,46 @@ def correct_recorded_values(graph: torch.fx.Graph) -> None:
         dtype = weights_dtype if weights_dtype.is_floating_point else torch.float64
         with recorded.fake_mode:
             node.meta["val"] = recorded.to(dtype)
+
+
+_COMBINING_MODULES = (
+    "torch.export.dynamic_shapes",
+    "torch.export._trace",
+    "torch._export.non_strict_utils",
+)
+
+
+@contextlib.contextmanager
+def var_keywords_flattened():
+    """Around a `torch.export.export` call with `dynamic_shapes` (see the module docstring)."""
+    import importlib
+
+    modules = [importlib.import_module(name) for name in _COMBINING_MODULES]
+    originals = [module._combine_args for module in modules]
+    combine = _flattening(originals[0])
+    for module in modules:
+        module._combine_args = combine
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            module._combine_args = original
+
+
+def _flattening(combine_args):
+    def combined(f, args, kwargs):
+        arguments = combine_args(f, args, kwargs)
+        try:
+            function = f.module() if isinstance(f, torch.export.ExportedProgram) else f
+            function = function.forward if isinstance(function, torch.nn.Module) else function
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):
+            return arguments
+        var = next((p.name for p in parameters if p.kind is p.VAR_KEYWORD), None)
+        if var is None or not isinstance(arguments.get(var), dict):
+            return arguments
+        flat = {name: value for name, value in arguments.items() if name != var}
+        flat.update(arguments[var])
+        return flat
+
+    return combined

@@ -272,6 +272,15 @@ class InputsConfig:
     """Which input dim is the sequence (used only with `sequence_axis`): an integer >= 0 other
     than `batch_dim`, by default 1."""
 
+    pad_to_multiple_of: tuple[tuple[str, int], ...] = ()
+    """Opt-in bucketing of varying input shapes (`zerojax.train.shape_buckets`): each call's
+    inputs padded, along `sequence` (dim 1) and/or `batch` (dim 0), up to a multiple of the
+    size given, so that batches of many lengths compile one program per bucket; outputs are
+    sliced back. A mapping such as {sequence: 64, batch: 8}, or an integer for the sequence
+    alone. Only where padding provably changes nothing: keyword inputs `input_ids` (padded
+    with the model's pad token), `attention_mask` (0) and `labels` (-100, which the loss
+    ignores); any other call is refused, saying why. Empty (the default): no padding."""
+
     def __post_init__(self) -> None:
         batch_axes = _optional(as_axes, "inputs.batch_axes", self.batch_axes, allowed=MESH_AXES)
         _set(self, "batch_axes", batch_axes)
@@ -282,6 +291,26 @@ class InputsConfig:
             )
         for name in ("batch_dim", "sequence_dim"):
             as_int(f"inputs.{name}", getattr(self, name), minimum=0)
+        padding: Any = self.pad_to_multiple_of
+        if isinstance(padding, int) and not isinstance(padding, bool):
+            padding = {"sequence": padding}
+        elif not isinstance(padding, Mapping):
+            if isinstance(padding, str) or not all(
+                isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in padding
+            ):
+                raise error(
+                    "inputs.pad_to_multiple_of", padding, "expected {sequence: n, batch: m} or n"
+                )
+            padding = dict(padding)
+        check_keys("inputs.pad_to_multiple_of", padding, ("sequence", "batch"))
+        _set(
+            self,
+            "pad_to_multiple_of",
+            tuple(
+                (dim, as_int(f"inputs.pad_to_multiple_of.{dim}", size, minimum=1))
+                for dim, size in padding.items()
+            ),
+        )
         if self.sequence_axis and self.batch_dim == self.sequence_dim:
             raise error("inputs.sequence_dim", self.sequence_dim, "must differ from batch_dim")
 

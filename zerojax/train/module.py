@@ -38,6 +38,7 @@ from zerojax.config.deepspeed import autos_error
 from zerojax.train.engine import Engine
 from zerojax.train.parameters import is_plain, plain_parameters
 from zerojax.train.programs import find_scalar_loss
+from zerojax.train.shape_buckets import padding_for
 
 
 class _JaxCall(torch.autograd.Function):
@@ -185,6 +186,10 @@ class ZeroModule(torch.nn.Module):
         engine = self._zerojax_engine
         if engine.config.trainer_autos and not engine.in_trainer:
             raise autos_error(engine.config.trainer_autos, in_trainer=False)
+        buckets = engine.config.inputs.pad_to_multiple_of
+        if buckets and (padding := padding_for(self, dict(buckets), args, kwargs)) is not None:
+            # Opt-in bucketing (shape_buckets.py): run padded, hand back the true shapes.
+            return padding.unpad(self._zerojax_forward(**padding.kwargs))
         converted = engine.converted(self.training, args, kwargs)
         flat_with_paths, spec = torch_pytree.tree_flatten_with_path((args, kwargs))
         flat = [leaf for _, leaf in flat_with_paths]

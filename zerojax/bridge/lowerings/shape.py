@@ -13,6 +13,7 @@ from jax import lax
 
 from zerojax.bridge.dtypes import result_type
 from zerojax.bridge.registry import lowering
+from zerojax.bridge.symbolic_shapes import concrete
 
 aten = torch.ops.aten
 
@@ -245,8 +246,8 @@ def lower_as_strided_default(ctx, self, size, stride, storage_offset=None):
     (a permuted or sliced view included), which covers every read that stays inside the input.
     """
     meta = ctx.node.args[0].meta["val"]
-    in_stride = tuple(int(s) for s in meta.stride())
-    in_offset = int(meta.storage_offset())
+    in_stride = tuple(concrete(s, ctx.sizes) for s in meta.stride())
+    in_offset = concrete(meta.storage_offset(), ctx.sizes)
     offset = in_offset if storage_offset is None else storage_offset
     held = _storage_positions(self.shape, in_stride, in_offset).reshape(-1)
     wanted = _storage_positions(size, stride, offset)
@@ -285,7 +286,7 @@ def lower_as_strided_scatter_default(ctx, self, src, size, stride, storage_offse
     The clone keeps self's strides with a fresh storage (offset 0), which is what size, stride
     and storage_offset address; writes outside that storage are not representable.
     """
-    in_stride = tuple(int(s) for s in ctx.node.args[0].meta["val"].stride())
+    in_stride = tuple(concrete(s, ctx.sizes) for s in ctx.node.args[0].meta["val"].stride())
     held = _storage_positions(self.shape, in_stride, 0).reshape(-1)
     wanted = _storage_positions(size, stride, storage_offset or 0).reshape(-1)
     span = int(held.max(initial=-1)) + 1
