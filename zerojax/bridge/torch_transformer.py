@@ -27,10 +27,15 @@ the grad mode at the time of capture, while zerojax's program for eval mode serv
 and without gradients. So while capturing, torch's own switch for them,
 `torch.backends.mha.set_fastpath_enabled(False)`, is off, and every capture records the general
 path, with the values of the fast paths and one exception torch.compile shares (its tracing
-also refuses the nested path): the nested path returns 0 at padded positions (before the
-encoder's final norm), the general path the values computed there, which are also what eager
-torch returns with gradients enabled. At every position that is not padding the values are the
-same.
+refuses the nested path too, with the default `mask_check=True`): the nested path returns 0 at
+padded positions (before the encoder's final norm), the general path the values computed there,
+which are also what eager torch returns with gradients enabled. At every position that is not
+padding the values are the same.
+
+Not done: recovering a given mask's causal pattern. The program applies the mask as it is, not
+as `is_causal`, so the attention kernel does not skip the masked blocks; the mask is often a
+value the program cannot know (an input, a buffer), and torch's own hint (`is_causal=True`)
+keeps its meaning.
 """
 
 from __future__ import annotations
