@@ -17,5 +17,5 @@ lack of time (the `--budget-s` wall-clock budget) is reported as skipped and doe
 
 With `--cpu` every section runs on the CPU with tiny shapes and the Pallas kernels in interpret
 mode: CI runs it (`make gpu-check CPU=1`), so an API that moved under us breaks CI rather than
-the next session that is lent a GPU. Its numbers mean nothing; its checks still must pass.
+the next run on a GPU machine. Its numbers mean nothing; its checks still must pass.
 """
