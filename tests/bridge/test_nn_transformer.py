@@ -30,6 +30,7 @@ from torch import nn
 import zerojax
 from tests import tolerances
 from zerojax.bridge.dtypes import from_torch, to_torch
+from zerojax.bridge.errors import CaptureError
 
 # One layer per stack in the mask tests (the masks reach every layer alike; capture and compile
 # time grow with depth); word_language_model's model below has two.
@@ -402,6 +403,27 @@ def test_eval_matches_torch_fast_paths_and_general_path():
     for name in ("causal", "layer"):
         tolerances.assert_within_torch_error(got[name], fast[name], fast_exact[name], name)
     assert_outputs_within_torch_error(got, general, general_exact, "general path")
+
+
+class FailsAfterEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = encoder(batch_first=True)
+
+    def forward(self, src):
+        self.encoder(src, mask=causal(src.size(1)))
+        raise ValueError("the model's own error")
+
+
+def test_torch_is_itself_again_after_a_failed_capture():
+    """What capture changes in torch (the detection, the fast-path switch) is put back even when
+    the capture fails: the user's eager torch keeps its causal detection and fast paths."""
+    detect = torch.nn.modules.transformer._detect_is_causal_mask
+    assert torch.backends.mha.get_fastpath_enabled()
+    with pytest.raises(CaptureError, match="the model's own error"):
+        zerojax.convert(FailsAfterEncoder().eval(), (torch.randn(BATCH, SOURCE, EMBED),))
+    assert torch.nn.modules.transformer._detect_is_causal_mask is detect
+    assert torch.backends.mha.get_fastpath_enabled()
 
 
 # ---------------------------------------------------------------------------------------------
