@@ -113,23 +113,24 @@ def _cell(text: str) -> str:
 
 def render_table(hardware: dict[str, dict], rows: list[Row]) -> str:
     lines = [
-        "| area | what was measured | hardware | peer | zerojax | peer | zerojax / peer | rerun |",
-        "|---|---|---|---|---|---|---|---|",
+        "| area | what was measured | hardware | peer | zerojax | peer | zerojax / peer | "
+        "measured (details) | rerun |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        what = row.what
+        details = row.measured or "details"
         if row.section is not None:
-            when = f", {row.measured}" if row.measured else ""
-            what += f" ([details]({HISTORY_PAGE}#{slugify(row.section, '-')}){when})"
+            details = f"[{details}]({HISTORY_PAGE}#{slugify(row.section, '-')})"
         command = f"`{row.command}`" if row.command else ""
         cells = [
             row.area,
-            what,
+            row.what,
             hardware[row.hardware]["label"],
             row.peer,
             _number(row.zerojax, row.unit),
             _number(row.peer_value, row.unit),
             ratio_text(row),
+            details,
             command,
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
