@@ -83,7 +83,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from zerojax.ckpt import at_exit, commit, direct_read, layout, quiet_orbax
+from zerojax.ckpt import at_exit, commit, direct_read, layout, priority, quiet_orbax
 from zerojax.ckpt import training_state as ts
 from zerojax.ckpt.direct_read import DirectRead
 from zerojax.ckpt.errors import (
@@ -331,6 +331,10 @@ class Checkpointer:
         self._pending: concurrent.futures.Future | None = None
         self._pending_step: int | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # The single-process background write runs on a second thread at background priority
+        # (`zerojax.ckpt.priority`): a thread's priority cannot be raised back, and the next
+        # save's snapshot, on `_executor`'s thread, is what the next update may wait for.
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # Where the snapshot of a single-process save lives (`zerojax.ckpt.snapshot`); tests
         # force each method.
         self._snapshot_method: Method = "auto"
@@ -487,8 +491,20 @@ class Checkpointer:
             # if it failed, this save fails and training goes on).
             enqueued.set()
         # Orbax's whole save (its per-shard copies to host: ~3,000 for the bench's state,
-        # directories, metadata, thread starts) runs here, off the loop's time.
-        self._write(manager, step, _save_args(items, meta))
+        # directories, metadata, thread starts) runs off the loop's time, on the writer thread
+        # at background priority, so the training steps meanwhile get the cores first.
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="zerojax-write", initializer=priority.lower_this_thread
+            )
+        args = _save_args(items, meta)
+        self._writer.submit(self._background_write, manager, step, args).result()
+
+    def _background_write(
+        self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite
+    ) -> None:
+        priority.lower_tensorstore_threads()  # its pool does the chunk copies and file writes
+        self._write(manager, step, args)
 
     def _write(self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite) -> None:
         self._start_write(manager, step, args)
@@ -609,9 +625,10 @@ class Checkpointer:
                         f"{type(e).__name__}: {e}"
                     )
                     error.__cause__ = e
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown()
+        for executor in (self._executor, self._writer):
+            if executor is not None:
+                executor.shutdown()
+        self._executor = self._writer = None
         if error is not None:
             raise error
 
