@@ -117,6 +117,7 @@ class Converted:
         # with the shapes each admits (symbolic_shapes.py).
         self._shapes_seen: dict[Any, list[dict]] = {}
         self._symbolic: dict[Any, list[tuple[symbolic_shapes.ShapeGuards, Any]]] = {}
+        self._symbolic_failed: set[tuple] = set()  # (structure, dims) whose capture failed
         self._program_for(args, kwargs, reason=None)
 
     @property
@@ -312,7 +313,8 @@ class Converted:
             leaves = drop_value_known_leaves(
                 args, reorder_kwargs(kwargs, candidate[1]), self.value_inputs
             )
-            if guards.bind([tuple(np.shape(x)) if _is_array(x) else None for x in leaves]):
+            shapes = [tuple(np.shape(x)) if _is_array(x) else None for x in leaves]
+            if guards.bind(shapes) is not None:
                 log.debug(
                     "zerojax: new input shapes for %s served by its symbolic capture (%s); "
                     "compiling, not capturing",
@@ -329,6 +331,9 @@ class Converted:
             if (kept := tuple(d for d in dims if seen[-1][name][d] >= 2))
         }
         dynamic = dynamic if len(seen) > 1 and not self.value_inputs else {}
+        attempt = (structure, tuple(sorted(dynamic.items())))
+        if attempt in self._symbolic_failed:
+            dynamic = {}  # it failed with these dims once: a second try costs the same again
         if reason is not None:
             log.warning(
                 "zerojax: %s for %s (%s); tracing and compiling a new program, cached "
@@ -350,6 +355,8 @@ class Converted:
                 self._capture_symbolic(example_args, example_kwargs, dynamic) if dynamic else None
             )
             symbolic = exported is not None
+            if dynamic and not symbolic:
+                self._symbolic_failed.add(attempt)
             if exported is None:
                 exported = self._capture(example_args, example_kwargs)
         key = _signature_key(args, kwargs, self.value_inputs, self.name)
