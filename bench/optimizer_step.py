@@ -1,15 +1,23 @@
-"""Optimizer step time: torch's own step on live tensors vs zerojax's compiled update.
+"""Optimizer step time: every torch.optim optimizer against zerojax's compiled AdamW update.
 
 After one backward of the GPT-2 bench model (bench/architectures.gpt2_bench_model, one CPU
-device), times `optimizer.step()` interleaved, --repeats times each, median:
+device), times `optimizer.step()` interleaved, --repeats rounds, and reports each contender's
+median and its per-round ratio to the compiled AdamW update (issue 42's target: every
+optimizer within 1.2x of it):
 
-- AdamW, compiled (zerojax.train.optimizers: one jitted program over the TrainState);
-- RMSprop and Adafactor, torch's own `step()` on live tensors (an op at a time, each a jitted
-  JAX call on the engine's arrays: zerojax.train.optimizer_shim);
-- the same three in plain torch on a twin, for scale.
+- AdamW handed to `zerojax.initialize`: the engine's compiled update (zerojax.train.optimizers);
+- every other torch.optim optimizer, a user-defined one and Muon (for the matrices, beside
+  AdamW for the rest, as torch's docs advise): torch's own `step()` on live tensors, its ops
+  recorded and run as one program (zerojax.train.deferred);
+- AdamW built *after* initialize on the model's parameters (minGPT's trainer, the HF Trainer):
+  a plain torch optimizer on live tensors, recorded the same way;
+- a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
+  against `torch.optim.SGD` handed to initialize (target: within 1.1x);
+- plain torch's AdamW, RMSprop and Adafactor on a twin, for scale.
 
-A zerojax timing ends when the updated parameters are ready (`jax.block_until_ready`). The
-gradients stay in place between steps (no zero_grad), so every step updates every parameter.
+A zerojax timing ends when the updated parameters are ready (`engine.state` runs what was
+recorded; `jax.block_until_ready` waits for it). Gradients stay in place between steps (no
+zero_grad), so every step updates every parameter.
 
 Run: .venv/bin/python bench/optimizer_step.py [--repeats N]
 """
@@ -34,13 +42,44 @@ import torch.nn.functional as F
 
 import zerojax
 from bench.architectures import gpt2_bench_model
-from bench.timing import interleaved_medians_ms
+from bench.timing import interleaved_times_ms, paired_ratio
+from tests.train.test_torch_optimizers import SignMomentum
 
+# name -> (make(parameters) -> optimizer or list of them, also time plain torch)
 OPTIMIZERS = {
-    "AdamW (compiled)": lambda p: torch.optim.AdamW(p, lr=1e-4),
-    "RMSprop (own step, live)": lambda p: torch.optim.RMSprop(p, lr=1e-5),
-    "Adafactor (own step, live)": lambda p: torch.optim.Adafactor(p, lr=1e-4),
+    "AdamW (compiled)": (lambda p: torch.optim.AdamW(p, lr=1e-4), True),
+    "RMSprop": (lambda p: torch.optim.RMSprop(p, lr=1e-5), True),
+    "Adafactor": (lambda p: torch.optim.Adafactor(p, lr=1e-4), True),
+    "NAdam": (lambda p: torch.optim.NAdam(p, lr=1e-4), False),
+    "RAdam": (lambda p: torch.optim.RAdam(p, lr=1e-4), False),
+    "Adagrad": (lambda p: torch.optim.Adagrad(p, lr=1e-4), False),
+    "Adamax": (lambda p: torch.optim.Adamax(p, lr=1e-4), False),
+    "Adadelta": (lambda p: torch.optim.Adadelta(p, lr=1e-4), False),
+    "ASGD": (lambda p: torch.optim.ASGD(p, lr=1e-4), False),
+    "Rprop": (lambda p: torch.optim.Rprop(p, lr=1e-4), False),
+    "SignMomentum (user-defined)": (lambda p: SignMomentum(p, lr=1e-4), False),
+    "SGD (compiled)": (lambda p: torch.optim.SGD(p, lr=1e-4), False),
 }
+REFERENCE = "zerojax AdamW (compiled)"
+
+
+def _bench_model():
+    torch.manual_seed(0)
+    module, (tokens,) = gpt2_bench_model()
+    module.eval()
+    return module, tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _backward(model, tokens, targets) -> None:
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+
+
+def _zerojax_step(step, model):
+    def run():
+        step()
+        jax.block_until_ready(model.engine.state.params)
+
+    return run
 
 
 def main() -> None:
@@ -48,32 +87,63 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     contenders = {}
-    for name, make in OPTIMIZERS.items():
-        torch.manual_seed(0)
-        module, (tokens,) = gpt2_bench_model()
-        module.eval()
+    for name, (make, with_torch) in OPTIMIZERS.items():
+        module, tokens, targets = _bench_model()
         twin = copy.deepcopy(module)
-        targets = torch.roll(tokens, -1, dims=1)
         model, optimizer = zerojax.initialize(
             module, make(module.parameters()), {"mesh": {"data": 1}}
         )
-        twin_optimizer = make(twin.parameters())
-        for m in (model, twin):
-            F.cross_entropy(m(tokens).flatten(0, 1), targets.flatten()).backward()
+        _backward(model, tokens, targets)
+        contenders[f"zerojax {name}"] = _zerojax_step(optimizer.step, model)
+        if with_torch:
+            twin_optimizer = make(twin.parameters())
+            _backward(twin, tokens, targets)
+            contenders[f"torch {name.split(' ')[0]}"] = twin_optimizer.step
 
-        def zerojax_step(optimizer=optimizer, model=model):
-            optimizer.step()
-            jax.block_until_ready(model.engine.state.params)
+    # Muon for the matrices beside AdamW for the rest (torch's docs): both handed over.
+    module, tokens, targets = _bench_model()
+    matrices = [p for p in module.parameters() if p.ndim == 2]
+    rest = [p for p in module.parameters() if p.ndim != 2]
+    model, (muon, adamw) = zerojax.initialize(
+        module,
+        [torch.optim.Muon(matrices, lr=1e-4), torch.optim.AdamW(rest, lr=1e-4)],
+        {"mesh": {"data": 1}},
+    )
+    _backward(model, tokens, targets)
+    contenders["zerojax Muon + AdamW"] = _zerojax_step(lambda: (muon.step(), adamw.step()), model)
 
-        contenders[f"zerojax {name}"] = zerojax_step
-        contenders[f"torch {name.split(' ')[0]}"] = twin_optimizer.step
-    medians = interleaved_medians_ms(contenders, args.repeats)  # warm-up: compile, state
+    # AdamW built after initialize on the model's parameters (minGPT, the HF Trainer).
+    module, tokens, targets = _bench_model()
+    model, _ = zerojax.initialize(module, None, {"mesh": {"data": 1}})
+    late = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    _backward(model, tokens, targets)
+    contenders["zerojax AdamW built after initialize"] = _zerojax_step(late.step, model)
+
+    # A hand-written update loop (pytorch/examples' word_language_model).
+    module, tokens, targets = _bench_model()
+    model, _ = zerojax.initialize(module, None, {"mesh": {"data": 1}})
+    _backward(model, tokens, targets)
+
+    @torch.no_grad()
+    def by_hand(model=model):
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-1e-4)
+
+    contenders["zerojax hand-written p.data.add_ loop"] = _zerojax_step(by_hand, model)
+
+    times = interleaved_times_ms(contenders, args.repeats, rotate=True)  # warm-up: compile
     print(
         f"GPT-2 bench model (52 parameters, 3.49M elements), one CPU device; median of "
-        f"{args.repeats}"
+        f"{args.repeats} interleaved rounds; ratio = per-round median against {REFERENCE}"
     )
-    for name, ms in medians.items():
-        print(f"  {name:40s} {ms:8.1f} ms")
+    for name, samples in times.items():
+        median = sorted(samples)[len(samples) // 2]
+        ratio, low, high = paired_ratio(times, name, REFERENCE)
+        print(f"  {name:44s} {median:8.1f} ms  {ratio:5.2f}x  [{low:.2f}-{high:.2f}]")
+    ratio, low, high = paired_ratio(
+        times, "zerojax hand-written p.data.add_ loop", "zerojax SGD (compiled)"
+    )
+    print(f"  hand-written loop / SGD (compiled): {ratio:.2f}x [{low:.2f}-{high:.2f}]")
 
 
 if __name__ == "__main__":
