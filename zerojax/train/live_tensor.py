@@ -5,7 +5,8 @@
 of its own. Its `source` says where the value lives -- an array the tensor owns (the result of
 an op), or one entry of the engine's `TrainState` (a gradient, a parameter) read afresh at
 every use -- and every ATen op on it runs as JAX through the bridge's lowering table
-(`zerojax.bridge.eager`: jitted per op signature, on the shards). So torch's own
+(`zerojax.bridge.eager`), on the shards: recorded, and run with the ops around it as one
+compiled program when a value is needed (`zerojax.train.deferred`). So torch's own
 `clip_grad_norm_`, `p.grad.mul_`, `torch._foreach_*`, EMAs with `lerp_`, and `nn.init` after
 initialize work on the engine's state, with nothing gathered to the host.
 
@@ -17,8 +18,9 @@ then the param cast from it, as the optimizer update does).
 The host sees values only where torch semantics demand one: `.item()` / `float()` / `bool()`,
 `.tolist()`, `.numpy()`, printing, `torch.save` / pickling, `copy.deepcopy` (an ordinary torch
 tensor), and ops JAX cannot compute as torch does -- float64/complex128 values (JAX runs
-32-bit here), ops with no lowering nor decomposition, `out=` variants -- which run in torch on
-host copies, writing back what they modify. A view op's result (`view`, `select`, slicing,
+32-bit here), ops with no lowering nor decomposition, `out=` variants into a host tensor or
+one torch would resize -- which run in torch on host copies, writing back what they modify
+(`out=` into a live tensor of the result's shape is its functional op, written into it). A view op's result (`view`, `select`, slicing,
 `t`) is a live view of its base: it reads the base's current value, and writing it writes the
 base, as torch's aliasing does.
 """

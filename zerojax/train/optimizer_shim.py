@@ -14,12 +14,13 @@ Two ways to update, chosen by the optimizer's class:
   RMSprop, NAdam, RAdam, Adagrad, Adamax, Adadelta, ASGD, Rprop -- a user's own `Optimizer`
   subclass, and any optimizer given in a list of several): the optimizer's own `step()` runs
   unchanged; its parameters and gradients are live views of the engine's arrays
-  (`zerojax.train.parameters`), so each of its ATen ops runs as JAX on the shards. The state it
-  creates (`zeros_like(p)`: live tensors) is placed on the plan's optimizer-state sharding of
-  its parameter after each step, so state memory follows the ZeRO stage; scalar state (step
-  counts) stays as torch made it. Slower than compiled (an op at a time) but the math is
-  torch's own. LBFGS (many closure evaluations per step) and SparseAdam (sparse gradients)
-  are refused, as is fp16 loss scaling on this path.
+  (`zerojax.train.parameters`), and its ATen ops are recorded and run as one compiled program
+  per step (`zerojax.train.deferred`; torch's `foreach` implementations are its default for
+  live parameters, `zerojax.train.foreach_default`). The state it creates (`zeros_like(p)`:
+  live tensors) is placed on the plan's optimizer-state sharding of its parameter after each
+  step, so state memory follows the ZeRO stage; scalar state (step counts) stays as torch made
+  it, on the host. The math is torch's own. LBFGS (many closure evaluations per step) and
+  SparseAdam (sparse gradients) are refused, as is fp16 loss scaling on this path.
 
 `state_dict()` / `load_state_dict()` speak torch's format either way.
 """
