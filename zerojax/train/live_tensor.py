@@ -44,6 +44,7 @@ from zerojax.bridge.registry import get_lowering
 from zerojax.distributed.arrays import host_copy
 from zerojax.train import deferred
 from zerojax.train.deferred import Deferred
+from zerojax.train.fused_optimizer_ops import FUSED_OPTIMIZER_OPS, run_fused_step
 
 __all__ = ["LiveTensor", "Owned", "to_host"]
 
@@ -220,6 +221,8 @@ def run_op(func, args: tuple, kwargs: dict):
         return _copy_(*args, **kwargs)
     if func.namespace == "aten" and func.__name__.startswith("_foreach_"):
         return _foreach(func, args, kwargs)
+    if func in FUSED_OPTIMIZER_OPS and run_fused_step(func, args, kwargs):
+        return None
     if _written_kwargs(func):
         return _into_out(func, args, kwargs)
     mutated = _mutated_positions(func)

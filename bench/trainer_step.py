@@ -1,0 +1,133 @@
+"""The Hugging Face Trainer's step: plain, with only the `initialize` line, and with the
+optimizer handed to `initialize`.
+
+A small Llama (LlamaConfig built in code: 4 layers, hidden 128, vocabulary 512, sequences of
+64, batch 8), the Trainer's defaults (its own fused AdamW, `max_grad_norm=1.0` clipping through
+accelerate, a linear schedule), one CPU device, --steps steps each. Three contenders, each in
+its own fresh process (a Trainer run owns the process's torch state), run in turn --rounds
+times so that load hits them alike; each reports the median of its steps after the first two
+(compilation):
+
+- plain: the Trainer as it is;
+- initialize only: `model = zerojax.initialize(model)[0]` before the Trainer, which then builds
+  its AdamW over the live parameters and clips them with torch's clip_grad_norm_ (their ops
+  recorded and run as one program per step: zerojax.train.deferred);
+- handed over: `zerojax.initialize(model, AdamW(...))` and the Trainer given that optimizer
+  (`optimizers=(optimizer, None)`): the engine's compiled update.
+
+A step is timed from the Trainer's `on_step_begin` to its `on_step_end` callback (forward,
+backward, clip, optimizer and scheduler step).
+
+Run: .venv/bin/python bench/trainer_step.py [--steps N] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The repository, not bench/, first on the path: bench/multiprocess.py would shadow the
+# `multiprocess` package the Trainer's `datasets` imports.
+sys.path[0] = str(REPO)
+
+CONTENDERS = ("plain", "initialize only", "handed over")
+
+
+def run_one(contender: str, steps: int) -> list[float]:
+    """Step times (ms) of one Trainer run, in this process."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 1)
+    import tempfile
+
+    import torch
+    import transformers
+
+    import zerojax
+
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self, rows: int):
+            generator = torch.Generator().manual_seed(0)
+            self.ids = torch.randint(0, 512, (rows, 64), generator=generator)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class StepTimes(transformers.TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append((time.perf_counter() - self.start) * 1e3)
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = None
+    if contender == "initialize only":
+        model = zerojax.initialize(model, config={"mesh": {"data": 1}})[0]
+    elif contender == "handed over":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = zerojax.initialize(model, optimizer, {"mesh": {"data": 1}})
+    times = StepTimes()
+    with tempfile.TemporaryDirectory() as out:
+        args = transformers.TrainingArguments(
+            output_dir=out, max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-4,
+            report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+            logging_strategy="no",
+        )  # fmt: skip
+        transformers.Trainer(
+            model=model,
+            args=args,
+            train_dataset=Tokens(8 * steps),
+            optimizers=(optimizer, None),
+            callbacks=[times],
+        ).train()
+    return times.times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.contender:
+        print(json.dumps(run_one(args.contender, args.steps)))
+        return
+    medians: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+    for _ in range(args.rounds):
+        for contender in CONTENDERS:
+            result = subprocess.run(
+                [sys.executable, __file__, "--contender", contender, "--steps", str(args.steps)],
+                capture_output=True, text=True, check=True, cwd=REPO, timeout=1800,
+            )  # fmt: skip
+            times = json.loads(result.stdout.strip().splitlines()[-1])
+            medians[contender].append(statistics.median(times[2:]))
+    print(
+        f"HF Trainer, small Llama (4 layers, hidden 128), batch 8 x 64, one CPU device; "
+        f"median step of steps 3-{args.steps}, median over {args.rounds} rounds"
+    )
+    plain = statistics.median(medians["plain"])
+    for contender, values in medians.items():
+        ms = statistics.median(values)
+        print(f"  {contender:16s} {ms:8.1f} ms  {ms / plain:5.2f}x plain")
+
+
+if __name__ == "__main__":
+    main()
