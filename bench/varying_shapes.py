@@ -162,6 +162,12 @@ def run(case: str) -> dict:
         "case": case,
         "steps": len(step_secs),
         "distinct_shapes": len(set(shapes)),
+        # The shapes the model's program ran at: the collator's, padded to their bucket.
+        "program_shapes": len(
+            {(rows, -(-length // BUCKET_MULTIPLE) * BUCKET_MULTIPLE) for rows, length in shapes}
+            if case == "buckets"
+            else set(shapes)
+        ),
         "exports": exports["count"],
         "export_secs": round(exports["secs"], 2),
         "xla_compiles": compiles["count"],

@@ -189,7 +189,7 @@ class ZeroModule(torch.nn.Module):
         buckets = engine.config.inputs.pad_to_multiple_of
         if buckets and (padding := padding_for(self, dict(buckets), args, kwargs)) is not None:
             # Opt-in bucketing (shape_buckets.py): run padded, hand back the true shapes.
-            return padding.unpad(self._zerojax_forward(**padding.kwargs))
+            return padding.unpad(self._zerojax_forward(*args, **padding.kwargs))
         converted = engine.converted(self.training, args, kwargs)
         flat_with_paths, spec = torch_pytree.tree_flatten_with_path((args, kwargs))
         flat = [leaf for _, leaf in flat_with_paths]
