@@ -85,6 +85,9 @@ class EagerCall:
         self._program = jax.jit(self._run)
         self._collectives: dict[tuple, bool] = {}
         self._avals: list[jax.ShapeDtypeStruct] | None = None
+        self.reads_indices = False
+        """Whether the op checks indices (`zerojax.bridge.index_bounds`): known once
+        `output_avals` has traced it."""
         self.serial = next(_serials)
         """A number no other call has: what a recording keys this call's computation by
         (cheaper to hash than the signature)."""
@@ -105,13 +108,14 @@ class EagerCall:
             ]
             key = jax.random.key(0) if self.random else None
             try:
-                out, _ = jax.eval_shape(self._run, abstract, key)
+                out, flags = jax.eval_shape(self._run, abstract, key)
             except jax.errors.ConcretizationTypeError:
                 if not self.traced_scalars:
                     raise
                 _needs_constant_scalars.add(self.op)
                 raise ScalarsMustBeConstant from None
             self._avals = jax.tree.leaves(out)
+            self.reads_indices = flags is not None
         return self._avals
 
     def _run(self, arrays: list, rng: jax.Array | None):

@@ -269,6 +269,10 @@ def _recorded(call, inputs: list, func, args: tuple, kwargs: dict):
     outputs = deferred.record(
         (call.serial, call.op), call.run, inputs, avals, _next_rng if call.random else None
     )
+    if call.reads_indices:
+        # An index out of range raises torch's error at the call, as torch does (and before
+        # anything else is recorded behind it): ops that read indices are rare on live tensors.
+        deferred.flush()
     meta = call.out_meta
     if isinstance(meta, torch.Tensor):
         return LiveTensor.owning(outputs[0], meta.dtype)
