@@ -12,6 +12,7 @@ parameter are read off the engine's arrays and off `zerojax.memory_report`.
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -250,15 +251,36 @@ def test_fp16_overflow_skips_the_step_lowers_the_scale_and_recovers():
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def test_fp16_loss_scaling_with_an_optimizer_running_its_own_step_is_refused():
-    """Loss scaling (overflow check, skip, scale update) lives in the compiled update; an
-    optimizer running its own torch step (RMSprop) would apply overflowed gradients."""
+def test_fp16_loss_scaling_with_an_optimizer_running_its_own_step():
+    """An optimizer running its own torch step (RMSprop, recorded on live tensors) under fp16
+    loss scaling: an overflow skips its step (parameters, master weights and its state
+    untouched) and moves the scale by the compiled update's rule; clean steps train."""
+    torch.manual_seed(0)
     module = Classifier()
     precision = {
         "param_dtype": "float16",
         "compute_dtype": "float16",
         "master_dtype": "float32",
-        "loss_scale": {"initial_scale": 1024.0},
+        "loss_scale": {"initial_scale": 1024.0, "hysteresis": 1, "window": 2},
     }
-    with pytest.raises(ValueError, match="fp16 loss scaling.*RMSprop.*AdamW/Adam/SGD"):
-        zerojax.initialize(module, torch.optim.RMSprop(module.parameters()), config(precision))
+    model, optimizer = zerojax.initialize(
+        module, torch.optim.RMSprop(module.parameters(), lr=1e-2), config(precision)
+    )
+    task = Task()
+    losses = [step(model, optimizer, *task.batch())]
+    assert optimizer.loss_scale == 1024.0 and optimizer.skipped_steps == 0
+    master_before = {n: np.asarray(a) for n, a in model.engine.master.items()}
+    square_avgs = [optimizer.state[p]["square_avg"].numpy() for p in model.parameters()]
+    step(model, optimizer, *task.batch(), loss_factor=1e8)  # fp16 gradients overflow
+    assert optimizer.skipped_steps == 1
+    assert optimizer.loss_scale == 512.0
+    for name, master in model.engine.master.items():
+        np.testing.assert_array_equal(np.asarray(master), master_before[name], err_msg=name)
+    for p, before in zip(model.parameters(), square_avgs, strict=True):
+        np.testing.assert_array_equal(optimizer.state[p]["square_avg"].numpy(), before)
+    for _ in range(STEPS):
+        losses.append(step(model, optimizer, *task.batch()))
+    assert optimizer.skipped_steps == 1
+    assert optimizer.loss_scale == 512.0 * 2 ** (STEPS // 2)  # doubled every window=2 steps
+    assert all(map(math.isfinite, losses))
+    assert losses[-1] < 0.5 * losses[0], losses

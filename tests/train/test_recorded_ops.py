@@ -137,7 +137,7 @@ def test_a_schedule_and_varying_clip_norms_never_recompile():
     """100 steps, a cosine LR schedule, a clip norm that changes every step, a torch optimizer's
     own step (RMSprop) and torch's clip_grad_norm_: the number of compiled programs stays
     constant after step 2, and the run matches plain torch."""
-    make = lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9)  # noqa: E731
+    make = lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9)
     model, optimizer, twin, twin_optimizer = wrapped_twin(ZERO0, make)
     schedules = [
         torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=100)

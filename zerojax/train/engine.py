@@ -52,11 +52,16 @@ from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import deferred, optimizers
 from zerojax.train.parameters import plain_parameters
-from zerojax.train.precision import PrecisionPolicy, initial_loss_scale_state
+from zerojax.train.precision import (
+    PrecisionPolicy,
+    initial_loss_scale_state,
+    next_loss_scale_state,
+)
 from zerojax.train.programs import (
     DEVICE_GRADIENT_OPS,
     HOST_GRADIENT_OPS,
     StepPrograms,
+    all_finite,
     clip_by_global_norm_jit,
     clip_host_grads,
     find_scalar_loss,
@@ -666,6 +671,28 @@ class Engine:
             self._state = self._state.replace(grads=None)
         return True
 
+    def loss_scale_allows_update(self) -> bool:
+        """fp16 loss scaling around an update made outside `update` (a torch optimizer's own
+        step on live tensors): whether the accumulated gradients are all finite -- a host sync,
+        as DeepSpeed's overflow check is -- with the loss scale moved on by the same rule as the
+        compiled update's, and an update it skips counted. True without loss scaling."""
+        state = self._state
+        if state.loss_scale is None or state.grads is None:
+            return True
+        finite = _all_finite(state.grads)
+        loss_scale = _next_loss_scale(self.policy.loss_scale, state.loss_scale, finite)
+        applies = self.placement.all_finite(finite)
+        if not applies:
+            log.warning(
+                "zerojax: fp16 gradients overflowed; optimizer step skipped, loss scale %g -> %g",
+                float(state.loss_scale["scale"]),
+                float(loss_scale["scale"]),
+            )
+        self._state = state.replace(
+            loss_scale=loss_scale, skipped_steps=state.skipped_steps + (not applies)
+        )
+        return applies
+
     def count_update(self) -> None:
         """Count an optimizer update made outside `update` (a torch optimizer's own step)."""
         self._state = self._state.replace(step=self._state.step + 1)
@@ -789,6 +816,10 @@ class Engine:
 def _reached_only(grads: dict, reached: dict) -> dict:
     """The gradients the loss reached (`Program.last_reached`): the others are torch's None."""
     return {n: g for n, g in grads.items() if reached[n]}
+
+
+_all_finite = jax.jit(all_finite)
+_next_loss_scale = jax.jit(next_loss_scale_state, static_argnums=0)
 
 
 def _as_dtype(array, dtype):

@@ -20,7 +20,9 @@ Two ways to update, chosen by the optimizer's class:
   live tensors) is placed on the plan's optimizer-state sharding of its parameter after each
   step, so state memory follows the ZeRO stage; scalar state (step counts) stays as torch made
   it, on the host. The math is torch's own. LBFGS (many closure evaluations per step) and
-  SparseAdam (sparse gradients) are refused, as is fp16 loss scaling on this path.
+  SparseAdam (sparse gradients) are refused. With fp16 loss scaling the gradients are checked
+  before the step (a host sync, as DeepSpeed's check is): an overflow skips it and moves the
+  scale by the compiled update's rule.
 
 `state_dict()` / `load_state_dict()` speak torch's format either way.
 """
@@ -146,11 +148,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _torch_step(self) -> None:
         """The torch optimizer's own step on the live parameters and gradients."""
         engine = self._engine
-        clipping = engine.config.train.gradient_clipping
-        if clipping is not None:
-            engine.clip_grad_norm(clipping)
-        _unhooked_step(self._optimizer)()
-        self._place_state()
+        # fp16 loss scaling: an overflowed step is skipped (and counted), as in `update`.
+        if engine.loss_scale_allows_update():
+            clipping = engine.config.train.gradient_clipping
+            if clipping is not None:
+                engine.clip_grad_norm(clipping)
+            _unhooked_step(self._optimizer)()
+            self._place_state()
         if self._reports_steps:
             engine.count_update()
 
@@ -252,12 +256,6 @@ def _check_runs_on_live_tensors(optimizer: torch.optim.Optimizer, engine: Engine
             raise ValueError(  # noqa: TRY004 (a value the user chose, not a wrong type)
                 f"zerojax: torch.optim.{refused.__name__} is not supported: {why}"
             )
-    if engine.state.loss_scale is not None:
-        raise ValueError(
-            f"zerojax: fp16 loss scaling runs inside the compiled update, which "
-            f"{type(optimizer).__name__} does not use (it runs its own step); use bf16 "
-            f"(no loss scaling) or torch.optim.AdamW/Adam/SGD"
-        )
     host_states = engine.config.offload.host_states
     if host_states:
         raise ValueError(
