@@ -134,7 +134,9 @@ def plan_item(step_dir: str, item: str, files: Mapping[str, dict]) -> ItemPlan:
     import tensorstore as ts
 
     try:
-        base = ts.KvStore.open(f"file://{os.path.join(step_dir, item)}/").result()
+        base = ts.KvStore.open(
+            {"driver": "file", "path": os.path.join(step_dir, item) + "/"}
+        ).result()
         manifest = ts.ocdbt.dump(base).result()
         version = manifest["versions"][-1]
         if version["root_height"] != 0:
