@@ -109,6 +109,25 @@ def test_symbolic_capture_serves_lengths_its_guards_admit(exports):
             )
 
 
+def test_a_changing_batch_size_is_captured_symbolic_too(exports):
+    """A short last batch, an eval batch of another size: the batch dim changes and the second
+    size's capture serves the others (a new length after that captures once more, with both
+    dims symbolic, then serves every (batch, length))."""
+    model = Branchy().eval()
+    twin = copy.deepcopy(model).double()
+    converted = zerojax.convert(model, (), {"tokens": torch.zeros(4, 20, dtype=int)})
+    expected = [(4, 20, 1), (6, 20, 2), (3, 20, 2), (10, 20, 2), (5, 24, 3), (7, 28, 3)]
+    expected += [(2, 36, 3)]
+    for rows, length, count in expected:
+        tokens = torch.randint(0, VOCAB, (rows, length))
+        out, _ = converted.apply(converted.params, converted.buffers, tokens=jnp.asarray(tokens))
+        assert exports["n"] == count, (rows, length)
+        with torch.no_grad():
+            tolerances.assert_within_torch_error(
+                torch.tensor(np.asarray(out)), model(tokens), twin(tokens), f"{rows}x{length}"
+            )
+
+
 def test_output_shapes_of_a_symbolic_capture_are_the_call_s():
     """`Converted.output_shapes` (what the fused training path reads the loss off) gives each
     call's own sizes from a symbolic capture, not the sizes it was traced with."""

@@ -208,11 +208,7 @@ class Converted:
         if key in self._inputs_checked:
             return
         exported = capture(
-            self.module,
-            args,
-            kwargs,
-            train=self.train,
-            **({"value_inputs": self.value_inputs} if self.value_inputs else {}),
+            self.module, args, kwargs, train=self.train, value_inputs=self.value_inputs
         )
         check_operand_dtypes(exported.graph, float_dtype)
         self._inputs_checked.add(key)
