@@ -8,14 +8,16 @@ validation, and saves `{'state_dict': model.state_dict(), 'optimizer': optimizer
 records every loss and makes `--dummy`'s FakeData 16 images of 32x32 so that a CPU run takes
 seconds), compared with the same script without its zerojax line.
 
-Tolerance: 1e-5 relative on the losses. At a batch of 8, ResNet-18's last BatchNorm normalises
-8 values per channel (1x1 maps), which makes the loss chaotic in the weights: plain torch
-float32 against float64 on the same inputs differs by 3e-7 relative for two steps, then 1e-4
-to 4e-3 from the fourth step on (measured). So the run stops after two steps, where the
-comparison means something. zerojax's gradients are as close to float64 as torch's at the
-first and third steps (1.1e-5 vs 0.8e-5 normwise) but ~3e-3 off at the second (measured on the
-same weights against a float64 copy of the model): the comparison after two steps
-is an expected failure until that is found.
+Tolerances. At a batch of 8, ResNet-18's last BatchNorm normalises 8 values per channel (1x1
+maps) and the gradient is discontinuous at ReLU kinks and max-pool ties: plain torch float32
+against float64 on the same inputs differs by 3e-7 relative in the loss for two steps, then
+1e-4 to 4e-3 from the fourth step on; and the gradient at the weights one SGD step reaches
+can be ill-conditioned: at the weights zerojax's first step reached (1e-5 from torch's), plain
+torch's own float32 gradient is 7.8e-3 from float64 (zerojax's 3.0e-3), where at torch's it
+is 8e-6 (all measured). So the run stops after two steps; the two training losses (computed
+before that gradient is used) within 1e-5 relative; what the second step made (the weights and
+the validation losses after it) within 2e-4, the measured spread being 5e-5 (1 device) to
+1.2e-4 (8 devices); the momentum buffers see comment at their comparison.
 """
 
 from __future__ import annotations
@@ -88,46 +90,30 @@ PARAMS = ["zero0-1-device", pytest.param("zero3-8-devices", marks=pytest.mark.sl
 
 @pytest.mark.parametrize("config", PARAMS)
 def test_imagenet_dummy_trains_and_its_checkpoint_loads_in_torch(runs, config):
-    """The script runs through, its two training losses are plain torch's (1e-5), and its
-    checkpoint, with nothing of zerojax's in it, loads into plain torch's ResNet-18 and SGD."""
-    theirs, _ = runs("torch")
+    """The script runs through with plain torch's losses, and its checkpoint, with nothing of
+    zerojax's in it, loads into plain torch's ResNet-18 and SGD with plain torch's values."""
+    theirs, their_dir = runs("torch")
     ours, our_dir = runs(config)
     assert len(ours) == len(theirs) == 2 + 2  # two training steps, two validation batches
     np.testing.assert_allclose(ours[:2], theirs[:2], rtol=1e-5)
+    np.testing.assert_allclose(ours[2:], theirs[2:], rtol=2e-4)
     assert b"zerojax" not in (our_dir / "checkpoint.pth.tar").read_bytes().lower()
     mine = torch.load(our_dir / "checkpoint.pth.tar")
+    reference = torch.load(their_dir / "checkpoint.pth.tar")
     model = torchvision.models.resnet18()
     model.load_state_dict(mine["state_dict"])
     optimizer = torch.optim.SGD(model.parameters(), 0.01, momentum=0.9, weight_decay=1e-4)
     optimizer.load_state_dict(mine["optimizer"])
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="ResNet-18's gradient at the second step is ~3e-3 from float64 under zerojax "
-    "(torch: 1e-5; the first and third steps are 1e-5 on both): the momentum buffers and, "
-    "on 8 devices, the validation losses after two steps are off",
-)
-@pytest.mark.parametrize("config", PARAMS)
-def test_imagenet_dummy_matches_torch_after_two_steps(runs, config):
-    """Validation losses after two steps (1e-5), the weights and the momentum buffers of the
-    checkpoint against plain torch's."""
-    theirs, their_dir = runs("torch")
-    ours, our_dir = runs(config)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
-    mine = torch.load(our_dir / "checkpoint.pth.tar")
-    reference = torch.load(their_dir / "checkpoint.pth.tar")
     assert mine["scheduler"] == reference["scheduler"] and mine["epoch"] == reference["epoch"]
-    # The weights: two SGD steps of lr 0.01 from gradients within ~1e-5 of each other move
-    # them by ~1e-7 of their size; 1e-5 normwise. The momentum buffers are the gradients
-    # themselves (0.9 g0 + g1): float32 ResNet-18 gradients at this batch are ~1e-5 from
-    # float64 (torch 0.8e-5 at each step): 3e-5 normwise between two float32 runs.
     momentum = lambda checkpoint: {
         i: s["momentum_buffer"] for i, s in checkpoint["optimizer"]["state"].items()
     }
+    # The momentum buffers hold the second step's gradient itself (0.9 g0 + g1), as far from
+    # each other as float32 gradients at such weights are from float64 (7.8e-3, above):
+    # measured 1.1e-2 on 8 devices; 3e-2.
     for ours_state, their_state, tolerance in (
-        (mine["state_dict"], reference["state_dict"], 1e-5),
-        (momentum(mine), momentum(reference), 3e-5),
+        (mine["state_dict"], reference["state_dict"], 2e-4),
+        (momentum(mine), momentum(reference), 3e-2),
     ):
         assert sorted(ours_state) == sorted(their_state)
         names = sorted(their_state)
