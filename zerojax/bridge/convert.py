@@ -347,41 +347,48 @@ class Converted:
         # value): JAX work torch.export triggers on the side (it reads each parameter's
         # .grad, which a zerojax engine gathers) must stay concrete, not join that trace.
         with jax.ensure_compile_time_eval():
-            exported = (
+            symbolic = (
                 self._capture_symbolic(example_args, example_kwargs, dynamic) if dynamic else None
             )
-            symbolic = exported is not None
-            if dynamic and not symbolic:
+            if dynamic and symbolic is None:
                 self._symbolic_failed.add(attempt)
-            if exported is None:
+            if symbolic is None:
                 exported = self._capture(example_args, example_kwargs)
+                program = GraphFunction(
+                    exported, train=self.train, alias=self.alias, model_name=self.name
+                )
+            else:
+                exported, program, guards = symbolic
         key = _signature_key(args, kwargs, self.value_inputs, self.name)
-        program = GraphFunction(exported, train=self.train, alias=self.alias, model_name=self.name)
         out_spec = exported.call_spec.out_spec
         register_output_types(out_spec)
         entry = (program, exported.call_spec.in_spec, out_spec)
         self._programs[key] = entry
-        if symbolic:
-            guards = symbolic_shapes.ShapeGuards.of(
-                exported, exported.graph_module.meta.get(SHAPE_ASSERTIONS, ())
-            )
+        if symbolic is not None:
             self._symbolic.setdefault(structure, []).append((guards, entry))
         return entry
 
     def _capture_symbolic(self, args, kwargs, dynamic):
-        """capture() with the `dynamic` dims symbolic, or None where that does not give a
-        program serving other shapes: the capture fails (a guard on a size torch cannot keep
-        symbolic), torch specialised every one of them (0/1, a guard on the value), or it
-        leaves a host read of values (`_capture` specialises those)."""
+        """(program, GraphFunction, ShapeGuards) of capture() with the `dynamic` dims symbolic,
+        or None where that does not give a program serving other shapes: the capture fails (a
+        guard on a size torch cannot keep symbolic; a symbolic graph the interpreter does not
+        take), torch specialised every one of them (0/1, a guard on the value), or it leaves a
+        host read of values (`_capture` specialises those)."""
         try:
             exported = capture(self.module, args, kwargs, train=self.train, dynamic=dynamic)
-        except CaptureError as error:
+            program = GraphFunction(
+                exported, train=self.train, alias=self.alias, model_name=self.name
+            )
+            guards = symbolic_shapes.ShapeGuards.of(
+                exported, exported.graph_module.meta.get(SHAPE_ASSERTIONS, ())
+            )
+        except Exception as error:  # noqa: BLE001 - any failure: capture these shapes as they are
             log.debug(
                 "zerojax: %s did not capture with %s symbolic (%s); capturing these shapes as "
                 "they are",
                 self.name,
                 symbolic_shapes.describe_dims(dynamic),
-                str(error).splitlines()[-1][:300],
+                (str(error).strip().splitlines() or [type(error).__name__])[-1][:300],
             )
             return None
         if reads_values_on_host(exported.graph) or not symbolic_shapes.is_symbolic(exported):
@@ -392,7 +399,7 @@ class Converted:
                 symbolic_shapes.describe_dims(dynamic),
             )
             return None
-        return exported
+        return exported, program, guards
 
 
 def convert(
