@@ -177,11 +177,11 @@ def plan_item(step_dir: str, item: str, files: Mapping[str, dict]) -> ItemPlan:
         own = chunks.get(name, {})
         for index in stored.chunk_grid():
             key = separator.join(map(str, index)) if index else "0"
-            value = own.get(key)
-            if value is None or value.length != chunk_bytes:
+            found = own.get(key)
+            if found is None or found.length != chunk_bytes:
                 # Absent: Orbax's fill value; another length: compressed or not zarr v2 bytes.
                 raise Unsupported(f"{name}: chunk {key}")
-            stored.values[tuple(index)] = value
+            stored.values[tuple(index)] = found
         arrays[name] = stored
     files_used = frozenset(
         v.file for a in arrays.values() for v in a.values.values() if v.file is not None
@@ -232,7 +232,7 @@ def _into_whole(array: StoredArray, index: tuple[int, ...], dest: np.ndarray):
             array.dtype.itemsize
         )
         length = math.prod(array.chunks) * array.dtype.itemsize
-        return memoryview(dest.reshape(-1).view(np.uint8))[start : start + length], None
+        return dest.reshape(-1).view(np.uint8).data[start : start + length], None
     return None, (dest, region, array)
 
 
@@ -313,18 +313,19 @@ class DirectRead:
         whole: dict[str, tuple[jax.ShapeDtypeStruct, np.ndarray]] = {}
         for name, array in plan.arrays.items():
             struct = wanted.get(name)
-            shards = _shard_buffers(array, struct) if struct is not None else None
-            dest = None
-            if struct is not None and shards is None:
-                dest = np.empty(array.shape, array.dtype)
-                whole[name] = (struct, dest)
-            elif shards is not None:
-                sharded[name] = (struct, shards)
+            shards, dest = None, None
+            if struct is not None:
+                shards = _shard_buffers(array, struct)
+                if shards is not None:
+                    sharded[name] = (struct, shards)
+                else:
+                    dest = np.empty(array.shape, array.dtype)
+                    whole[name] = (struct, dest)
             for index, value in array.values.items():
                 into, place = None, None  # not wanted: read, checked, dropped
                 if shards is not None:
                     buffer = shards["buffers"][index]
-                    into = memoryview(buffer.reshape(-1).view(np.uint8))
+                    into = buffer.reshape(-1).view(np.uint8).data
                 elif dest is not None:
                     into, place = _into_whole(array, index, dest)
                 if value.file is None:

@@ -202,6 +202,7 @@ def manifest_problems(
         if rel in skip:
             continue
         path = step_dir / rel
+        problem: CheckpointCorruptedError | None
         try:
             if not path.is_file():
                 problem = unreadable_problem(path, expected, FileNotFoundError(path))

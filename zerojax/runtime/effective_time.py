@@ -92,9 +92,10 @@ def goodput(summary: dict) -> dict[str, float | None]:
 def goodput_line(summary: dict) -> str:
     """The goodput terms of `summary` as one report line."""
     terms = goodput(summary)
+    scheduling, runtime = terms["scheduling"] or 0.0, terms["runtime"] or 0.0
     return (
-        f"  goodput: scheduling {100 * terms['scheduling']:.1f} %, runtime "
-        f"{100 * terms['runtime']:.1f} %, program (MFU) not measured"
+        f"  goodput: scheduling {100 * scheduling:.1f} %, runtime {100 * runtime:.1f} %, "
+        f"program (MFU) not measured"
     )
 
 
