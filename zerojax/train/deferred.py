@@ -115,8 +115,8 @@ class _Recording:
         self.rngs: list[jax.Array] = []
         # Deferred -> (op index, output index) of the values this recording will produce.
         self.positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # (writer, name) -> the value last written into that engine entry; `writer` takes
-        # {name: array} (all of a recording's writes through it at once).
+        # (writer, name) -> (the value last written into that engine entry, its sharding);
+        # `writer` takes {name: array} (all of a recording's writes through it at once).
         self.writes: dict[tuple[Callable, str], Deferred] = {}
 
     def ref(self, value) -> tuple:
@@ -176,15 +176,18 @@ def record(
         return outputs
 
 
-def pending_write(writer: Callable, name: str) -> Deferred | None:
+def pending_write(writer: Callable, name: str) -> Deferred | jax.Array | None:
     """The value last written into engine entry `name` (through `writer`) while recording."""
-    return _recording.writes.get((writer, name))
+    written = _recording.writes.get((writer, name))
+    return None if written is None else written[0]
 
 
-def write(writer: Callable, name: str, value: Deferred | jax.Array) -> None:
-    """Write `value` into engine entry `name` when the recording runs (reads see it now)."""
+def write(writer: Callable, name: str, value: Deferred | jax.Array, sharding=None) -> None:
+    """Write `value` into engine entry `name` when the recording runs (reads see it now).
+    `sharding`: where the entry lives, for the program to leave the value there (None: where
+    the compiler puts it; the writer moves it)."""
     with _lock:
-        _recording.writes[(writer, name)] = value
+        _recording.writes[(writer, name)] = (value, sharding)
 
 
 def programs_compiled() -> int:
@@ -214,10 +217,19 @@ def flush() -> None:
             for k, output in enumerate(outputs)
             if output() is not None
         ]
+        # Values bound for the engine leave the program on the entry's sharding: no transfer
+        # afterwards (the compiler's own choice can be an equal layout spelt differently).
+        targets = {
+            id(value): sharding
+            for value, sharding in recording.writes.values()
+            if isinstance(value, Deferred)
+        }
+        out_shardings = tuple(targets.get(id(recording.outputs[i][k]())) for i, k in wanted)
         key = (
             tuple(op.signature for op in recording.ops),
             tuple(wanted),
             len(recording.arrays),
+            out_shardings,
         )
         try:
             program = _programs.get(key)
@@ -239,7 +251,7 @@ def flush() -> None:
             if deferred is not None:
                 deferred._array = array
         by_writer: dict[Callable, dict[str, jax.Array]] = {}
-        for (writer, name), value in recording.writes.items():
+        for (writer, name), (value, _) in recording.writes.items():
             by_writer.setdefault(writer, {})[name] = resolve(value)
         for writer, values in by_writer.items():
             writer(values)
@@ -271,7 +283,7 @@ def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
 
     _compiled[0] += 1
     log.info("zerojax: compiling recorded live-tensor ops: %s", _why_new(key))
-    compiled = jax.jit(program)
+    compiled = jax.jit(program, out_shardings=(list(key[3]), None))
     if len(_programs) >= _MAX_PROGRAMS:
         _programs.pop(next(iter(_programs)))
     _programs[key] = compiled

@@ -323,7 +323,7 @@ def hyper_from_torch(
                         f" to {value} after the update was compiled; it is a compile-time"
                         " option, so build a new spec"
                     )
-        for key, value in _group_hyper(name, group).items():
+        for key, value in group_hyper(name, group).items():
             columns[key].append(value)
     return {k: np.asarray(v, dtype=np.float32) for k, v in columns.items()}
 
@@ -338,7 +338,8 @@ def for_hyper(spec: OptimizerSpec, hyper: Mapping[str, np.ndarray]) -> Optimizer
     return replace(spec, groups=groups)
 
 
-def _group_hyper(name: str, group: Mapping[str, Any]) -> dict[str, float]:
+def group_hyper(name: str, group: Mapping[str, Any]) -> dict[str, float]:
+    """One param group's `hyper_from_torch` column: its scalars as Python floats (float64)."""
     lr, wd = _scalar(group["lr"]), _scalar(group["weight_decay"])
     if _FAMILY[name] == "sgd":
         return {
@@ -436,7 +437,10 @@ def _lerp(start: jax.Array, end: jax.Array, weight: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end + (weight - 1) * diff)
 
 
-def _adam_param(group: ParamGroupSpec, h, zero_bits, step_size_neg, bc2_sqrt, p, g, m, v, v_max):
+def adam_param_update(
+    group: ParamGroupSpec, h, zero_bits, step_size_neg, bc2_sqrt, p, g, m, v, v_max
+):
+    """torch's Adam/AdamW arithmetic for one parameter, in float32: (p, m, v, v_max) after it."""
     if group.maximize:
         g = -g
     if group.has_weight_decay and group.decoupled_weight_decay:
@@ -465,7 +469,7 @@ def _sgd_param(group: ParamGroupSpec, h, first_step, p, g, buf):
         # torch initialises the buffer to the gradient on the first step: select the scalars,
         # not the arrays (1*g + 0*0 == g exactly; buf starts at zero), which keeps the
         # expression a plain `a*g + b*m` that XLA contracts into torch's
-        # fma(g, 1-dampening, buf*momentum) (operand order matters, see _adam_param).
+        # fma(g, 1-dampening, buf*momentum) (operand order matters, see adam_param_update).
         alpha = jnp.where(first_step, 1.0, h["one_minus_dampening"])
         momentum = jnp.where(first_step, 0.0, h["momentum"])
         buf = alpha * g + buf * momentum
@@ -578,7 +582,7 @@ def apply_update(
             m = state["exp_avg"][n].astype(f32)
             v = state["exp_avg_sq"][n].astype(f32)
             v_max = state["max_exp_avg_sq"][n].astype(f32) if group.amsgrad else None
-            p, m, v, v_max = _adam_param(
+            p, m, v, v_max = adam_param_update(
                 group, h, zero_bits, step_sizes_neg[k], bc2_sqrts[k], p, g, m, v, v_max
             )
             updated = {"exp_avg": m, "exp_avg_sq": v, "max_exp_avg_sq": v_max}

@@ -106,11 +106,13 @@ class EngineEntry:
     `writer({name: value})` (engine methods that know the entry's dtype, sharding and scaling;
     a recording's writes reach them together, `zerojax.train.deferred`)."""
 
-    __slots__ = ("dtype", "name", "reader", "writer")
+    __slots__ = ("dtype", "name", "reader", "sharding", "writer")
 
-    def __init__(self, reader, writer, name: str, dtype: torch.dtype):
+    def __init__(self, reader, writer, name: str, dtype: torch.dtype, sharding=None):
         self.reader, self.writer = reader, writer
         self.name, self.dtype = name, to_jax_dtype(dtype)
+        self.sharding = sharding
+        """Where the engine keeps the entry (None: the writer places it)."""
 
     def value(self) -> jax.Array | Deferred:
         """The entry's value, or what recorded ops have written into it and not yet run
@@ -131,7 +133,7 @@ class EngineEntry:
 
     def write(self, value: jax.Array | Deferred) -> None:
         if isinstance(value, Deferred) or deferred.pending_write(self.writer, self.name):
-            deferred.write(self.writer, self.name, value)
+            deferred.write(self.writer, self.name, value, self.sharding)
         else:
             self.writer({self.name: value})
 
@@ -193,9 +195,13 @@ class _StandIn:
 def _live_view(stand_in, reader: str, writer: str) -> LiveTensor:
     """A live tensor over the engine entry `stand_in` names, read and written through the
     engine methods named `reader`/`writer` for its kind (weight, gradient, buffer)."""
-    engine = stand_in._zerojax_engine
+    engine, name = stand_in._zerojax_engine, stand_in._zerojax_name
     source = EngineEntry(
-        getattr(engine, reader), getattr(engine, writer), stand_in._zerojax_name, stand_in.dtype
+        getattr(engine, reader),
+        getattr(engine, writer),
+        name,
+        stand_in.dtype,
+        engine.entry_sharding(writer, name),
     )
     return LiveTensor(source, stand_in.shape, stand_in.dtype)
 

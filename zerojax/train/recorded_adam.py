@@ -1,0 +1,166 @@
+"""torch.optim's multi-tensor Adam/AdamW step on live tensors, recorded as one op.
+
+An `AdamW` built after `initialize` on the model's parameters (minGPT's trainer, the Hugging
+Face Trainer's own optimizer, `fused=True` included: `zerojax.train.fused_optimizer_ops`) runs
+torch's `step()` on live tensors. Its foreach implementation,
+`torch.optim.adam._multi_tensor_adam`, issues a dozen `_foreach_*` ops, each recorded
+element by element: Python work per parameter per op, every step. Here the whole call is
+recorded as one op over all its parameters, computing what the engine's compiled update
+computes (`zerojax.train.optimizers.adam_param_update`: torch's CPU arithmetic, bias
+corrections rounded as torch rounds them), so an optimizer built after `initialize` costs
+about what one handed to it does.
+
+The step counts stay torch's host tensors, advanced here as torch advances them; the
+learning rate, betas, eps and weight decay are program inputs (a schedule never recompiles).
+Anything else -- a gradient scaler's `grad_scale`/`found_inf`, `capturable`, `differentiable`,
+complex or non-live tensors, tensor hyperparameters -- runs torch's own function unchanged.
+
+torch's modules look the function up by name at each step, so `install` replaces the name in
+`torch.optim.adam` (idempotent); AdamW calls Adam's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.optim import adam
+
+from zerojax.bridge.dtypes import to_jax_dtype
+from zerojax.pallas_kernels.adamw.bias_correction import adam_bias_corrections
+from zerojax.train import deferred, optimizers
+from zerojax.train.live_tensor import LiveTensor
+
+__all__ = ["install"]
+
+_HYPER_KEYS = (
+    "lr",
+    "beta1",
+    "beta2",
+    "one_minus_beta1",
+    "one_minus_beta2",
+    "beta1_lo",
+    "beta2_lo",
+    "lr_lo",
+    "eps",
+    "weight_decay",
+    "decay_factor",
+)
+
+
+def install() -> None:
+    """Record torch.optim's multi-tensor Adam/AdamW step as one op for live tensors."""
+    original = adam._multi_tensor_adam
+    if getattr(original, "_zerojax_live", False):
+        return
+
+    @functools.wraps(original)
+    def multi_tensor_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                          grad_scale, found_inf, **options):  # fmt: skip
+        lists = [params, grads, exp_avgs, exp_avg_sqs]
+        if options["amsgrad"]:
+            lists.append(max_exp_avg_sqs)
+        live = [[_live(t) for t in tensors] for tensors in lists]
+        recordable = (
+            grad_scale is None
+            and found_inf is None
+            and not options["capturable"]
+            and not options["differentiable"]
+            and not options["has_complex"]
+            and all(not isinstance(options[k], torch.Tensor) for k in ("lr", "beta1", "beta2"))
+            and all(t is not None for tensors in live for t in tensors)
+            and not any(isinstance(s, LiveTensor) for s in state_steps)
+            and len(params) > 0
+        )
+        if not recordable:
+            return original(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                            grad_scale, found_inf, **options)  # fmt: skip
+        _record(live, state_steps, options)
+        return None
+
+    multi_tensor_adam._zerojax_live = True  # type: ignore[attr-defined]
+    adam._multi_tensor_adam = multi_tensor_adam
+
+
+def _live(tensor) -> LiveTensor | None:
+    """The live tensor of a parameter stand-in or a live tensor; None for anything else."""
+    if isinstance(tensor, LiveTensor):
+        return tensor
+    live = getattr(tensor, "live", None)
+    return live() if callable(live) and hasattr(tensor, "_zerojax_engine") else None
+
+
+def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], options) -> None:
+    torch._foreach_add_(state_steps, 1)  # torch's host step counts, advanced as torch does
+    counts = np.asarray([int(s.item()) for s in state_steps], np.int32)
+    name = "AdamW" if options["decoupled_weight_decay"] else "Adam"
+    hyper = optimizers.group_hyper(
+        name,
+        {
+            "lr": options["lr"],
+            "betas": (options["beta1"], options["beta2"]),
+            "eps": options["eps"],
+            "weight_decay": options["weight_decay"],
+        },
+    )
+    count = len(live[0])
+    group = optimizers.ParamGroupSpec(
+        param_names=tuple(str(i) for i in range(count)),
+        amsgrad=options["amsgrad"],
+        maximize=options["maximize"],
+        decoupled_weight_decay=options["decoupled_weight_decay"],
+        has_weight_decay=options["weight_decay"] != 0,
+    )
+    written = [live[0], *live[2:]]  # params, exp_avgs, exp_avg_sqs (, max_exp_avg_sqs)
+    avals = [
+        jax.ShapeDtypeStruct(tuple(t.shape), to_jax_dtype(t.dtype))
+        for tensors in written
+        for t in tensors
+    ]
+    outputs = deferred.record(
+        ("adam", group, tuple((tuple(t.shape), t.dtype) for t in live[0])),
+        functools.partial(_adam_elements, group, count),
+        [t.value() for tensors in live for t in tensors]
+        + [counts]
+        + [hyper[k] for k in _HYPER_KEYS],
+        avals,
+    )
+    for tensor, value in zip((t for tensors in written for t in tensors), outputs, strict=True):
+        tensor.write(value)
+
+
+def _adam_elements(group: optimizers.ParamGroupSpec, count: int, arrays: list, rng):
+    """The recorded op: every parameter's Adam/AdamW update (params, moments out)."""
+    f32 = jnp.float32
+    per_list = [arrays[i * count : (i + 1) * count] for i in range(5 if group.amsgrad else 4)]
+    params, grads, exp_avgs, exp_avg_sqs = per_list[:4]
+    maxima = per_list[4] if group.amsgrad else [None] * count
+    rest = arrays[len(per_list) * count :]
+    counts = jnp.asarray(rest[0], jnp.int32)
+    h = {k: jnp.asarray(v, f32) for k, v in zip(_HYPER_KEYS, rest[1:], strict=True)}
+    step_sizes_neg, bc2_sqrts = adam_bias_corrections(
+        counts, {k: jnp.broadcast_to(v, (count,)) for k, v in h.items()}
+    )
+    new_params, new_m, new_v, new_max = [], [], [], []
+    for i in range(count):
+        p, m, v, v_max = optimizers.adam_param_update(
+            group,
+            h,
+            counts[i] >> 31,  # a zero XLA cannot prove to be zero (see optimizers._rounded)
+            step_sizes_neg[i],
+            bc2_sqrts[i],
+            params[i].astype(f32),
+            grads[i].astype(f32),
+            exp_avgs[i].astype(f32),
+            exp_avg_sqs[i].astype(f32),
+            None if maxima[i] is None else maxima[i].astype(f32),
+        )
+        new_params.append(p.astype(params[i].dtype))
+        new_m.append(m.astype(exp_avgs[i].dtype))
+        new_v.append(v.astype(exp_avg_sqs[i].dtype))
+        if group.amsgrad:
+            new_max.append(v_max.astype(maxima[i].dtype))
+    return new_params + new_m + new_v + new_max, None
