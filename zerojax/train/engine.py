@@ -616,6 +616,23 @@ class Engine:
         placed = self._placed(cast, dict.fromkeys(cast, self.replicated))
         self._state = self._state.replace(buffers={**current, **placed})
 
+    def entry_sharding(self, writer: str, name: str):
+        """The sharding a value written through `writer` ("write_weights", "write_grads",
+        "write_buffers") into entry `name` is stored on, if a program can leave it there;
+        None where the writer must place it (offloaded to host memory)."""
+        plan = self.plan
+        if writer == "write_buffers":
+            return self.replicated
+        if writer == "write_grads":
+            sharding = plan.grads.get(name)
+        elif self._current.master is not None and name in self._current.master:
+            sharding = plan.master_weights[name]
+        else:
+            sharding = plan.params[name]
+        if sharding is None or sharding.memory_kind not in (None, "device"):
+            return None
+        return sharding
+
     def write_weights(self, values: dict[str, jax.Array]) -> None:
         """Set parameters (their master weights, and the params cast from them, where the
         policy keeps them: what the optimizer update does), on the plan's shardings."""
