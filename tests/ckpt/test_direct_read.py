@@ -32,6 +32,14 @@ pytestmark = pytest.mark.multidevice
 HIDDEN = 1024  # fc1.weight (1024, 8) fp32: 8 shards of 4 KB, stored out of line
 
 
+@pytest.fixture(autouse=True)
+def small_arrays_below_8_kb(monkeypatch):
+    """Arrays under 8 KB are written whole (the default, 256 KB, would write every array of
+    this small model whole): fc1.bias (4 KB) is one chunk, the weights (32 KB) a chunk per
+    shard, so both ways of placing what is read are exercised."""
+    monkeypatch.setattr(checkpointer_module, "_WHOLE_BELOW_BYTES", 8 << 10)
+
+
 def saved_checkpoint(directory: Path, seed: int = 1):
     model, opt = make(hidden=HIDDEN)
     scramble(model, seed=seed)
@@ -177,3 +185,18 @@ def test_restored_parameters_match_torch(tmp_path):
     Checkpointer(tmp_path, other, other_opt).restore()
     for name, value in other.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_small_arrays_are_written_whole_and_restore_onto_their_shards(tmp_path):
+    """Arrays under `_WHOLE_BELOW_BYTES` (biases, norm weights) are written as one chunk each
+    instead of one per shard (each chunk costs the write about as much as a large one); the
+    large ones keep a chunk per shard, which the direct read places without a copy."""
+    _, _, saved, step_dir = saved_checkpoint(tmp_path)
+    plan = direct_read.plan_item(str(step_dir), layout.MODEL, manifest.read_manifest(step_dir))
+    assert len(plan.arrays["fc1.bias"].values) == 1  # 4 KB < 8 KB: whole
+    assert len(plan.arrays["fc1.weight"].values) == 8  # 32 KB: a chunk per shard
+    other, other_opt = make(hidden=HIDDEN, seed=5)
+    Checkpointer(tmp_path, other, other_opt).restore()
+    assert_state_equal(host(other), saved)
+    engine = other.engine
+    assert engine.params["fc1.bias"].sharding == engine.plan.params["fc1.bias"]
