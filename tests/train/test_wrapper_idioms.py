@@ -517,3 +517,64 @@ def test_trainer_save_model_config_is_plain_trainers(tmp_path):
 
     assert names(our_dir) == names(their_dir)
     assert not any("zerojax" in name.lower() for name in ours.state_dict())
+
+
+class WithExtraState(MLP):
+    """An MLP with extra state (`get_extra_state`), as TransformerEngine's layers keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = {"batches": 0}
+
+    def get_extra_state(self):
+        return dict(self.seen)
+
+    def set_extra_state(self, state):
+        self.seen = dict(state)
+
+
+def test_state_dict_hooks_and_extra_state_as_torch():
+    """State-dict hooks registered before `initialize` run once per `state_dict()` and their
+    edits (a renamed key) are kept, and extra state is saved and loaded, as in torch. (A
+    renaming hook raised KeyError, and so did a module with extra state.)"""
+    torch.manual_seed(0)
+    module = WithExtraState()
+    reference = copy.deepcopy(module)
+    fired = {"ours": [], "torch": []}
+    for m, name in ((module, "ours"), (reference, "torch")):
+
+        def rename_head(mod, state, prefix, metadata, name=name):
+            fired[name].append("post")
+            for key in [k for k in state if k.startswith(prefix + "head.")]:
+                state[key.replace("head.", "classifier.", 1)] = state.pop(key)
+
+        m.register_state_dict_pre_hook(
+            lambda mod, prefix, keep, name=name: fired[name].append("pre")
+        )
+        m.register_state_dict_post_hook(rename_head)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    model, optimizer = zerojax.initialize(module, optimizer, ZERO3)
+    mlp_steps([(model, optimizer), (reference, ref_optimizer)])
+    model.seen["batches"] = reference.seen["batches"] = 2
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert fired["ours"] == fired["torch"] == ["pre", "post"]
+    assert ours["_extra_state"] == theirs["_extra_state"] == {"batches": 2}
+    assert "classifier.weight" in ours
+    assert_same_state(
+        {k: v for k, v in ours.items() if k != "_extra_state"},
+        {k: v for k, v in theirs.items() if k != "_extra_state"},
+    )
+    # Extra state loads back through set_extra_state, into zerojax's model and plain torch's.
+    torch.manual_seed(1)
+    fresh, plain = WithExtraState(), WithExtraState()
+    state = copy.deepcopy(fresh.state_dict())
+    state["_extra_state"] = {"batches": 7}
+    wrapped, _ = zerojax.initialize(fresh, None, ZERO3)
+    wrapped.load_state_dict(state)
+    plain.load_state_dict(state)
+    assert wrapped.seen == plain.seen == {"batches": 7}
+    assert_same_state(
+        {k: v for k, v in wrapped.state_dict().items() if k != "_extra_state"},
+        {k: v for k, v in plain.state_dict().items() if k != "_extra_state"},
+    )

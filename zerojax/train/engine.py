@@ -809,10 +809,12 @@ class Engine:
     # --- state_dict ------------------------------------------------------------------------
 
     def state_dict_arrays(self) -> dict[str, tuple[np.ndarray, torch.dtype]]:
-        """Every state_dict entry on the host, torch names and the module's dtypes."""
+        """Every parameter and persistent buffer on the host, torch names and the module's
+        dtypes. (Not through nn.Module.state_dict: the user's state_dict hooks, which may
+        rename or add entries, run once, in `ZeroModule.state_dict`.)"""
         weights, buffers = self._state.weights, self._state.buffers
         out = {}
-        for name, tensor in torch.nn.Module.state_dict(self.module, keep_vars=True).items():
+        for name, tensor in named_state_tensors(self.module):
             canonical = self.alias.get(name, name)
             source = weights if canonical in weights else buffers
             out[name] = (host_copy(source[canonical]), tensor.dtype)
@@ -828,6 +830,19 @@ class Engine:
             elif canonical in buffers:
                 buffers[canonical] = jnp.asarray(value).astype(buffers[canonical].dtype)
         self.load(state.with_weights(weights).replace(buffers=buffers))
+
+
+def named_state_tensors(module: torch.nn.Module):
+    """(name, tensor) of what `module.state_dict()` holds before its hooks and extra state:
+    every parameter (tied ones under each name) and persistent buffer, in its order."""
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        dotted = f"{prefix}." if prefix else ""
+        for name, param in owner._parameters.items():
+            if param is not None:
+                yield dotted + name, param
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                yield dotted + name, buffer
 
 
 def _reached_only(grads: dict, reached: dict) -> dict:

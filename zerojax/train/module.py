@@ -35,7 +35,8 @@ from zerojax.bridge.convert import Static
 from zerojax.bridge.dtypes import from_torch, to_torch
 from zerojax.bridge.value_inputs import input_key
 from zerojax.config.deepspeed import autos_error
-from zerojax.train.engine import Engine
+from zerojax.train.engine import Engine, named_state_tensors
+from zerojax.train.live_tensor import LiveTensor, to_host
 from zerojax.train.parameters import is_plain, plain_parameters
 from zerojax.train.programs import find_scalar_loss
 from zerojax.train.shape_buckets import padding_for
@@ -168,7 +169,7 @@ class ZeroModule(torch.nn.Module):
             _pickled_as_base.ids.add(id(self))
         return reduced
 
-    @property  # type: ignore[misc]
+    @property
     def __class__(self):
         """The object's class; the model's own class once, for pickle's check (see
         `__reduce_ex__`)."""
@@ -387,8 +388,22 @@ class ZeroModule(torch.nn.Module):
             for name, tensor in held.items():
                 destination[prefix + name] = tensor
             return destination
-        for name, (array, dtype) in self._zerojax_engine.state_dict_arrays().items():
-            destination[prefix + name] = to_torch(array).to(dtype)
+        host = {
+            name: to_torch(array).to(dtype)
+            for name, (array, dtype) in self._zerojax_engine.state_dict_arrays().items()
+        }
+        names = {id(tensor): name for name, tensor in named_state_tensors(self)}
+        # nn.Module's own walk, on the stand-ins: each submodule's `_save_to_state_dict` and
+        # extra state, the version metadata, and the state_dict hooks the user registered
+        # (which may rename, add or drop entries) run once, as in torch; then each stand-in
+        # becomes its gathered host value (a live tensor a hook computed, its host copy).
+        _module_state_dict(self, destination=destination, prefix=prefix, keep_vars=True)
+        for key, value in destination.items():
+            own = names.get(id(value))
+            if own is not None:
+                destination[key] = host[own]
+            elif isinstance(value, LiveTensor):
+                destination[key] = to_host(value)
         return destination
 
     @contextlib.contextmanager
@@ -409,8 +424,15 @@ class ZeroModule(torch.nn.Module):
             object.__setattr__(self, "_zerojax_held_state", None)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        own = _module_state_dict(self, keep_vars=True)
-        expected = set(own)
+        own = dict(named_state_tensors(self))
+        # Modules with extra state (`get_extra_state`) take theirs back through
+        # `set_extra_state`, as torch's `_load_from_state_dict` does.
+        extra = {
+            f"{prefix}.{_EXTRA_STATE}" if prefix else _EXTRA_STATE: module
+            for prefix, module in self.named_modules()
+            if type(module).get_extra_state is not torch.nn.Module.get_extra_state
+        }
+        expected = set(own) | set(extra)
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if strict and (missing or unexpected):
             raise RuntimeError(
@@ -418,14 +440,17 @@ class ZeroModule(torch.nn.Module):
                 f"{sorted(unexpected)}"
             )
         for name, value in state_dict.items():
-            if name in expected and tuple(value.shape) != tuple(own[name].shape):
+            if name in own and tuple(value.shape) != tuple(own[name].shape):
                 raise RuntimeError(
                     f"zerojax: load_state_dict: '{name}' has shape {tuple(value.shape)}, "
                     f"the model expects {tuple(own[name].shape)}"
                 )
         self._zerojax_engine.load_state_dict_arrays(
-            {n: from_torch(v) for n, v in state_dict.items() if n in expected}
+            {n: from_torch(v) for n, v in state_dict.items() if n in own}
         )
+        for name, module in extra.items():
+            if name in state_dict:
+                module.set_extra_state(state_dict[name])
         return torch.nn.modules.module._IncompatibleKeys(sorted(missing), sorted(unexpected))
 
 
@@ -482,6 +507,9 @@ def _backward_through(engine: Engine, converted, pullback, specs, treedef, globa
         return placement.input_grads_to_torch(input_grads, global_rows)
 
     return backward
+
+
+_EXTRA_STATE = torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
 
 
 def _module_state_dict(module: torch.nn.Module, **kwargs):
