@@ -10,7 +10,12 @@ Python per step (RMSprop on the GPT-2 bench model: 109 ms -> 41 ms per step, see
 BENCHMARKS.md). So for parameters that are zerojax's, the default is `foreach=True`, as it
 is for CUDA parameters; an explicit `foreach=False` or `fused=` is the user's and is kept.
 
-torch's optimizer modules import the function by name, so each module's reference is replaced
+torch's gradient clipping (`clip_grad_norm_`, `clip_grad_value_`, `get_total_norm`) decides
+the same way with `_has_foreach_support` (its per-tensor loop: a norm and a multiply per
+gradient; the foreach one: one `_foreach_norm` and one `_foreach_mul_`), and gets the same
+default.
+
+torch's modules import these functions by name, so each module's reference is replaced
 (`install`, idempotent).
 """
 
@@ -40,7 +45,8 @@ _OPTIMIZER_MODULES = (
 
 
 def install() -> None:
-    """Default torch.optim's foreach choice to True for zerojax's live parameters."""
+    """Default torch.optim's and torch's gradient clipping's foreach choice to True for
+    zerojax's live parameters and gradients."""
     from zerojax.train.live_tensor import LiveTensor
     from zerojax.train.parameters import ShardedParameter
 
@@ -54,6 +60,10 @@ def install() -> None:
         if original is None or getattr(original, "_zerojax_live", False):
             continue
         module._default_to_fused_or_foreach = _live_default(original, live_types)
+    clip_grad = importlib.import_module("torch.nn.utils.clip_grad")
+    original = getattr(clip_grad, "_has_foreach_support", None)
+    if original is not None and not getattr(original, "_zerojax_live", False):
+        clip_grad._has_foreach_support = _live_support(original, live_types)
 
 
 def _live_default(original, live_types: tuple[type, ...]):
@@ -71,3 +81,15 @@ def _live_default(original, live_types: tuple[type, ...]):
 
     choose._zerojax_live = True  # type: ignore[attr-defined]
     return choose
+
+
+def _live_support(original, live_types: tuple[type, ...]):
+    @functools.wraps(original)
+    def supported(tensors, device) -> bool:
+        present = [t for t in tensors if t is not None]
+        if present and all(isinstance(t, live_types) for t in present):
+            return not torch.jit.is_scripting()
+        return original(tensors, device)
+
+    supported._zerojax_live = True  # type: ignore[attr-defined]
+    return supported
