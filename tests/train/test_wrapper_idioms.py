@@ -578,3 +578,40 @@ def test_state_dict_hooks_and_extra_state_as_torch():
         {k: v for k, v in wrapped.state_dict().items() if k != "_extra_state"},
         {k: v for k, v in plain.state_dict().items() if k != "_extra_state"},
     )
+
+
+def test_trainer_with_torch_compile_trains_as_the_plain_trainer(tmp_path):
+    """`TrainingArguments(torch_compile=True)` (the Trainer calls `torch.compile(model)`) on a
+    zerojax model: plain eager Trainer's losses (1e-5 relative: reordered float32 sums over
+    three AdamW steps), and a plain `config.json`."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="the Trainer needs accelerate")
+    from tests.distributed.hf_trainer_script import Tokens
+
+    def train(out, zerojax_model):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            )
+        )  # fmt: skip
+        if zerojax_model:
+            model, _ = zerojax.initialize(model, config=ZERO3)
+        args = transformers.TrainingArguments(
+            output_dir=str(out), max_steps=3, per_device_train_batch_size=8, logging_steps=1,
+            report_to=[], use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
+            torch_compile=zerojax_model,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(64, seed=0))
+        trainer.train()
+        trainer.save_model(str(out / "final"))
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        return losses, json.loads((out / "final" / "config.json").read_text())
+
+    theirs, their_config = train(tmp_path / "torch", zerojax_model=False)
+    ours, our_config = train(tmp_path / "zerojax", zerojax_model=True)
+    assert len(ours) == len(theirs) == 3
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    their_config.pop("_name_or_path", None), our_config.pop("_name_or_path", None)
+    assert our_config == their_config
