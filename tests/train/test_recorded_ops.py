@@ -235,3 +235,16 @@ def test_fused_optimizers_built_after_initialize_are_recorded(make, monkeypatch)
         runs.append(deferred.programs_run() - before)
     assert runs == [1, 1, 1]
     assert_params_close(model, twin, 1e-5)
+
+
+def test_a_write_of_a_value_computed_earlier_reaches_the_engine():
+    """A value whose recording has run (read on the host) written into a gradient afterwards:
+    the engine's next read sees it (a write with no op of its own to run it)."""
+    model, _, _, _ = wrapped_twin(ZERO3)
+    x, y = batches(1)[0]
+    backward(model, x, y)
+    name, first = next(model.named_parameters())
+    doubled = first.grad * 2.0
+    expected = doubled.numpy()  # runs the recording
+    first.grad.copy_(doubled)
+    np.testing.assert_array_equal(np.asarray(model.engine.state.grads[name]), expected)

@@ -41,6 +41,10 @@ import importlib
 import importlib.util
 import sys
 
+import torch
+import torch.utils._pytree as torch_pytree
+
+from zerojax.train.live_tensor import LiveTensor, to_host
 from zerojax.train.module import ZeroModule
 from zerojax.train.optimizer_shim import ZeroOptimizer
 
@@ -131,7 +135,35 @@ def _held_on_every_process(trainer):
         optimizer = _zero_optimizer(trainer.optimizer)
         if optimizer is not None:
             stack.enter_context(optimizer.holding_state_dict())
+        elif trainer.optimizer is not None:
+            # The Trainer's own optimizer over the live parameters: its state tensors are live
+            # (sharded over the processes), and rank 0 alone pickles them.
+            stack.enter_context(_holding_host_state_dict(_innermost(trainer.optimizer)))
         yield
+
+
+def _innermost(optimizer):
+    """The torch optimizer inside accelerate's AcceleratedOptimizer (and the like)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+@contextlib.contextmanager
+def _holding_host_state_dict(optimizer):
+    """Within: `optimizer.state_dict()` returns a copy with its live tensors gathered to the
+    host on entry -- on every process, in the same order, as the gather needs."""
+    held = torch_pytree.tree_map_only(LiveTensor, to_host, optimizer.state_dict())
+    attributes = optimizer.__dict__
+    previous = attributes.get("state_dict")
+    attributes["state_dict"] = lambda: held
+    try:
+        yield
+    finally:
+        if previous is None:
+            attributes.pop("state_dict", None)
+        else:
+            attributes["state_dict"] = previous
 
 
 def _zero_optimizer(optimizer) -> ZeroOptimizer | None:

@@ -23,6 +23,8 @@ pitfalls kept out:
   for its result (the rendezvous argument of `EagerCall.__call__`).
 - **Bounded recordings.** The engine runs pending work before each of its programs, so a
   recording never spans a step; a recording that reaches `_MAX_OPS` runs at once.
+- **Processes in step.** Over arrays that span several processes (a multi-process job) each
+  op runs as it is recorded: where a recording is cut must not depend on one process alone.
 
 Only results still referenced when the recording runs leave the program (a Python temporary's
 value never reaches memory), which CPython's reference counting decides deterministically.
@@ -71,6 +73,11 @@ class Deferred:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @property
+    def computed(self) -> jax.Array | None:
+        """The value if its recording has run, else None (nothing runs)."""
+        return self._array
+
     def resolve(self) -> jax.Array:
         """The value, running the recording if it has not run."""
         if self._array is None and self._error is None:
@@ -113,6 +120,9 @@ class _Recording:
         self.array_slots: dict[int, int] = {}
         self.scalars: list[Any] = []
         self.rngs: list[jax.Array] = []
+        # Whether an input is an array of several processes: then every op runs at once (see
+        # `record`).
+        self.spans_processes = False
         # Deferred -> (op index, output index) of the values this recording will produce.
         self.positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (writer, name) -> (the value last written into that engine entry, its sharding);
@@ -130,6 +140,7 @@ class _Recording:
             if slot is None:
                 slot = self.array_slots[id(value)] = len(self.arrays)
                 self.arrays.append(value)
+                self.spans_processes |= not value.is_fully_addressable
             return ("array", slot)
         self.scalars.append(value)
         return ("scalar", len(self.scalars) - 1)
@@ -171,7 +182,12 @@ def record(
         recording.outputs.append([weakref.ref(d) for d in outputs])
         for k, deferred in enumerate(outputs):
             recording.positions[deferred] = (index, k)
-        if len(recording.ops) >= _MAX_OPS:
+        # Several processes run their programs' collectives in one order only if every
+        # process runs the same programs: a host read that one rank makes alone (rank 0 saving
+        # `optimizer.state_dict()`) would cut its recording where the others' goes on, and the
+        # job would hang. Over arrays of several processes each op runs as it comes, as torch
+        # runs it.
+        if len(recording.ops) >= _MAX_OPS or recording.spans_processes:
             flush()
         return outputs
 
@@ -202,15 +218,18 @@ def programs_run() -> int:
 
 def flush() -> None:
     """Run what has been recorded, as one program; resolve every Deferred still referenced and
-    hand pending writes to the engine. Nothing to do without recorded ops."""
+    hand pending writes to the engine. Nothing to do without recorded ops or writes."""
     global _recording
-    if not _recording.ops:
+    if not (_recording.ops or _recording.writes):
         return
     with _lock:
         recording = _recording
-        if not recording.ops:
+        if not (recording.ops or recording.writes):
             return
         _recording = _Recording()
+        if not recording.ops:  # writes of values computed already (an earlier recording's)
+            _hand_over(recording)
+            return
         wanted = [
             (i, k)
             for i, outputs in enumerate(recording.outputs)
@@ -250,13 +269,18 @@ def flush() -> None:
             deferred = recording.outputs[i][k]()
             if deferred is not None:
                 deferred._array = array
-        by_writer: dict[Callable, dict[str, jax.Array]] = {}
-        for (writer, name), (value, _) in recording.writes.items():
-            by_writer.setdefault(writer, {})[name] = resolve(value)
-        for writer, values in by_writer.items():
-            writer(values)
+        _hand_over(recording)
         for vector in flags:
             raise_if_out_of_range(vector)
+
+
+def _hand_over(recording: _Recording) -> None:
+    """Give the engine what `recording` wrote into its entries, one call per writer."""
+    by_writer: dict[Callable, dict[str, jax.Array]] = {}
+    for (writer, name), (value, _) in recording.writes.items():
+        by_writer.setdefault(writer, {})[name] = resolve(value)
+    for writer, values in by_writer.items():
+        writer(values)
 
 
 def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:

@@ -132,6 +132,8 @@ class EngineEntry:
         return deferred.resolve(self.value())
 
     def write(self, value: jax.Array | Deferred) -> None:
+        if isinstance(value, Deferred) and value.computed is not None:
+            value = value.computed  # computed already: written as any array is
         if isinstance(value, Deferred) or deferred.pending_write(self.writer, self.name):
             deferred.write(self.writer, self.name, value, self.sharding)
         else:
