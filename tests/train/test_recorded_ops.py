@@ -59,6 +59,21 @@ def backward(model, x, y):
     return float(loss)
 
 
+def programs_per_step(model, optimizer, twin, twin_optimizer, steps=3) -> list[int]:
+    """Train both sides `steps` steps; the programs each of zerojax's optimizer steps ran."""
+    runs = []
+    for x, y in batches(steps):
+        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
+            opt.zero_grad()
+            backward(m, x, y)
+        before = deferred.programs_run()
+        optimizer.step()
+        twin_optimizer.step()
+        deferred.flush()
+        runs.append(deferred.programs_run() - before)
+    return runs
+
+
 def assert_params_close(model, twin, rtol):
     for (name, ours), theirs in zip(model.named_parameters(), twin.parameters(), strict=True):
         np.testing.assert_allclose(
@@ -169,17 +184,7 @@ def test_an_optimizer_built_after_initialize_steps_as_recorded_ops():
     model, _, twin, _ = wrapped_twin(ZERO3)
     optimizer = torch.optim.Adamax(model.parameters(), lr=1e-2)
     twin_optimizer = torch.optim.Adamax(twin.parameters(), lr=1e-2)
-    runs = []
-    for x, y in batches(3):
-        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
-            opt.zero_grad()
-            backward(m, x, y)
-        before = deferred.programs_run()
-        optimizer.step()
-        twin_optimizer.step()
-        deferred.flush()
-        runs.append(deferred.programs_run() - before)
-    assert runs == [1, 1, 1]
+    assert programs_per_step(model, optimizer, twin, twin_optimizer) == [1, 1, 1]
     assert_params_close(model, twin, 1e-5)
 
 
@@ -223,17 +228,7 @@ def test_fused_optimizers_built_after_initialize_are_recorded(make, monkeypatch)
     model, _, twin, _ = wrapped_twin(ZERO0)
     optimizer, twin_optimizer = make(model.parameters()), make(twin.parameters())
     monkeypatch.setattr(live_tensor, "_on_host", no_host_copies)
-    runs = []
-    for x, y in batches(3):
-        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
-            opt.zero_grad()
-            backward(m, x, y)
-        before = deferred.programs_run()
-        optimizer.step()
-        twin_optimizer.step()
-        deferred.flush()
-        runs.append(deferred.programs_run() - before)
-    assert runs == [1, 1, 1]
+    assert programs_per_step(model, optimizer, twin, twin_optimizer) == [1, 1, 1]
     assert_params_close(model, twin, 1e-5)
 
 

@@ -36,20 +36,6 @@ from zerojax.train.live_tensor import LiveTensor
 
 __all__ = ["install"]
 
-_HYPER_KEYS = (
-    "lr",
-    "beta1",
-    "beta2",
-    "one_minus_beta1",
-    "one_minus_beta2",
-    "beta1_lo",
-    "beta2_lo",
-    "lr_lo",
-    "eps",
-    "weight_decay",
-    "decay_factor",
-)
-
 
 def install() -> None:
     """Record torch.optim's multi-tensor Adam/AdamW step as one op for live tensors."""
@@ -120,19 +106,18 @@ def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], optio
         for tensors in written
         for t in tensors
     ]
+    keys = tuple(hyper)
     outputs = deferred.record(
-        ("adam", group, tuple((tuple(t.shape), t.dtype) for t in live[0])),
-        functools.partial(_adam_elements, group, count),
-        [t.value() for tensors in live for t in tensors]
-        + [counts]
-        + [hyper[k] for k in _HYPER_KEYS],
+        ("adam", group, keys, tuple((tuple(t.shape), t.dtype) for t in live[0])),
+        functools.partial(_adam_elements, group, count, keys),
+        [t.value() for tensors in live for t in tensors] + [counts] + [hyper[k] for k in keys],
         avals,
     )
     for tensor, value in zip((t for tensors in written for t in tensors), outputs, strict=True):
         tensor.write(value)
 
 
-def _adam_elements(group: optimizers.ParamGroupSpec, count: int, arrays: list, rng):
+def _adam_elements(group: optimizers.ParamGroupSpec, count: int, keys: tuple, arrays: list, rng):
     """The recorded op: every parameter's Adam/AdamW update (params, moments out)."""
     f32 = jnp.float32
     per_list = [arrays[i * count : (i + 1) * count] for i in range(5 if group.amsgrad else 4)]
@@ -140,7 +125,7 @@ def _adam_elements(group: optimizers.ParamGroupSpec, count: int, arrays: list, r
     maxima = per_list[4] if group.amsgrad else [None] * count
     rest = arrays[len(per_list) * count :]
     counts = jnp.asarray(rest[0], jnp.int32)
-    h = {k: jnp.asarray(v, f32) for k, v in zip(_HYPER_KEYS, rest[1:], strict=True)}
+    h = {k: jnp.asarray(v, f32) for k, v in zip(keys, rest[1:], strict=True)}
     step_sizes_neg, bc2_sqrts = adam_bias_corrections(
         counts, {k: jnp.broadcast_to(v, (count,)) for k, v in h.items()}
     )
