@@ -41,7 +41,6 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 
 from zerojax.bridge.index_bounds import raise_if_out_of_range
@@ -97,8 +96,8 @@ def resolve(value):
 
 
 # One recorded op: `fn(arrays, rng)` -> (its result: an array or a list/tuple of them, an index
-# flag vector or None), traced into the recording's program. `key` identifies `fn`'s
-# computation (same key, same computation on same-shaped inputs).
+# flag vector, a list of them, or None), traced into the recording's program. `signature`
+# numbers its key and inputs' origins (same key: the same computation on same-shaped inputs).
 class _Op:
     __slots__ = ("fn", "random", "refs", "signature")
 
@@ -127,7 +126,7 @@ class _Recording:
         self.positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # (writer, name) -> (the value last written into that engine entry, its sharding);
         # `writer` takes {name: array} (all of a recording's writes through it at once).
-        self.writes: dict[tuple[Callable, str], Deferred] = {}
+        self.writes: dict[tuple[Callable, str], tuple[Deferred | jax.Array, Any]] = {}
 
     def ref(self, value) -> tuple:
         """Where an op's input comes from: an earlier op's output, an array or a scalar."""
@@ -334,10 +333,3 @@ def _why_new(key: tuple) -> str:
 def _spans_devices(array: jax.Array) -> bool:
     sharding = getattr(array, "sharding", None)
     return isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
-
-
-def abstract(value) -> Any:
-    """A stand-in for `value` to trace an op's output shapes with (`jax.eval_shape`)."""
-    if isinstance(value, (Deferred, jax.Array, np.ndarray)):
-        return jax.ShapeDtypeStruct(value.shape, value.dtype)
-    return value
