@@ -9,7 +9,9 @@ walk is jitted once per signature: the op, the non-tensor arguments (Python scal
 the key, as they are constants of a captured graph) and each tensor's shape and dtype. Inputs'
 shardings are JAX's business: a jitted call on ZeRO-sharded arrays runs on the shards. An op
 that reads indices checks them as torch does and raises torch's error at the call
-(`zerojax.bridge.index_bounds`).
+(`zerojax.bridge.index_bounds`). Live tensors mostly record calls rather than run them: a
+recording traces each call's `run` into one program (`zerojax.train.deferred`), its result
+shapes known from `output_avals`.
 """
 
 from __future__ import annotations
