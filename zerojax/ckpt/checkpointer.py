@@ -825,7 +825,7 @@ class Checkpointer:
         model = self._read_arrays(step, layout.MODEL, model_abstract, "model", direct)
         opt_state = None
         if with_optimizer:
-            abstract, _ = ts.optimizer_target(engine)
+            abstract, _ = ts.optimizer_target(engine, meta.get("optimizer"))
             opt_state = self._read_arrays(step, layout.OPTIMIZER, abstract, "state", direct)
         train_state = None
         if layout.TRAIN_STATE in items:
@@ -886,7 +886,12 @@ class Checkpointer:
         saved_paths = self._saved_paths(step_dir, layout.OPTIMIZER)
         engine = self._engine
         assert engine is not None  # an optimizer comes with its model's engine
-        differences = ts.optimizer_differences(saved_paths, engine.state.opt_state)
+        current_state = engine.state.opt_state
+        if engine.has_live_optimizers and not current_state:
+            # An optimizer running its own step makes its state at its first step: before it,
+            # the saved state's own description is the target (`ts.optimizer_target`).
+            current_state = ts.optimizer_target(engine, saved)[0]
+        differences = ts.optimizer_differences(saved_paths, current_state)
         if differences:
             raise CheckpointMismatchError(
                 f"checkpoint {step_dir}: the optimizer state does not fit the current "

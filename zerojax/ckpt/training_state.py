@@ -28,6 +28,7 @@ import torch
 
 from zerojax.ckpt import layout
 from zerojax.ckpt.errors import CheckpointError
+from zerojax.train import live_optimizer_state
 
 log = logging.getLogger("zerojax")
 
@@ -54,15 +55,6 @@ def torch_optimizer_of(optimizer: Any, engine) -> torch.optim.Optimizer | None:
         raise TypeError(
             f"zerojax checkpointing needs the optimizer returned by zerojax.initialize together "
             f"with the model it came with, got {type(optimizer).__name__}"
-        )
-    if not getattr(optimizer, "compiled", True):
-        # Its state lives in the torch optimizer, not in the engine's TrainState: a checkpoint
-        # would silently resume it from nothing.
-        raise CheckpointError(
-            f"zerojax checkpoints hold the optimizer state of torch.optim.AdamW/Adam/SGD (the "
-            f"compiled update); {type(inner).__name__} runs its own step, with its state in "
-            f"the torch optimizer: save `optimizer.state_dict()` with torch.save beside the "
-            f"checkpoint, and pass optimizer=None to the Checkpointer"
         )
     return inner
 
@@ -136,7 +128,7 @@ def parameter_table(engine) -> dict[str, dict]:
     return table
 
 
-def optimizer_meta(torch_optimizer: torch.optim.Optimizer | None) -> dict | None:
+def optimizer_meta(torch_optimizer: torch.optim.Optimizer | None, engine=None) -> dict | None:
     """`meta["optimizer"]`: the class name and every param group's options but `params`."""
     if torch_optimizer is None:
         return None
@@ -144,7 +136,12 @@ def optimizer_meta(torch_optimizer: torch.optim.Optimizer | None) -> dict | None
         to_json({k: v for k, v in group.items() if k != "params"}, f"param_groups[{i}]")
         for i, group in enumerate(torch_optimizer.param_groups)
     ]
-    return {"type": type(torch_optimizer).__name__, "param_groups": groups}
+    meta = {"type": type(torch_optimizer).__name__, "param_groups": groups}
+    if engine is not None and engine.has_live_optimizers:
+        # What its own step created: a restore into an optimizer that has not stepped yet
+        # (no state to take the shapes from) builds its targets from this.
+        meta["live_state"] = live_optimizer_state.describe(engine.live_optimizer_state())
+    return meta
 
 
 def build_meta(
@@ -172,7 +169,7 @@ def build_meta(
         "step": int(step),
         "config": config_as_json(engine.config),
         "parameters": parameter_table(engine),
-        "optimizer": optimizer_meta(torch_optimizer),
+        "optimizer": optimizer_meta(torch_optimizer, engine),
         "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "scheduler"),
         "engine": engine_counters(engine.state),
         "torch_rng": torch.get_rng_state().tolist(),
@@ -354,9 +351,16 @@ def apply_model(state, restored: Mapping[str, jax.Array], source: Mapping[str, s
     return state.with_weights(weights).replace(buffers=buffers)
 
 
-def optimizer_target(engine) -> tuple[Any, Any]:
-    """Abstract optimizer-state tree with the current leaves' shapes, dtypes and shardings."""
-    pairs = jax.tree.map(lambda x: _abstract(x.shape, x.dtype, x.sharding), engine.state.opt_state)
+def optimizer_target(engine, saved: Mapping | None = None) -> tuple[Any, Any]:
+    """Abstract optimizer-state tree with the current leaves' shapes, dtypes and shardings;
+    for optimizers running their own step, the saved state's (`saved`: `meta["optimizer"]`)
+    on the current plan's shardings, since such an optimizer may not have made its state yet."""
+    if engine.has_live_optimizers and saved is not None and "live_state" in saved:
+        current = live_optimizer_state.abstract(saved["live_state"], engine.plan)
+        current = without_empty(current)
+    else:
+        current = engine.state.opt_state
+    pairs = jax.tree.map(lambda x: _abstract(x.shape, x.dtype, x.sharding), current)
     is_pair = lambda x: (
         isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], jax.ShapeDtypeStruct)
     )

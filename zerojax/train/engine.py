@@ -50,7 +50,7 @@ from zerojax.distributed.arrays import host_copy
 from zerojax.parallel.placement import placement_kind
 from zerojax.runtime import effective_time
 from zerojax.sharding import make_mesh, make_sharding_plan
-from zerojax.train import deferred, optimizers
+from zerojax.train import deferred, live_optimizer_state, optimizers
 from zerojax.train.parameters import plain_parameters
 from zerojax.train.precision import (
     PrecisionPolicy,
@@ -168,6 +168,9 @@ class Engine:
         self._converted: dict[bool, Converted] = {}
         self._before_donation: list[Callable[[], None]] = []
         self._torch_optimizer: torch.optim.Optimizer | None = None
+        # Optimizers that run their own step (`adopt_live_optimizer`): their state is the
+        # TrainState's `opt_state` (`zerojax.train.live_optimizer_state`).
+        self._live_optimizers: list[live_optimizer_state.LiveOptimizer] = []
         self._update_prepared = False
         # Index flag vectors of program calls whose results torch has not read yet
         # (`zerojax.bridge.index_bounds`): read when they are, at the latest at the next call.
@@ -199,8 +202,33 @@ class Engine:
     @property
     def state(self) -> TrainState:
         """The current training state. A snapshot: the next update donates its params, master
-        weights and optimizer state, so read (or copy) its arrays before stepping again."""
-        return self._state
+        weights and optimizer state, so read (or copy) its arrays before stepping again. With
+        optimizers that run their own step, `opt_state` is their state
+        (`zerojax.train.live_optimizer_state`: `{key: {parameter name: array}}`)."""
+        state = self._state
+        if self._live_optimizers:
+            state = state.replace(opt_state=self.live_optimizer_state())
+        return state
+
+    def adopt_live_optimizer(self, optimizer: torch.optim.Optimizer, names) -> None:
+        """Hold `optimizer` (one that runs its own step; `names`: id(param) -> the engine's
+        name) as this engine's optimizer: its state becomes the TrainState's `opt_state`."""
+        if self.optimizer_spec is not None:
+            raise ValueError(
+                "zerojax: this model's optimizer state is the compiled update's; an optimizer "
+                "running its own step cannot join it"
+            )
+        self._live_optimizers.append((optimizer, names))
+
+    @property
+    def has_live_optimizers(self) -> bool:
+        """Whether the optimizer state is held by optimizers running their own step."""
+        return bool(self._live_optimizers)
+
+    def live_optimizer_state(self) -> dict[str, dict[str, jax.Array]]:
+        """The live optimizers' state in the engine's layout (`live_optimizer_state.gather`)."""
+        deferred.flush()
+        return live_optimizer_state.gather(self._live_optimizers, self.placement.put, self.plan)
 
     def load(self, state: TrainState) -> None:
         """Replace the training state with `state`, which must have the current state's tree
@@ -210,6 +238,9 @@ class Engine:
         if not isinstance(state, TrainState):
             raise TypeError(f"engine.load takes a TrainState, got {type(state).__name__}")
         current = self._state
+        live_state = state.opt_state if self._live_optimizers else None
+        if live_state is not None:  # the live optimizers' state: written into them below
+            state = state.replace(opt_state=None)
         for field in ("params", "master", "buffers", "opt_state", "loss_scale"):
             _check_same_layout(field, getattr(current, field), getattr(state, field))
         if state.grads is not None:
@@ -270,6 +301,8 @@ class Engine:
             step=int(state.step),
             skipped_steps=int(state.skipped_steps),
         )
+        if live_state is not None:
+            live_optimizer_state.scatter(live_state, self._live_optimizers, put, plan)
 
     # Read-only views of the state's fields (tests and reports read them; nothing writes them).
     params = property(lambda self: self._state.params)

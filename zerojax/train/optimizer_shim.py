@@ -30,7 +30,6 @@ Two ways to update, chosen by the optimizer's class:
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import jax
 import torch
@@ -39,6 +38,7 @@ from zerojax.bridge.dtypes import from_torch
 from zerojax.runtime import effective_time
 from zerojax.train import optimizers
 from zerojax.train.engine import Engine
+from zerojax.train.live_optimizer_state import unhooked_step
 from zerojax.train.live_tensor import LiveTensor
 
 # Refused on the live path, with why.
@@ -98,6 +98,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.attach_optimizer(optimizer)
         else:  # the state torch's step keeps (live tensors): `optimizer.state[p]` reads it
             self.state = optimizer.state
+            engine.adopt_live_optimizer(optimizer, self._param_names)
 
     @property
     def compiled(self) -> bool:
@@ -153,7 +154,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             clipping = engine.config.train.gradient_clipping
             if clipping is not None:
                 engine.clip_grad_norm(clipping)
-            _unhooked_step(self._optimizer)()
+            unhooked_step(self._optimizer)()
             self._place_state()
         if self._reports_steps:
             engine.count_update()
@@ -241,13 +242,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self._optimizer!r}, zero_stage={self._engine.plan.stage})"
-
-
-def _unhooked_step(optimizer: torch.optim.Optimizer):
-    """`optimizer.step` without the step hooks torch's `Optimizer` wraps around it (its own and
-    the global ones): they fire around `ZeroOptimizer.step`, once."""
-    step = type(optimizer).step
-    return functools.partial(getattr(step, "__wrapped__", step), optimizer)
 
 
 def _check_runs_on_live_tensors(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
