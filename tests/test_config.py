@@ -226,8 +226,9 @@ BAD_CONFIGS = [
     ),
     ({"devices": {"platform": "mps"}}, "devices.platform='mps': allowed: cpu, gpu, tpu, null"),
     (
-        {"optimizer": {"type": "Adafactor"}},
-        "optimizer.type='adafactor': allowed: adam, adamw, sgd",
+        {"optimizer": {"type": "Lion"}},
+        "optimizer.type='lion': allowed: adam, adamw, sgd, adadelta, adafactor, adagrad, adamax, "
+        "asgd, nadam, radam, rmsprop, rprop",
     ),
     (
         {"optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}},
@@ -613,7 +614,8 @@ DEEPSPEED_BAD = [
     ),
     (
         {"optimizer": {"type": "OneBitAdam"}, "zero_optimization": {}},
-        "optimizer.type='onebitadam': allowed: adam, adamw, sgd",
+        "optimizer.type='onebitadam': allowed: "
+        "adam, adamw, sgd, adadelta, adafactor, adagrad, adamax, asgd, nadam, radam, rmsprop, rprop",
     ),
     (
         {

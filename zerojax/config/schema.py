@@ -52,13 +52,37 @@ SEQUENCE_PARALLEL_ATTENTION = ("ulysses", "ring", "auto")
 """How attention runs on a sequence-split mesh: Ulysses (all-to-all sequence <-> heads), ring
 attention (K/V passed around the axis), or auto (Ulysses when the heads split over the axis,
 else ring)."""
-OPTIMIZER_TYPES = ("adam", "adamw", "sgd")
-"""Optimizers zerojax runs (torch.optim.Adam, AdamW, SGD, reproduced exactly in JAX)."""
+COMPILED_OPTIMIZER_TYPES = ("adam", "adamw", "sgd")
+"""Optimizers zerojax's own update program runs (torch.optim.Adam, AdamW, SGD, reproduced
+exactly in JAX)."""
+OPTIMIZER_TYPES = (
+    *COMPILED_OPTIMIZER_TYPES,
+    *("adadelta", "adafactor", "adagrad", "adamax", "asgd", "nadam", "radam", "rmsprop", "rprop"),
+)
+"""Optimizers a config can name: the compiled ones, and the torch.optim classes that run their
+own step on zerojax's live tensors (`zerojax.train.optimizer_shim`)."""
 
 OPTIMIZER_PARAMS: dict[str, tuple[str, ...]] = {
     "adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
     "adamw": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
     "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+    "adadelta": ("lr", "rho", "eps", "weight_decay", "maximize"),
+    "adafactor": ("lr", "beta2_decay", "d", "weight_decay", "maximize"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"),
+    "adamax": ("lr", "betas", "eps", "weight_decay", "maximize"),
+    "asgd": ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize"),
+    "nadam": (
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "momentum_decay",
+        "decoupled_weight_decay",
+        "maximize",
+    ),
+    "radam": ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay", "maximize"),
+    "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"),
+    "rprop": ("lr", "etas", "step_sizes", "maximize"),
 }
 """`optimizer.params` keys per type: the torch constructor's keyword arguments zerojax runs
 (torch's foreach/fused/capturable/differentiable choose torch kernels, which zerojax replaces)."""
@@ -760,15 +784,23 @@ class OptimizerConfig:
         checked: dict[str, Any] = {}
         for key, value in params.items():
             where = f"optimizer.params.{key}"
-            if key in ("amsgrad", "maximize", "nesterov"):
+            if key in ("amsgrad", "maximize", "nesterov", "centered", "decoupled_weight_decay"):
                 checked[key] = as_bool(where, value)
+            elif key in ("etas", "step_sizes"):  # Rprop's (low, high) pairs
+                if not isinstance(value, (list, tuple)) or len(value) != 2:
+                    raise error(where, value, "expected two numbers [low, high], each >= 0")
+                checked[key] = tuple(as_float(f"{where}[{i}]", v) for i, v in enumerate(value))
+                if min(checked[key]) < 0:
+                    raise error(where, value, "expected two numbers [low, high], each >= 0")
+            elif key == "beta2_decay":  # Adafactor's decay exponent: negative (default -0.8)
+                checked[key] = as_float(where, value)
             elif key == "betas":
                 if not isinstance(value, (list, tuple)) or len(value) != 2:
                     raise error(where, value, "expected [beta1, beta2], each in [0, 1)")
                 checked[key] = tuple(
                     as_unit_interval(f"{where}[{i}]", beta) for i, beta in enumerate(value)
                 )
-            else:  # lr, eps, weight_decay, momentum, dampening
+            else:  # lr, eps, weight_decay, momentum, dampening, alpha, rho, ...
                 checked[key] = as_float(where, value)
                 if checked[key] < 0:
                     raise error(where, value, "expected a number >= 0")

@@ -25,7 +25,7 @@ import torch
 from zerojax.bridge.convert import Converted, Static
 from zerojax.config import Config, load_config
 from zerojax.sharding.memory import MemoryReport, measure_memory
-from zerojax.train import optimizers
+from zerojax.train import live_optimizer_state, optimizers
 from zerojax.train.engine import Engine
 from zerojax.train.optimizer_config import build_optimizer
 from zerojax.train.programs import find_scalar_loss, is_float
@@ -83,11 +83,19 @@ def memory_report(
         torch_optimizer = optimizer
     else:
         torch_optimizer = optimizer(module.parameters())
-    engine.attach_optimizer(torch_optimizer)
-
     notes: list[str] = []
+    compiled = type(torch_optimizer) in optimizers.SUPPORTED_OPTIMIZERS.values()
+    if compiled:
+        engine.attach_optimizer(torch_optimizer)
+        opt_state = None  # the engine's, after the step
+    else:
+        opt_state = _own_step_state(engine, module, torch_optimizer)
+        notes.append(
+            f"{type(torch_optimizer).__name__} runs its own step: its state is what one step of "
+            f"it on meta tensors creates, on the plan's optimizer-state shardings"
+        )
     if run_step:
-        grads = _run_one_step(engine, module, torch_optimizer, tuple(args), notes)
+        grads = _run_one_step(engine, module, torch_optimizer, tuple(args), notes, compiled)
     else:
         shardings, dtype = engine.plan.grads, engine.policy.grad_dtype
         grads = {
@@ -101,7 +109,7 @@ def memory_report(
         engine.plan,
         params=state.params,
         grads=grads,
-        opt_state=state.opt_state,
+        opt_state=state.opt_state if opt_state is None else opt_state,
         master_weights=state.master,
         programs=engine.compiled_programs(),
         host_computed=("update",) if engine.programs.updates_on_host(state.master) else (),
@@ -109,9 +117,25 @@ def memory_report(
     )
 
 
-def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[str]) -> Any:
+def _own_step_state(engine: Engine, module, optimizer: torch.optim.Optimizer) -> Any:
+    """The state `optimizer` (one running its own step) makes, placed as training places it
+    (`zerojax.train.live_optimizer_state`); abstract engines get shapes with shardings."""
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), engine.alias[name])
+    shapes = live_optimizer_state.state_shapes(optimizer, names)
+    shardings = engine.plan.optimizer_state_shardings(shapes)
+    return jax.tree.map(
+        lambda s, sharding: engine.placement.filled(s, 0, sharding), shapes, shardings
+    )
+
+
+def _run_one_step(
+    engine: Engine, module, optimizer, args: tuple, notes: list[str], compiled: bool = True
+) -> Any:
     """One micro-batch through the programs `zerojax.train.module.ZeroModule` would call, then
-    one update; returns the gradients the micro-batch produced."""
+    one update (`compiled`: the engine's; an optimizer running its own step is left out, noted);
+    returns the gradients the micro-batch produced."""
     args = _even_batch(args, engine, notes)
     converted = engine.converted(module.training, args, {})
     # As ZeroModule.forward feeds them: tensors batch-sharded, other arguments Static.
@@ -149,7 +173,10 @@ def _run_one_step(engine: Engine, module, optimizer, args: tuple, notes: list[st
             "the model returns no loss of its own: forward_vjp + backward, as under a torch loss"
         )
     grads = engine.state.grads
-    engine.update(optimizers.hyper_from_torch(optimizer, engine.optimizer_spec))
+    if compiled:
+        engine.update(optimizers.hyper_from_torch(optimizer, engine.optimizer_spec))
+    else:
+        notes.append("the optimizer's own step is not run: no update program to measure")
     return grads
 
 

@@ -17,12 +17,17 @@ from typing import Any
 
 import torch
 
-from zerojax.config import OptimizerConfig
-from zerojax.train.optimizers import SUPPORTED_OPTIMIZERS
+from zerojax.config import OPTIMIZER_TYPES, OptimizerConfig
 
 __all__ = ["build_optimizer", "check_optimizer_matches_config"]
 
-_CLASSES = {name.lower(): cls for name, cls in SUPPORTED_OPTIMIZERS.items()}
+# optimizer.type -> the torch.optim class (the schema's names are torch's, lower-cased).
+_CLASSES = {
+    name.lower(): cls
+    for name, cls in vars(torch.optim).items()
+    if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+    and name.lower() in OPTIMIZER_TYPES
+}  # fmt: skip
 # A float32 tensor lr holds the config's float64 value to within one float32 ulp (6e-8 rel).
 _REL_TOL = 1e-6
 
