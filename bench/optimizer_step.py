@@ -77,7 +77,7 @@ def _backward(model, tokens, targets) -> None:
 def _zerojax_step(step, model):
     def run():
         step()
-        jax.block_until_ready(model.engine.state.params)
+        jax.block_until_ready(model.engine.params)
 
     return run
 

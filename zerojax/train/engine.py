@@ -304,7 +304,8 @@ class Engine:
         if live_state is not None:
             live_optimizer_state.scatter(live_state, self._live_optimizers, put, plan)
 
-    # Read-only views of the state's fields (tests and reports read them; nothing writes them).
+    # Read-only views of the state's fields (tests, reports and every forward read them; nothing
+    # writes them; unlike `state`, they never gather the live optimizers' state).
     params = property(lambda self: self._state.params)
     master = property(lambda self: self._state.master)
     buffers = property(lambda self: self._state.buffers)
@@ -314,6 +315,7 @@ class Engine:
     loss_scale = property(lambda self: self._state.loss_scale)
     num_calls = property(lambda self: self._state.num_calls)
     skipped_steps = property(lambda self: self._state.skipped_steps)
+    updates_applied = property(lambda self: self._state.step)
 
     @property
     def gradient_accumulation_steps(self) -> int:

@@ -225,7 +225,7 @@ class ZeroModule(torch.nn.Module):
         if not recording:
             outputs, _ = engine.forward(converted, tuple(jax_args), jax_kwargs)
             leaves, treedef = jax.tree.flatten(outputs)
-            kept = (engine.state.params, engine.state.buffers, jax_args, jax_kwargs)
+            kept = (engine.params, engine.buffers, jax_args, jax_kwargs)
             share = _LossShare.of(outputs, engine.placement.loss_share(kwargs))
             return jax.tree.unflatten(treedef, share.value(self._zerojax_hand_over(leaves, kept)))
 
@@ -287,7 +287,7 @@ class ZeroModule(torch.nn.Module):
             engine.accumulate(grads, None if weight in (None, 1.0) else jnp.float32(weight))
             return [None] * len(tensor_inputs)
 
-        kept = (engine.state.params, engine.state.buffers, grads, jax_args, jax_kwargs)
+        kept = (engine.params, engine.buffers, grads, jax_args, jax_kwargs)
         torch_leaves = _jax_call(
             lambda: share.value(self._zerojax_hand_over(leaves, kept)),
             backward,
@@ -323,7 +323,7 @@ class ZeroModule(torch.nn.Module):
             engine, converted, pullback, specs, treedef, self._zerojax_global_rows
         )
         share = _LossShare.of(outputs, engine.placement.loss_share(jax_kwargs))
-        kept = (engine.state.params, engine.state.buffers, pullback, jax_args, jax_kwargs)
+        kept = (engine.params, engine.buffers, pullback, jax_args, jax_kwargs)
         torch_leaves = _jax_call(
             lambda: share.value(self._zerojax_hand_over(leaves, kept)),
             lambda grad_leaves: through(share.cotangents(grad_leaves)),

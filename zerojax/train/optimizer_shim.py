@@ -119,13 +119,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float | None:
         """Current fp16 loss scale (None without loss scaling)."""
-        scale = self._engine.state.loss_scale
+        scale = self._engine.loss_scale
         return None if scale is None else float(scale["scale"])
 
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because fp16 gradients overflowed."""
-        return self._engine.state.skipped_steps
+        return self._engine.skipped_steps
 
     def step(self, closure=None):
         """One update (see `Engine.step`). `closure`, as torch's optimizers take it (Lightning
@@ -143,7 +143,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             applied = engine.step(self._torch_step)
         if applied and self._reports_steps:
-            effective_time.LEDGER.step_done(engine.state.step)
+            effective_time.LEDGER.step_done(engine.updates_applied)
         return loss
 
     def _torch_step(self) -> None:
@@ -154,22 +154,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
             clipping = engine.config.train.gradient_clipping
             if clipping is not None:
                 engine.clip_grad_norm(clipping)
+            self._place_state(on_device=True)  # offloaded state: brought in for the step
             unhooked_step(self._optimizer)()
             self._place_state()
         if self._reports_steps:
             engine.count_update()
 
-    def _place_state(self) -> None:
+    def _place_state(self, on_device: bool = False) -> None:
         """Put each parameter-shaped state tensor (a moment, a momentum buffer) on the plan's
         optimizer-state sharding of its parameter: ZeRO-1/2/3 partition it as they partition
-        the compiled path's state. Host tensors of that shape (from `load_state_dict`) become
-        live ones; scalars (step counts) stay as torch keeps them."""
+        the compiled path's state, and `offload.optimizer: host` keeps it in host memory
+        between steps (`on_device`: the same shards in device memory, where the step computes).
+        Host tensors of that shape (from `load_state_dict`) become live ones; scalars (step
+        counts) stay as torch keeps them."""
         plan = self._engine.plan
+        if on_device and "opt_state" not in plan.offloaded:
+            return
         for param, state in self._optimizer.state.items():
             name = self._param_names.get(id(param))
             if name is None:
                 continue
             sharding = plan.opt_state[name]
+            if on_device:
+                sharding = plan.on_device(sharding)
             for key, value in state.items():
                 if not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
                     continue
@@ -250,10 +257,13 @@ def _check_runs_on_live_tensors(optimizer: torch.optim.Optimizer, engine: Engine
             raise ValueError(  # noqa: TRY004 (a value the user chose, not a wrong type)
                 f"zerojax: torch.optim.{refused.__name__} is not supported: {why}"
             )
-    host_states = engine.config.offload.host_states
-    if host_states:
+    # Its state can live on the host between steps (`ZeroOptimizer._torch_step` brings it in);
+    # the other states' offload is the compiled update's way of computing on the host.
+    others = [s for s in engine.config.offload.host_states if s != "optimizer"]
+    if others:
         raise ValueError(
-            f"zerojax: offload.{host_states[0]}=host moves state to host memory around the "
+            f"zerojax: offload.{others[0]}=host moves state to host memory around the "
             f"compiled update, which {type(optimizer).__name__} does not use (it runs its own "
-            f"step on live tensors); use torch.optim.AdamW/Adam/SGD, or remove the offload"
+            f"step on live tensors; offload.optimizer=host works with it); use "
+            f"torch.optim.AdamW/Adam/SGD, or remove that offload"
         )

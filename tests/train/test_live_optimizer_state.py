@@ -1,0 +1,181 @@
+"""The state of optimizers that run their own step, held as the engine's TrainState.
+
+Run: .venv/bin/python -m pytest -q tests/train/test_live_optimizer_state.py -p no:cacheprovider
+Why: an optimizer zerojax does not compile (RMSprop, Adafactor, NAdam, a user's own class)
+keeps its state in `optimizer.state[p]`, where torch's own step reads it. These tests show that
+state is the engine's too (`zerojax.train.live_optimizer_state`): `engine.state.opt_state` on
+the ZeRO stage's shardings; Orbax checkpoints that round-trip it bitwise, into an optimizer that
+has not stepped yet and onto another mesh; the memory plan counting it; and
+`offload.optimizer: host` keeping it in host memory between steps with the same numbers.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import zerojax
+from tests.train.test_torch_optimizers import SignMomentum
+
+pytestmark = pytest.mark.multidevice
+
+ZERO3 = {"mesh": {"fsdp": 8}, "zero": {"stage": 3}}
+# Another mesh and stage: the optimizer state splits 8 ways over two axes instead of one.
+ZERO1_4X2 = {"mesh": {"fsdp": 4, "data": 2}, "zero": {"stage": 1}}
+
+OPTIMIZERS = {
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.9, weight_decay=0.01),
+    # Factored second moments (row/column vectors: not parameter-shaped) and `.item()` reads.
+    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+    # `mu_product`: a second host scalar beside the step count.
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+    "SignMomentum (user-defined)": lambda p: SignMomentum(p),
+}
+
+
+def make(config, make_optimizer):
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    return zerojax.initialize(module, make_optimizer(module.parameters()), config)
+
+
+def train(model, optimizer, steps: int, seed: int) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=generator)
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def host(tree) -> dict:
+    return jax.tree.map(np.asarray, tree)
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+def test_state_is_the_train_state_on_the_zero_shardings():
+    model, optimizer = make(ZERO3, OPTIMIZERS["RMSprop"])
+    assert model.engine.state.opt_state == {}  # torch makes state at the first step
+    train(model, optimizer, 2, seed=0)
+    engine, torch_state = model.engine, optimizer.torch_optimizer.state
+    opt_state = engine.state.opt_state
+    assert sorted(opt_state) == ["momentum_buffer", "square_avg", "step"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in torch_state.items():
+        name = names[id(param)]
+        for key, value in state.items():
+            array = opt_state[key][name]
+            np.testing.assert_array_equal(np.asarray(array), value.numpy(force=True))
+            if value.ndim:  # ZeRO-3: the parameter's optimizer-state shards, 1/8 per device
+                assert array.sharding == engine.plan.opt_state[name]
+                assert array.addressable_shards[0].data.size * 8 == array.size
+            else:  # the step count, as torch keeps it (a host tensor), replicated here
+                assert type(value) is torch.Tensor and array.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_checkpoint_round_trips_bitwise_into_an_optimizer_that_has_not_stepped(tmp_path, name):
+    """Saved after 3 steps and restored into a fresh model and optimizer (no state yet): the
+    state is bitwise the saved one, and the next 2 steps are bitwise those of the run that
+    went on."""
+    model, optimizer = make(ZERO3, OPTIMIZERS[name])
+    train(model, optimizer, 3, seed=0)
+    saved = host(model.engine.state.opt_state)
+    with zerojax.Checkpointer(tmp_path / "run", model, optimizer, async_save=False) as ckpt:
+        ckpt.save(3, force=True)
+    expected = train(model, optimizer, 2, seed=1)
+
+    other, other_optimizer = make(ZERO3, OPTIMIZERS[name])
+    assert zerojax.Checkpointer(tmp_path / "run", other, other_optimizer).restore().step == 3
+    assert_bitwise(host(other.engine.state.opt_state), saved)
+    assert train(other, other_optimizer, 2, seed=1) == expected
+    assert_bitwise(host(other.engine.state.opt_state), host(model.engine.state.opt_state))
+    assert_bitwise(host(other.engine.state.params), host(model.engine.state.params))
+
+
+@pytest.mark.parametrize("name", ["RMSprop", "Adafactor"])
+def test_checkpoint_resumes_onto_another_mesh(tmp_path, name):
+    model, optimizer = make(ZERO3, OPTIMIZERS[name])
+    train(model, optimizer, 3, seed=0)
+    saved = host(model.engine.state.opt_state)
+    with zerojax.Checkpointer(tmp_path / "run", model, optimizer, async_save=False) as ckpt:
+        ckpt.save(3, force=True)
+    expected = train(model, optimizer, 2, seed=1)
+
+    other, other_optimizer = make(ZERO1_4X2, OPTIMIZERS[name])
+    zerojax.Checkpointer(tmp_path / "run", other, other_optimizer).restore()
+    restored = other.engine.state.opt_state
+    assert_bitwise(host(restored), saved)
+    for key, values in restored.items():
+        for param, array in values.items():
+            if array.ndim and array.shape == other.engine.state.params[param].shape:
+                assert array.sharding == other.engine.plan.opt_state[param]
+    # Another mesh sums each gradient's 16 rows in another order: float32 rounding, 16 ulp at
+    # most per gradient, then two steps of an update that divides by a root of the moments.
+    np.testing.assert_allclose(train(other, other_optimizer, 2, seed=1), expected, rtol=1e-5)
+
+
+def test_memory_plan_counts_the_state():
+    """`zerojax.memory_report` (what `zerojax plan` prints) counts the state each optimizer's
+    own step makes: RMSprop with momentum two parameter-sized moments split 8 ways, Adafactor
+    its factored row and column vectors, replicated."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    x = torch.randn(8, 64)
+
+    def opt_state_bytes(make_optimizer) -> int:
+        report = zerojax.memory_report(module, (x,), ZERO3, optimizer=make_optimizer)
+        (component,) = [c for c in report.components if c.name == "opt_state"]
+        return component.measured
+
+    params = sum(p.numel() for p in module.parameters())
+    steps = 4 * 4  # four float32 step counts, replicated
+    assert opt_state_bytes(OPTIMIZERS["RMSprop"]) == 2 * 4 * params // 8 + steps
+    factored = (128 + 64) * 4 + (64 + 128) * 4  # each weight's row and column means
+    variances = 4 * (128 + 64) // 8  # the biases' full second moments, split
+    assert opt_state_bytes(OPTIMIZERS["Adafactor"]) == factored + variances + steps
+
+
+def test_offloaded_state_lives_on_the_host_with_the_same_numbers():
+    config = {"mesh": {"fsdp": 8}, "zero": {"stage": 1}}
+    on_device = make(config, OPTIMIZERS["RMSprop"])
+    offloaded = make({**config, "offload": {"optimizer": "host"}}, OPTIMIZERS["RMSprop"])
+    assert train(*offloaded, 3, seed=0) == train(*on_device, 3, seed=0)
+    state = offloaded[0].engine.state.opt_state
+    kinds = {a.sharding.memory_kind for values in state.values() for a in values.values()}
+    assert kinds == {"pinned_host"}
+    assert_bitwise(host(state), host(on_device[0].engine.state.opt_state))
+
+
+class HoldsAFloat(torch.optim.Optimizer):
+    """A user's optimizer keeping a Python number in its state."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["scale"] = 0.5
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_state_a_checkpoint_cannot_hold_is_named(tmp_path):
+    model, optimizer = make(ZERO3, HoldsAFloat)
+    train(model, optimizer, 1, seed=0)  # training itself is unaffected
+    with pytest.raises(ValueError, match=r"optimizer state 'scale' of parameter '0\.weight'"):
+        zerojax.Checkpointer(tmp_path / "run", model, optimizer).save(1, force=True)
+    assert not list((tmp_path / "run").glob("1*"))  # nothing half-written
