@@ -410,14 +410,15 @@ def test_resume_across_offload_settings(stage, saved, resumed, mesh, tmp_path):
         torch.testing.assert_close(resumed_losses, straight[STEPS:], rtol=2**-8, atol=0)
 
 
-def test_optimizer_running_its_own_step_is_refused_with_offload():
-    """Optimizers other than Adam/AdamW/SGD run torch's step on live tensors, outside the
-    compiled update that moves the state in and out of host memory."""
+def test_optimizer_running_its_own_step_is_refused_with_gradient_offload():
+    """Optimizers other than Adam/AdamW/SGD run torch's step on live tensors: their state can
+    live on the host between steps (tests/train/test_live_optimizer_state.py), but gradients
+    on the host are the compiled update's way of computing there."""
     torch.manual_seed(0)
     net = Net()
-    with pytest.raises(ValueError, match=r"^zerojax: offload.optimizer=host moves state"):
+    with pytest.raises(ValueError, match=r"^zerojax: offload.grads=host moves state"):
         zerojax.initialize(
-            net, torch.optim.RMSprop(net.parameters()), config=config_for(1, None, "optimizer")
+            net, torch.optim.RMSprop(net.parameters()), config=config_for(2, None, "grads")
         )
 
 
