@@ -218,6 +218,11 @@ _calls: OrderedDict[Any, EagerCall] = OrderedDict()
 _serials = itertools.count()
 
 
+def traces_scalars(op) -> bool:
+    """Whether `op`'s Python floats are program inputs (see `_SCALAR_INPUT_OPS`)."""
+    return op in _SCALAR_INPUT_OPS and op not in _needs_constant_scalars
+
+
 def eager_call(
     op, spec, leaves: list, key_of: Callable[[torch.Tensor], Any], meta, spec_key=None
 ) -> EagerCall:
@@ -227,7 +232,7 @@ def eager_call(
     `spec_key` stands for `spec` in the cache key when given (hashing a spec walks it).
     """
     traced = frozenset()
-    if op in _SCALAR_INPUT_OPS and op not in _needs_constant_scalars:
+    if traces_scalars(op):
         traced = frozenset(i for i, x in enumerate(leaves) if type(x) is float)
     signature = (
         key_of(x) if isinstance(x, torch.Tensor) else _TRACED if i in traced else _hashable(x)

@@ -127,6 +127,8 @@ class _Recording:
         # (writer, name) -> (the value last written into that engine entry, its sharding);
         # `writer` takes {name: array} (all of a recording's writes through it at once).
         self.writes: dict[tuple[Callable, str], tuple[Deferred | jax.Array, Any]] = {}
+        # Deferred -> the sharding it is to leave the program on (`place`).
+        self.placed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def ref(self, value) -> tuple:
         """Where an op's input comes from: an earlier op's output, an array or a scalar."""
@@ -205,6 +207,14 @@ def write(writer: Callable, name: str, value: Deferred | jax.Array, sharding=Non
         _recording.writes[(writer, name)] = (value, sharding)
 
 
+def place(value: Deferred, sharding) -> None:
+    """Have the recording leave `value` on `sharding` (an optimizer's state tensor on its ZeRO
+    shards): placed by the program itself, not moved after it."""
+    with _lock:
+        if value in _recording.positions:
+            _recording.placed[value] = sharding
+
+
 def programs_compiled() -> int:
     """How many distinct recordings have been compiled in this process."""
     return _compiled[0]
@@ -242,7 +252,11 @@ def flush() -> None:
             for value, sharding in recording.writes.values()
             if isinstance(value, Deferred)
         }
-        out_shardings = tuple(targets.get(id(recording.outputs[i][k]())) for i, k in wanted)
+        placed = recording.placed
+        out_shardings = tuple(
+            targets.get(id(output), placed.get(output))
+            for output in (recording.outputs[i][k]() for i, k in wanted)
+        )
         key = (
             tuple(op.signature for op in recording.ops),
             tuple(wanted),

@@ -58,12 +58,13 @@ _WIDE = frozenset({torch.float64, torch.complex128})
 
 class Owned:
     """The source of an op's result: an array the tensor owns (a `Deferred` until the
-    recording that computes it runs)."""
+    recording that computes it runs). With a `sharding` (an optimizer's state on its ZeRO
+    shards), every value written is kept there: a recorded one leaves its program there."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "sharding")
 
-    def __init__(self, array: jax.Array | Deferred):
-        self.array = array
+    def __init__(self, array: jax.Array | Deferred, sharding=None):
+        self.array, self.sharding = array, sharding
 
     def value(self) -> jax.Array | Deferred:
         return self.array
@@ -75,6 +76,11 @@ class Owned:
         return array
 
     def write(self, value: jax.Array | Deferred) -> None:
+        if self.sharding is not None:
+            if isinstance(value, Deferred) and value.computed is None:
+                deferred.place(value, self.sharding)
+            elif deferred.resolve(value).sharding != self.sharding:
+                value = jax.device_put(deferred.resolve(value), self.sharding)
         self.array = value
 
 
@@ -421,14 +427,114 @@ def _foreach(func, args: tuple, kwargs: dict):
                 positional.append(value)
         return positional, keywords
 
+    plan_key = _foreach_key(func, per_tensor, written, args, kwargs, indexed, schema)
+    plan = _foreach_plans.get(plan_key) if plan_key is not None else None
+    if plan is not None:
+        return plan.record(args, kwargs, indexed, name.endswith("_"))
     elements = [bind(i) for i in range(count)]
     results = _foreach_recorded(per_tensor, elements, written)
+    if results is not None and plan_key is not None:
+        plan = _ForeachPlan.of(per_tensor, written, args, kwargs, target, elements)
+        if plan is not None:
+            _foreach_plans[plan_key] = plan
     if results is None:  # element by element, as torch's fallback does
         results = [per_tensor(*positional, **keywords) for positional, keywords in elements]
         if written:
             for (positional, _), result in zip(elements, results, strict=True):
                 positional[0].copy_(result)
     return None if name.endswith("_") else results
+
+
+def _foreach_key(func, per_tensor, written, args, kwargs, indexed, schema) -> tuple | None:
+    """What decides a foreach call's recorded op (`_ForeachPlan`): each element's tensor kinds,
+    shapes and dtypes, and its scalars as `eager.eager_call` keys them (a float traced as a
+    program input: its type; else its value). None where no plan is kept (a `scalars` tensor,
+    read on the host per element)."""
+    in_place = written or bool(_mutated_positions(per_tensor))
+    op = eager.functional_variant(per_tensor) if in_place and not written else per_tensor
+    traced = op is not None and eager.traces_scalars(op)
+    key: list = [func]
+    for j, argument in enumerate(args):
+        if j in indexed:
+            if schema[j].name == "scalars" and torch.is_tensor(argument):
+                return None
+            key.append(tuple(_leaf_key(x, traced) for x in argument))
+        else:
+            key.append(_leaf_key(argument, traced))
+    for name, value in kwargs.items():
+        key.append((name, _leaf_key(value, traced)))
+    key = tuple(key)
+    try:
+        hash(key)
+    except TypeError:  # an argument that is no key (a list where one value is expected)
+        return None
+    return key
+
+
+def _leaf_key(x, traced: bool):
+    if isinstance(x, torch.Tensor):
+        return (type(x) is LiveTensor, x.shape, x.dtype)
+    if traced and type(x) is float:
+        return float
+    return (type(x), x) if isinstance(x, (int, float, bool, complex)) else x
+
+
+# A foreach call's key (`_foreach_key`) -> how it was recorded (`_ForeachPlan`).
+_foreach_plans: dict[tuple, _ForeachPlan] = {}
+
+
+class _ForeachPlan:
+    """A foreach call recorded before, kept so the next call with the same key (the next
+    optimizer step) records it without binding, flattening and looking up each element's
+    call again: where each element's inputs come from in the foreach arguments, and the one
+    recorded op it was."""
+
+    __slots__ = ("avals", "calls", "dtypes", "in_place", "run", "serials", "sources")
+
+    @classmethod
+    def of(cls, per_tensor, written, args, kwargs, target, elements) -> _ForeachPlan | None:
+        in_place = written or bool(_mutated_positions(per_tensor))
+        op = eager.functional_variant(per_tensor) if in_place and not written else per_tensor
+        # Each element's leaves in `bind`'s order: positional arguments, the call's keywords,
+        # then the foreach op's positional arguments the per-tensor op takes by keyword.
+        kwarg_only = [j < len(target) and target[j].kwarg_only for j in range(len(args))]
+        origin = [("arg", j) for j in range(len(args)) if not kwarg_only[j]]
+        origin += [("kw", n) for n in kwargs]
+        origin += [("arg", j) for j in range(len(args)) if kwarg_only[j]]
+        calls, sources = [], []
+        for positional, keywords in elements:
+            leaves, spec, spec_key = _flatten(tuple(positional), keywords)
+            if spec_key is None:  # containers inside an element: no plan
+                return None
+            call = eager.eager_call(op, spec, leaves, _key_of, eager.meta_of, spec_key)
+            calls.append(call)
+            sources.append(tuple(origin[i] for i in call.dynamic))
+        plan = cls()
+        plan.calls, plan.sources, plan.in_place = tuple(calls), tuple(sources), in_place
+        plan.avals = [call.output_avals(None)[0] for call in calls]  # computed: cached
+        plan.dtypes = [call.out_meta.dtype for call in calls]
+        plan.serials = ("foreach", per_tensor, tuple(call.serial for call in calls))
+        plan.run = functools.partial(
+            _run_elements, plan.calls, tuple(len(source) for source in sources)
+        )
+        return plan
+
+    def record(self, args: tuple, kwargs: dict, indexed: set, returns_none: bool):
+        inputs = []
+        for i, source in enumerate(self.sources):
+            for kind, where in source:
+                if kind == "kw":
+                    x = kwargs[where]
+                else:
+                    x = args[where][i] if where in indexed else args[where]
+                inputs.append(_value_of(x) if isinstance(x, torch.Tensor) else x)
+        outputs = deferred.record(self.serials, self.run, inputs, self.avals)
+        if self.in_place:
+            for tensor, value in zip(args[0], outputs, strict=True):
+                tensor.write(value)
+        if returns_none:
+            return None
+        return [LiveTensor.owning(v, d) for v, d in zip(outputs, self.dtypes, strict=True)]
 
 
 def _foreach_recorded(per_tensor, elements: list, written: bool) -> list | None:

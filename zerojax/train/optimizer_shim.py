@@ -39,7 +39,7 @@ from zerojax.runtime import effective_time
 from zerojax.train import optimizers
 from zerojax.train.engine import Engine
 from zerojax.train.live_optimizer_state import unhooked_step
-from zerojax.train.live_tensor import LiveTensor
+from zerojax.train.live_tensor import LiveTensor, Owned
 
 # Refused on the live path, with why.
 _REFUSED = {
@@ -180,12 +180,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for key, value in state.items():
                 if not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
                     continue
-                if isinstance(value, LiveTensor):
+                source = getattr(value, "_source", None)
+                if isinstance(source, Owned):
+                    if source.sharding is not sharding:  # kept there from now on (`Owned`)
+                        source.sharding = sharding
+                        source.write(source.array)
+                elif isinstance(value, LiveTensor):
                     if value.array.sharding != sharding:
                         value.write(jax.device_put(value.array, sharding))
                 elif value.dim() > 0:
                     array = jax.device_put(from_torch(value), sharding)
-                    state[key] = LiveTensor.owning(array, value.dtype)
+                    state[key] = LiveTensor(Owned(array, sharding), value.shape, value.dtype)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` applies the update: always without gradient accumulation,

@@ -69,6 +69,9 @@ _OWN_METADATA = frozenset(
         Tensor.element_size,
         Tensor.is_floating_point,
         Tensor.is_complex,
+        torch.is_floating_point,  # torch.optim's `_init_group` asks every parameter, every step
+        torch.is_complex,
+        torch.numel,
         Tensor.__hash__,
         Tensor.__len__,
         Tensor._is_view,
@@ -173,10 +176,11 @@ class _StandIn:
                 )
             stand_in.live().copy_(value)
             return None
-        live_args, live_kwargs = torch_pytree.tree_map_only(
-            _StandIn, lambda t: t.live(), (args, kwargs)
-        )
-        return func(*live_args, **live_kwargs)
+        if any(isinstance(a, (list, tuple, dict)) for a in args) or kwargs:
+            args, kwargs = torch_pytree.tree_map_only(_StandIn, lambda t: t.live(), (args, kwargs))
+        else:  # most calls (`p.mul_(x)`, `p.grad`): no containers to walk
+            args = tuple(a.live() if isinstance(a, _StandIn) else a for a in args)
+        return func(*args, **kwargs)
 
     def _ordinary(self) -> torch.Tensor:
         """An ordinary torch tensor (or parameter) holding the current value."""
