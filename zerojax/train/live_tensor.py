@@ -168,6 +168,17 @@ def _value_of(tensor: torch.Tensor) -> jax.Array | Deferred:
     return tensor.value() if isinstance(tensor, LiveTensor) else from_torch(tensor)
 
 
+def _input_of(tensor: torch.Tensor) -> jax.Array | Deferred | np.ndarray:
+    """A recorded op's input: a live tensor's value, or a host tensor's values as a numpy copy
+    (the program takes it as it takes any argument; a JAX array made of it here would be a
+    dispatch of its own: Rprop passes 0-d host tensors to three ops per parameter per step)."""
+    if isinstance(tensor, LiveTensor):
+        return tensor.value()
+    if tensor.dtype == torch.bfloat16:
+        return from_torch(tensor)
+    return np.array(tensor.detach().numpy(), dtype=to_jax_dtype(tensor.dtype))
+
+
 def _conform(value: jax.Array | Deferred, shape: tuple[int, ...], dtype) -> jax.Array | Deferred:
     """`value` broadcast to `shape` and cast to `dtype`, recorded when it is not computed yet."""
     if not isinstance(value, Deferred):
@@ -218,18 +229,37 @@ def _returns_view(op: torch._ops.OpOverload) -> bool:
     return bool(returns) and returns[0].alias_info is not None
 
 
+@functools.cache
+def _route(func) -> tuple[str, bool]:
+    """(Which path of `run_op` an op takes, whether it is a fused optimizer step): asked once
+    per op, as an optimizer's step makes hundreds of calls."""
+    fused = func in FUSED_OPTIMIZER_OPS
+    if func in _ALIASES:
+        return "alias", fused
+    if func is aten.copy_.default:
+        return "copy", fused
+    if func.namespace == "aten" and func.__name__.startswith("_foreach_"):
+        return "foreach", fused
+    if _written_kwargs(func):
+        return "out", fused
+    if _mutated_positions(func):
+        return "mutated", fused
+    return "functional", fused
+
+
 def run_op(func, args: tuple, kwargs: dict):
     """One ATen call with live tensors among its arguments."""
-    if func in _ALIASES:
+    route, fused = _route(func)
+    if route == "alias":
         (tensor,) = args
         return LiveTensor(tensor._source, tensor.shape, tensor.dtype)
-    if func is aten.copy_.default:
+    if route == "copy":
         return _copy_(*args, **kwargs)
-    if func.namespace == "aten" and func.__name__.startswith("_foreach_"):
+    if route == "foreach":
         return _foreach(func, args, kwargs)
-    if func in FUSED_OPTIMIZER_OPS and run_fused_step(func, args, kwargs):
+    if fused and run_fused_step(func, args, kwargs):
         return None
-    if _written_kwargs(func):
+    if route == "out":
         return _into_out(func, args, kwargs)
     mutated = _mutated_positions(func)
     if mutated:
@@ -259,7 +289,7 @@ def run_op(func, args: tuple, kwargs: dict):
     if _returns_view(func) and isinstance(args[0], LiveTensor):
         return _views(func, spec, spec_key, leaves, call, args[0])  # computed when read
     inputs = [
-        _value_of(x) if isinstance(x, torch.Tensor) else x
+        _input_of(x) if isinstance(x, torch.Tensor) else x
         for x in (leaves[i] for i in call.dynamic)
     ]
     return _recorded(call, inputs, func, args, kwargs)
@@ -527,7 +557,7 @@ class _ForeachPlan:
                     x = kwargs[where]
                 else:
                     x = args[where][i] if where in indexed else args[where]
-                inputs.append(_value_of(x) if isinstance(x, torch.Tensor) else x)
+                inputs.append(_input_of(x) if isinstance(x, torch.Tensor) else x)
         outputs = deferred.record(self.serials, self.run, inputs, self.avals)
         if self.in_place:
             for tensor, value in zip(args[0], outputs, strict=True):
@@ -561,7 +591,7 @@ def _foreach_recorded(per_tensor, elements: list, written: bool) -> list | None:
         if not isinstance(call.out_meta, torch.Tensor) or call.out_meta.dtype in _WIDE:
             return None
         values = [
-            _value_of(x) if isinstance(x, torch.Tensor) else x
+            _input_of(x) if isinstance(x, torch.Tensor) else x
             for x in (leaves[i] for i in call.dynamic)
         ]
         try:
