@@ -15,6 +15,7 @@ differently (see its test). State tensors must sit on the plan's optimizer-state
 from __future__ import annotations
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 import zerojax
 from bench.architectures import MLP
+from zerojax.train import optimizer_shim
 from zerojax.train.live_tensor import LiveTensor
 
 pytestmark = pytest.mark.multidevice
@@ -207,3 +209,23 @@ def test_refused_optimizers_say_why(make, reason):
     module = MLP()
     with pytest.raises(ValueError, match=reason):
         zerojax.initialize(module, make(module.parameters()), ZERO3)
+
+
+def test_a_step_that_reads_the_host_warns_once_naming_the_line(monkeypatch):
+    """Adafactor's step reads `norm.item()` per parameter: each read runs the ops recorded
+    before it (several programs per step). Said once per optimizer class, with the line."""
+    monkeypatch.setattr(optimizer_shim, "_reported_host_reads", set())  # none reported yet
+    torch.manual_seed(0)
+    module = MLP()
+    model, optimizer = zerojax.initialize(module, torch.optim.Adafactor(module.parameters()), ZERO3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(torch.randn(BATCH, 32)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    messages = [
+        str(w.message) for w in caught if "reads tensor values on the host" in str(w.message)
+    ]
+    assert len(messages) == 1
+    assert "torch/optim/_adafactor.py:" in messages[0] and ".item()" in messages[0]

@@ -27,8 +27,11 @@ base, as torch's aliasing does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -156,10 +159,29 @@ class LiveTensor(torch.Tensor):
         return copied
 
 
+# `watching_host_reads`' callback, per thread.
+_host_reads = threading.local()
+
+
+@contextlib.contextmanager
+def watching_host_reads(callback: Callable[[], None]):
+    """Within: `callback()` at every host read of a live tensor's value (`.item()`, an op run
+    on host copies), each of which runs the ops recorded so far."""
+    previous = getattr(_host_reads, "callback", None)
+    _host_reads.callback = callback
+    try:
+        yield
+    finally:
+        _host_reads.callback = previous
+
+
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
     """An ordinary torch tensor with `tensor`'s values (a host copy for a live tensor)."""
     if not isinstance(tensor, LiveTensor):
         return tensor
+    callback = getattr(_host_reads, "callback", None)
+    if callback is not None:
+        callback()
     host = to_torch(host_copy(tensor.array))
     return host if host.dtype == tensor.dtype else host.to(tensor.dtype)
 

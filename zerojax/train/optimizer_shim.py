@@ -30,6 +30,11 @@ Two ways to update, chosen by the optimizer's class:
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import traceback
+import warnings
+from pathlib import Path
 
 import jax
 import torch
@@ -39,7 +44,7 @@ from zerojax.runtime import effective_time
 from zerojax.train import optimizers
 from zerojax.train.engine import Engine
 from zerojax.train.live_optimizer_state import unhooked_step
-from zerojax.train.live_tensor import LiveTensor, Owned
+from zerojax.train.live_tensor import LiveTensor, Owned, watching_host_reads
 
 # Refused on the live path, with why.
 _REFUSED = {
@@ -155,7 +160,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if clipping is not None:
                 engine.clip_grad_norm(clipping)
             self._place_state(on_device=True)  # offloaded state: brought in for the step
-            unhooked_step(self._optimizer)()
+            with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
+                unhooked_step(self._optimizer)()
             self._place_state()
         if self._reports_steps:
             engine.count_update()
@@ -254,6 +260,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self._optimizer!r}, zero_stage={self._engine.plan.stage})"
+
+
+# Optimizer classes whose host reads were reported (once each).
+_reported_host_reads: set[type] = set()
+# Frames between a host read and the code that asked for it: zerojax's, and torch's tensor
+# methods and dispatch.
+_ZEROJAX = str(Path(__file__).resolve().parents[1]) + os.sep
+_PLUMBING = ("torch/_tensor.py", "torch/overrides.py", "torch/_ops.py", "torch/utils/")
+
+
+def _note_host_read(optimizer: torch.optim.Optimizer) -> None:
+    """Warn, once per optimizer class, that its step reads values on the host, naming the
+    line: each read runs what was recorded before it, so the step is several programs."""
+    kind = type(optimizer)
+    if kind in _reported_host_reads:
+        return
+    _reported_host_reads.add(kind)
+    where = "an unknown line"
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename
+        if path.startswith(_ZEROJAX) or any(p in path.replace("\\", "/") for p in _PLUMBING):
+            continue
+        where = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+        break
+    warnings.warn(
+        f"zerojax: {kind.__name__}.step reads tensor values on the host at {where}; each read "
+        f"runs the ops recorded before it, so this optimizer's step runs as several compiled "
+        f"programs instead of one (same numbers, slower)",
+        stacklevel=2,
+    )
 
 
 def _check_runs_on_live_tensors(optimizer: torch.optim.Optimizer, engine: Engine) -> None:
