@@ -13,7 +13,7 @@ optimizer within 1.2x of it):
   a plain torch optimizer on live tensors, recorded the same way;
 - a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
   against `torch.optim.SGD` handed to initialize (target: within 1.1x);
-- plain torch's AdamW, RMSprop and Adafactor on a twin, for scale.
+- plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale.
 
 A zerojax timing ends when the updated parameters are ready (`engine.state` runs what was
 recorded; `jax.block_until_ready` waits for it). Gradients stay in place between steps (no
@@ -111,6 +111,13 @@ def main() -> None:
     )
     _backward(model, tokens, targets)
     contenders["zerojax Muon + AdamW"] = _zerojax_step(lambda: (muon.step(), adamw.step()), model)
+    # Muon's Newton-Schulz matmuls (bfloat16) are most of its step, in torch as here: its
+    # scale is torch's own Muon step, not the element-wise AdamW update.
+    twin, _, _ = _bench_model()
+    twin_muon = torch.optim.Muon([p for p in twin.parameters() if p.ndim == 2], lr=1e-4)
+    twin_adamw = torch.optim.AdamW([p for p in twin.parameters() if p.ndim != 2], lr=1e-4)
+    _backward(twin, tokens, targets)
+    contenders["torch Muon + AdamW"] = lambda: (twin_muon.step(), twin_adamw.step())
 
     # AdamW built after initialize on the model's parameters (minGPT, the HF Trainer).
     module, tokens, targets = _bench_model()
