@@ -101,6 +101,30 @@ def test_foreach_ops_run_per_element_like_torch(name):
     )
 
 
+def test_a_foreach_call_repeated_with_new_values_records_them():
+    """The second call of a foreach op with the same shapes records from the plan kept at the
+    first (`live_tensor._ForeachPlan`): its new scalars and tensor values are the ones used."""
+    expected = [torch.randn(3, 4), torch.randn(5)]
+    got = [live(t) for t in expected]
+    for alpha, scales in ((0.3, [0.5, 2.0]), (-1.7, [3.0, -0.25])):
+        others = [torch.randn(3, 4), torch.randn(5)]
+        torch._foreach_add_(expected, others, alpha=alpha)
+        torch._foreach_add_(got, [live(o) for o in others], alpha=alpha)
+        torch._foreach_mul_(expected, scales)
+        torch._foreach_mul_(got, scales)
+        for mine, theirs in zip(got, expected, strict=True):
+            torch.testing.assert_close(host(mine), theirs, **ONE_ROUNDING)
+
+
+def test_stack_of_live_tensors_promotes_like_torch():
+    a, b = torch.randn(3, 4), torch.randint(-5, 5, (3, 4))
+    for dim in (0, 1, -1):
+        expected = torch.stack([a, b], dim=dim)
+        got = torch.stack([live(a), live(b)], dim=dim)
+        assert got.dtype == expected.dtype and got.shape == expected.shape
+        torch.testing.assert_close(host(got), expected, rtol=0, atol=0)
+
+
 def test_host_values_where_torch_semantics_want_them():
     """float64 runs in torch on the host (JAX holds 32 bits here), and printing, .item(),
     .tolist(), pickling and deepcopy give ordinary values."""

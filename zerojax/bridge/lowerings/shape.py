@@ -146,6 +146,16 @@ def lower_cat_default(ctx, tensors, dim=0):
     return jnp.concatenate([t.astype(dtype) for t in kept], axis=dim)
 
 
+@lowering(aten.stack.default)
+def lower_stack_default(ctx, tensors, dim=0):
+    """Stack after torch's promotion. A capture decomposes stack into cat; live tensors meet it
+    whole (torch's clip_grad_norm_ stacks the per-gradient norms), where torch's reference
+    would be a view per tensor and a cat."""
+    dtype = result_type(*tensors)
+    dim = _dim(dim, tensors[0].ndim + 1)
+    return jnp.stack([t.astype(dtype) for t in tensors], axis=dim)
+
+
 @lowering(aten.split_with_sizes.default)
 def lower_split_with_sizes_default(ctx, self, split_sizes, dim=0):
     dim = _dim(dim, self.ndim)
