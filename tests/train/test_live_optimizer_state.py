@@ -179,3 +179,31 @@ def test_state_a_checkpoint_cannot_hold_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"optimizer state 'scale' of parameter '0\.weight'"):
         zerojax.Checkpointer(tmp_path / "run", model, optimizer).save(1, force=True)
     assert not list((tmp_path / "run").glob("1*"))  # nothing half-written
+
+
+def test_an_optimizer_built_after_initialize_checkpoints_the_same(tmp_path):
+    """minGPT's trainer and the HF Trainer build their optimizer on the returned model's
+    parameters: handed to the Checkpointer, its state joins the TrainState and round-trips."""
+
+    def built_after(config):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        model, _ = zerojax.initialize(module, None, config)
+        return model, OPTIMIZERS["RMSprop"](model.parameters())
+
+    model, optimizer = built_after(ZERO3)
+    train(model, optimizer, 3, seed=0)
+    with zerojax.Checkpointer(tmp_path / "run", model, optimizer, async_save=False) as ckpt:
+        ckpt.save(3, force=True)
+    saved = host(model.engine.state.opt_state)
+    assert sorted(saved) == ["momentum_buffer", "square_avg", "step"]
+    expected = train(model, optimizer, 2, seed=1)
+
+    other, other_optimizer = built_after(ZERO3)
+    zerojax.Checkpointer(tmp_path / "run", other, other_optimizer).restore()
+    assert_bitwise(host(other.engine.state.opt_state), saved)
+    assert train(other, other_optimizer, 2, seed=1) == expected
+
+    stranger = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"param group 0, parameter 0 \(shape \(2, 2\)\) is not"):
+        zerojax.Checkpointer(tmp_path / "other", other, stranger)

@@ -47,10 +47,16 @@ def engine_of(model: Any):
 
 
 def torch_optimizer_of(optimizer: Any, engine) -> torch.optim.Optimizer | None:
-    """The user's torch optimizer behind the ZeroOptimizer (its param_groups hold the lr etc.)."""
+    """The user's torch optimizer behind the ZeroOptimizer (its param_groups hold the lr etc.),
+    or a torch optimizer built on the model's parameters after initialize."""
     if optimizer is None:
         return None
     inner = getattr(optimizer, "torch_optimizer", None)
+    if inner is None and isinstance(optimizer, torch.optim.Optimizer):
+        # Built on the model's parameters after initialize (minGPT's trainer, the HF Trainer):
+        # its state joins the engine's TrainState, as that of one handed to initialize.
+        engine.adopt_built_optimizer(optimizer)
+        return optimizer
     if inner is None or getattr(optimizer, "engine", None) is not engine:
         raise TypeError(
             f"zerojax checkpointing needs the optimizer returned by zerojax.initialize together "

@@ -220,6 +220,25 @@ class Engine:
             )
         self._live_optimizers.append((optimizer, names))
 
+    def adopt_built_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """`adopt_live_optimizer` for a torch optimizer built on this model's parameters after
+        initialize (it runs its own step on them); raises ValueError naming a parameter of
+        another model."""
+        if any(held is optimizer for held, _ in self._live_optimizers):
+            return
+        names: dict[int, str] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), self.alias[name])
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if id(param) not in names:
+                    raise ValueError(
+                        f"zerojax: {type(optimizer).__name__}'s param group {g}, parameter {i} "
+                        f"(shape {tuple(param.shape)}) is not a parameter of this model; build "
+                        f"the optimizer on model.parameters() of the model zerojax returned"
+                    )
+        self.adopt_live_optimizer(optimizer, names)
+
     @property
     def has_live_optimizers(self) -> bool:
         """Whether the optimizer state is held by optimizers running their own step."""
