@@ -41,7 +41,7 @@ Concurrency contract:
   deadlock across processes). The files are written by a background thread; a step directory
   appears under its final name only when every item is committed (Orbax renames it), so a
   crash mid-save leaves the previous steps intact and the partial one invisible. The manifest
-  (sizes and crc32s) is written inside the temporary directory just before that rename
+  (sizes and checksums) is written inside the temporary directory just before that rename
   (`zerojax.ckpt.commit`): a step never appears without it.
 - `save` waits for the previous save to finish before starting another; `wait`, `restore`,
   `close` and leaving a `with` block wait too, and each raises CheckpointSaveError (naming the
@@ -754,7 +754,7 @@ class Checkpointer:
     def _restore_step(self, engine, step: int, load_optimizer: bool) -> RestoredState:
         step_dir = self.step_dir(step)
         # The arrays' data files are checked against the manifest as they are read, once
-        # (`direct_read`); the crc32 pass over every other file runs meanwhile on a helper
+        # (`direct_read`); the checksum pass over every other file runs meanwhile on a helper
         # thread (zlib releases the GIL). Nothing read is written into the engine before both
         # pass, and when the pass fails its error (naming the damaged file) wins over whatever
         # the read raised.
