@@ -14,6 +14,7 @@ its shards to live in data files (Orbax keeps values up to 1 KB inline in the b-
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -80,8 +81,20 @@ def test_restore_reads_each_data_file_once_and_restores_every_array(tmp_path, mo
     other, other_opt = make(hidden=HIDDEN, seed=5)
     assert not np.array_equal(host(other)["params"]["fc1.weight"], saved["params"]["fc1.weight"])
     orbax_items, hashed = watch_reads(monkeypatch)
+    passes = []
+    read_items = direct_read.DirectRead.read_items
+
+    def recording_read_items(self, wanted):
+        passes.append(sorted(wanted))
+        return read_items(self, wanted)
+
+    monkeypatch.setattr(direct_read.DirectRead, "read_items", recording_read_items)
 
     assert Checkpointer(tmp_path, other, other_opt).restore().step == 3
+
+    # Both items' files in one pass (one item after the other, the optimizer's largest file
+    # ended the restore alone).
+    assert passes == [sorted([layout.MODEL, layout.OPTIMIZER])]
 
     assert_state_equal(host(other), saved)
     # Orbax read the small items only; the arrays came from the direct read, whose files the
@@ -181,6 +194,19 @@ def test_a_manifest_of_crc32s_still_restores(tmp_path, monkeypatch):
     assert not (data_files(step_dir, layout.MODEL) | data_files(step_dir, layout.OPTIMIZER)) & set(
         hashed
     )
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child runs no JAX
+def test_a_forked_child_starts_its_own_read_threads(tmp_path):
+    """The read threads live for the process; a forked child (a DataLoader worker) has none of
+    its parent's threads, so it must not reuse the parent's pool (its work would never run)."""
+    assert direct_read._read_pool() is direct_read._read_pool()  # started once
+    pid = os.fork()
+    if pid == 0:  # the child: a pool of its own, which runs work
+        ok = direct_read._pool is None and direct_read._read_pool().submit(int, 7).result() == 7
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_files_of_an_item_not_restored_are_still_checked(tmp_path):

@@ -62,6 +62,30 @@ __all__ = ["DirectRead", "ItemPlan", "StoredArray", "Unsupported", "plan_item"]
 
 _READ_THREADS = 4
 """Data files streamed at once: enough to overlap one file's hash with another's read."""
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _read_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The read threads, started once per process: a restore that started its own spent
+    ~2 ms a thread starting them (14 per restore of the bench state)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                _READ_THREADS, thread_name_prefix="zerojax-read"
+            )
+        return _pool
+
+
+def _forget_pool() -> None:
+    # A forked child (a DataLoader worker) has none of the parent's threads: a pool inherited
+    # from it would queue work that nothing runs.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 _SCRATCH = 1 << 22
 """Bytes between chunks (and chunks read out of place) go through a scratch buffer this big."""
 
@@ -307,15 +331,45 @@ class DirectRead:
     def read(self, item: str, wanted: Mapping[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
         """{name: jax.Array on its target's sharding} for every name in `wanted` (targets with
         the shape and dtype the item's plan holds); every data file of the item is read whole
-        and checked against the manifest.
+        and checked against the manifest. `read_items` reads several items in one pass."""
+        return self.read_items({item: wanted})[item]
+
+    def read_items(
+        self, wanted: Mapping[str, Mapping[str, jax.ShapeDtypeStruct]]
+    ) -> dict[str, dict[str, jax.Array]]:
+        """`read` of several items ({item: {name: target}}) at once: the data files of all of
+        them are streamed by the same threads, largest first, so that one item's largest file
+        does not end the restore alone.
 
         Where each device's shard is exactly one stored chunk (a restore onto the mesh that
         saved), the chunk is read straight into a buffer of its own that becomes the device's
         array without a copy (`jax.device_put` of an aligned numpy array on a CPU device
         aliases it; elsewhere it is one transfer); otherwise the array is assembled whole in
         host memory and `jax.device_put` slices it onto its devices."""
+        by_file: dict[str, list[_Piece]] = {}
+        placing = {}
+        for item, item_wanted in wanted.items():
+            placing[item] = self._pieces(item, item_wanted, by_file)
+        pool = _read_pool()
+        ordered = sorted(by_file, key=lambda f: -self.files[f]["size"])
+        futures = [pool.submit(self._read_file, f, by_file[f]) for f in ordered]
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            # On an error the rest stops before its next file: nothing waits on a restore that
+            # already failed, and no thread writes into buffers once this returns.
+            for future in futures:
+                future.cancel()
+            concurrent.futures.wait(futures)
+        return {item: _place(*placing[item]) for item in wanted}
+
+    def _pieces(self, item: str, wanted: Mapping[str, jax.ShapeDtypeStruct], by_file: dict):
+        """Where each chunk of `item` goes, added to `by_file` ({data file: [_Piece]}); returns
+        the (sharded, whole) destinations `_place` turns into arrays."""
         plan = self.plans[item]
-        by_file: dict[str, list[_Piece]] = {f: [] for f in plan.files}
+        for f in plan.files:
+            by_file.setdefault(f, [])
         sharded: dict[str, tuple[jax.ShapeDtypeStruct, dict]] = {}
         whole: dict[str, tuple[jax.ShapeDtypeStruct, np.ndarray]] = {}
         for name, array in plan.arrays.items():
@@ -340,13 +394,7 @@ class DirectRead:
                         _put(value.inline, into, place)
                     continue
                 by_file[value.file].append(_Piece(value.offset, value.length, into, place))
-        with concurrent.futures.ThreadPoolExecutor(
-            min(_READ_THREADS, max(len(by_file), 1)), thread_name_prefix="zerojax-read"
-        ) as pool:
-            ordered = sorted(by_file, key=lambda f: -self.files[f]["size"])
-            for future in [pool.submit(self._read_file, f, by_file[f]) for f in ordered]:
-                future.result()
-        return _place(sharded, whole)
+        return sharded, whole
 
     def verify_unread(self) -> None:
         """Check the data files of planned items that no `read` took (the optimizer's, when
