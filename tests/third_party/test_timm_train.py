@@ -85,9 +85,11 @@ def write_images(directory: Path) -> None:
                 Image.fromarray(pixels).save(folder / f"{i}.png")
 
 
-def run(tmp_path: Path, model: str, config: dict | None) -> tuple[list[float], Path]:
-    """The script, with zerojax (`config`) or without (None): every loss it computed and its
-    checkpoint folder."""
+def run(
+    tmp_path: Path, model: str, config: dict | None, options: tuple[str, ...] = ()
+) -> tuple[list[float], Path]:
+    """The script, with zerojax (`config`) or without (None), and more of its `options`: every
+    loss it computed and its checkpoint folder."""
     out = tmp_path / "run"
     out.mkdir()
     images = tmp_path / "images"
@@ -111,6 +113,7 @@ def run(tmp_path: Path, model: str, config: dict | None) -> tuple[list[float], P
     ]  # fmt: skip
     if model_kwargs:
         args += ["--model-kwargs", *(f"{k}={v}" for k, v in model_kwargs.items())]
+    args += options
     with mock.patch.dict(os.environ, {"ZEROJAX_CONFIG": str(out / "zerojax.json")}):
         done = run_fresh_python([*launch, str(SCRIPT), *args], timeout=900, cwd=out)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -119,15 +122,16 @@ def run(tmp_path: Path, model: str, config: dict | None) -> tuple[list[float], P
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """`runs(model, name)`: the losses and checkpoint folder of the plain run ("torch") or a
-    zerojax config's run of `model`, each launched once for the module."""
-    done: dict[tuple[str, str], tuple[list[float], Path]] = {}
+    """`runs(model, name, options)`: the losses and checkpoint folder of the plain run
+    ("torch") or a zerojax config's run of `model` with more script `options`, each launched
+    once for the module."""
+    done: dict[tuple, tuple[list[float], Path]] = {}
 
-    def launched(model: str, name: str) -> tuple[list[float], Path]:
-        if (model, name) not in done:
+    def launched(model: str, name: str, options: tuple[str, ...] = ()) -> tuple[list[float], Path]:
+        if (model, name, options) not in done:
             tmp = tmp_path_factory.mktemp(f"{model}-{name}")
-            done[model, name] = run(tmp, model, CONFIGS.get(name))
-        return done[model, name]
+            done[model, name, options] = run(tmp, model, CONFIGS.get(name), options)
+        return done[model, name, options]
 
     return launched
 
@@ -149,8 +153,36 @@ def test_timm_train_and_its_checkpoints_load_in_torch(runs, model, config):
     """The script runs through with plain torch's losses, and the checkpoints its saver wrote,
     with nothing of zerojax's in them, load into plain timm's model (weights and EMA) and
     optimizer with plain torch's values."""
-    theirs, their_dir = runs(model, "torch")
-    ours, our_dir = runs(model, config)
+    assert_like_torch(model, runs(model, config), runs(model, "torch"))
+
+
+# More of the script's options, on the ResNet at ZeRO-0, each against plain torch with the
+# same options: DataLoader worker processes (the script's default is 4), channels-last
+# memory format with adaptive gradient clipping (AGC: per-parameter unit-wise norms, all but
+# the head) and the EMA's warmup; and `--torchcompile inductor`, which wraps the model in
+# torch.compile (and compiles the plain EMA copy for its validation), against the plain
+# *eager* run: on a zerojax model torch.compile changes nothing.
+VARIANTS = {
+    "two-workers": (("-j", "2"), ("-j", "2")),
+    "channels-last-agc": (("--channels-last", "--clip-mode", "agc", "--model-ema-warmup"),) * 2,
+    "torch-compile": (("--torchcompile", "inductor"), ()),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_timm_train_options(runs, variant):
+    ours, theirs = VARIANTS[variant]
+    model = "resnet10t"
+    assert_like_torch(model, runs(model, "zero0-1-device", ours), runs(model, "torch", theirs))
+
+
+def assert_like_torch(
+    model: str, zerojax_run: tuple[list[float], Path], torch_run: tuple[list[float], Path]
+) -> None:
+    """The checks of the module docstring, zerojax's run against plain torch's."""
+    ours, our_dir = zerojax_run
+    theirs, their_dir = torch_run
     # Two training steps' SoftTargetCrossEntropy on mixed-up batches, then the validation
     # CrossEntropyLoss of the model and of its EMA.
     assert len(ours) == len(theirs) == 2 + 2
