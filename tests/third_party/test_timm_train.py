@@ -177,6 +177,17 @@ def test_timm_train_options(runs, variant):
     assert_like_torch(model, runs(model, "zero0-1-device", ours), runs(model, "torch", theirs))
 
 
+@pytest.mark.slow
+def test_timm_train_resumes_from_plain_torch_checkpoint(runs):
+    """`--resume` of the checkpoint plain torch wrote (weights, AdamW's moments and step, the
+    EMA, the epoch) for a second epoch, on the ViT at ZeRO-3 over 8 devices: zerojax's load
+    path, the way round the other tests do not take, against plain torch resuming the same."""
+    model = "vit_tiny_patch16_224"
+    _, their_dir = runs(model, "torch")
+    resume = ("--epochs", "2", "--resume", str(their_dir / "last.pth.tar"))
+    assert_like_torch(model, runs(model, "zero3-8-devices", resume), runs(model, "torch", resume))
+
+
 def assert_like_torch(
     model: str, zerojax_run: tuple[list[float], Path], torch_run: tuple[list[float], Path]
 ) -> None:
@@ -188,7 +199,9 @@ def assert_like_torch(
     assert len(ours) == len(theirs) == 2 + 2
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
-    files = ("checkpoint-0.pth.tar", "last.pth.tar", "model_best.pth.tar")
+    # checkpoint-<epoch>, last and model_best.
+    files = sorted(path.name for path in our_dir.glob("*.pth.tar"))
+    assert files == sorted(path.name for path in their_dir.glob("*.pth.tar")) and len(files) == 3
     for name in files:
         assert b"zerojax" not in (our_dir / name).read_bytes().lower(), name
     # weights_only=False: timm saves its argparse Namespace under "args" (its own resume reads
