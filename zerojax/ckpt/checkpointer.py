@@ -66,6 +66,7 @@ Concurrency contract:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -542,7 +543,10 @@ class Checkpointer:
     def _start_write(
         self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite
     ) -> None:
-        with self._orbax_lock:
+        # One process writes every file of the step: TensorStore need not fsync each write,
+        # the commit's manifest pass flushes every file before the rename.
+        one_writer = commit.files_synced_at_commit() if jax.process_count() == 1 else None
+        with self._orbax_lock, one_writer or contextlib.nullcontext():
             manager.reload()  # steps another process added, or someone deleted, since
             manager.save(step, args=args, force=True)
 

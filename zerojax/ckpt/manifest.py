@@ -90,14 +90,17 @@ def checksum_kind(expected: dict) -> str:
     return next(kind for kind in CHECKSUMS if kind in expected)
 
 
-def file_checksum(path: str | os.PathLike, kind: str = CHECKSUMS[0]) -> int:
-    """Checksum `kind` of a file's bytes, read in 1 MB chunks into one reused buffer."""
+def file_checksum(path: str | os.PathLike, kind: str = CHECKSUMS[0], *, sync: bool = False) -> int:
+    """Checksum `kind` of a file's bytes, read in 1 MB chunks into one reused buffer; with
+    `sync`, the file's data is then flushed to the disk (`os.fdatasync`) before this returns."""
     hasher = new_hasher(kind)
     buffer = bytearray(_CHUNK)
     view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buffer):
             hasher.update(view[:n])
+        if sync:
+            os.fdatasync(f.fileno())
     return hasher.intdigest()
 
 
@@ -122,7 +125,11 @@ def write_manifest(step_dir: str | os.PathLike) -> None:
 
     Written to a temporary name and renamed, so a crash leaves either no manifest (a step
     that is not verified) or a complete one, never a truncated manifest that would make a
-    good checkpoint look corrupted.
+    good checkpoint look corrupted. Every file is flushed to the disk (`fdatasync`) right
+    after it is hashed, and the manifest after it is written: what the manifest vouches for
+    is on the disk before the manifest is, and before the commit's rename that follows
+    (`zerojax.ckpt.commit`). The Checkpointer's saves write their files without TensorStore's
+    fsync after each write for that reason (`commit.files_synced_at_commit`).
 
     >>> write_manifest("ckpt/100")
     """
@@ -136,7 +143,10 @@ def write_manifest(step_dir: str | os.PathLike) -> None:
     kind = CHECKSUMS[0]
     with concurrent.futures.ThreadPoolExecutor(_WRITE_THREADS) as pool:
         sums = dict(
-            zip(largest_first, pool.map(lambda rel: file_checksum(step_dir / rel), largest_first))
+            zip(
+                largest_first,
+                pool.map(lambda rel: file_checksum(step_dir / rel, sync=True), largest_first),
+            )
         )
     files = {rel: {"size": (step_dir / rel).stat().st_size, kind: sums[rel]} for rel in names}
     target = step_dir / layout.MANIFEST
