@@ -11,7 +11,7 @@ exp_avg_sq, ~430 MB) taken after one optimizer step, so the moments are non-zero
   them to the Checkpointer's thread, which enqueues their snapshot, `zerojax.ckpt.snapshot`,
   and runs Orbax's save; the next optimizer update would wait until the snapshot is enqueued);
   total = until `wait()` returns (Orbax commit + manifest).
-  Restore = `Checkpointer.restore(step)` into the same engine, manifest crc32 check included,
+  Restore = `Checkpointer.restore(step)` into the same engine, manifest checksum check included,
   until `jax.block_until_ready` on the params and optimizer state.
 - torch.save / torch.load(weights_only=True, map_location="cpu") of `{"model":
   model.state_dict(), "optimizer": optimizer.state_dict()}` of the same GPT-2 + AdamW in plain
@@ -196,7 +196,7 @@ class ZerojaxContender:
 
         seconds = timed(run)[0]
         self.manifest_seconds.append(timed(lambda: verify_manifest(self.ckpt.step_dir(i)))[0])
-        # The same restore through Orbax's read and the separate crc32 pass (what restore did
+        # The same restore through Orbax's read and the separate checksum pass (what restore did
         # before zerojax.ckpt.direct_read), interleaved with it.
         with unittest.mock.patch.object(Checkpointer, "_plan_direct", lambda *_: None):
             self.orbax_restore_seconds.append(timed(run)[0])
@@ -584,23 +584,24 @@ def restore_profile(contender: ZerojaxContender, repeats: int) -> str:
 
     def direct():
         # zerojax's own read of the same arrays (what restore now does): each data file once,
-        # crc32 checked as it is read, placed on the devices.
+        # its checksum checked as it is read, placed on the devices; both items in one pass.
         files = read_manifest(step_dir)
         reader = DirectRead(
             step_dir, files, {item: plan_item(step_dir, item, files) for item in targets}
         )
+        wanted = {}
         for item, target in targets.items():
             names = jax.tree.leaves(ocp.tree.get_param_names(target, include_empty_nodes=False))
-            wanted = dict(zip(names, jax.tree.leaves(target), strict=True))
-            jax.block_until_ready(reader.read(item, wanted))
+            wanted[item] = dict(zip(names, jax.tree.leaves(target), strict=True))
+        jax.block_until_ready(reader.read_items(wanted))
 
     ways = {
         "`Checkpointer.restore(step)` (what the table above times)": whole,
         "read every file of the step once (page-cache floor)": lambda: _read_files(step_dir),
-        "manifest crc32 pass alone (`verify_manifest`)": lambda: verify_manifest(step_dir),
+        "manifest checksum pass alone (`verify_manifest`)": lambda: verify_manifest(step_dir),
         "Orbax read of model + optimizer to host numpy, nothing placed": orbax_to_host,
         "`jax.device_put` of those host arrays onto the engine's shardings": place,
-        "direct read of model + optimizer: read once, crc32 checked, placed": direct,
+        "direct read of model + optimizer: read once, checksum checked, placed": direct,
     }
     seconds: dict[str, list[float]] = {name: [] for name in ways}
     for way in ways.values():
@@ -610,13 +611,15 @@ def restore_profile(contender: ZerojaxContender, repeats: int) -> str:
         for name, way in ways.items():
             seconds[name].append(timed(way)[0])
 
-    # Phases inside one restore (main thread; the crc pass runs on its own thread).
+    # Phases inside one restore (main thread; the checksum pass runs on its own thread).
     timers = _Timers()
     undo = [
-        timers.wrap(checkpointer_module, "verify_manifest", "crc32 pass (helper thread)"),
+        timers.wrap(checkpointer_module, "verify_manifest", "checksum pass (helper thread)"),
         timers.wrap(checkpointer_module.Checkpointer, "_plan_direct", "direct read: plan"),
         timers.wrap(
-            checkpointer_module.DirectRead, "read", "direct read: read + crc32 + place (arrays)"
+            checkpointer_module.DirectRead,
+            "read_items",
+            "direct read: read + checksum + place (arrays)",
         ),
         timers.wrap(checkpointer_module.Checkpointer, "_read", "Orbax restore calls (all items)"),
         timers.wrap(jax, "device_put", "jax.device_put"),
@@ -677,7 +680,7 @@ def save_profile(contender: ZerojaxContender, repeats: int) -> str:
         timers.wrap(checkpointer_module, "snapshot", "snapshot enqueued"),
         timers.wrap(checkpointer_module.Checkpointer, "_start_write", "Orbax `save()` call"),
         timers.wrap(checkpointer_module.Checkpointer, "_commit", "Orbax background write + commit"),
-        timers.wrap(commit_module, "write_manifest", "manifest (crc32 of every file)"),
+        timers.wrap(commit_module, "write_manifest", "manifest (checksum of every file)"),
     ]
     phases: dict[str, list[float]] = {}
     floor: list[float] = []
@@ -869,9 +872,9 @@ def main() -> None:
     print(
         f"\nMedians of {repeats} saves and restores each (after one untimed warm-up), interleaved; "
         f"first-step loss torch {t_loss:.5f}, zerojax {z_loss:.5f}. zerojax on 8 simulated CPU "
-        f"devices, config {ZEROJAX_MESH}; its restore includes the manifest crc32 check "
+        f"devices, config {ZEROJAX_MESH}; its restore includes the manifest checksum check "
         f"(alone: {statistics.median(contenders[0].manifest_seconds) * 1e3:.0f} ms); the same "
-        f"restore through Orbax's read and a separate crc32 pass (direct read off, as before "
+        f"restore through Orbax's read and a separate checksum pass (direct read off, as before "
         f"issue 44), interleaved: "
         f"{statistics.median(contenders[0].orbax_restore_seconds[1:]) * 1e3:.0f} ms. "
         f"Ratios: contender time / torch.save (torch.load for restores), lower is faster. "

@@ -201,7 +201,7 @@ def _cmd_ckpt_inspect(opts: argparse.Namespace) -> int:
     elif info.get("described", True):
         print(format_description(info))
         if opts.verify and not problems:
-            print("verified: every file has its saved size and crc32, every item is there")
+            print("verified: every file has its saved size and checksum, every item is there")
     if problems:
         # Anything not verified is a failure: a script that checks `inspect --verify` before
         # exporting or resuming must not go on (exit status 1).

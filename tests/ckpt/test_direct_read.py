@@ -13,6 +13,9 @@ its shards to live in data files (Orbax keeps values up to 1 KB inline in the b-
 
 from __future__ import annotations
 
+import json
+import os
+import zlib
 from pathlib import Path
 
 import jax
@@ -51,18 +54,18 @@ def saved_checkpoint(directory: Path, seed: int = 1):
 def watch_reads(monkeypatch) -> tuple[list, list]:
     """(items Orbax read arrays of, files the manifest pass hashed), recorded."""
     orbax_items, hashed = [], []
-    read, crc = Checkpointer._read, manifest.file_crc32
+    read, checksum = Checkpointer._read, manifest.file_checksum
 
     def recording_read(self, step, args):
         orbax_items.extend(args)
         return read(self, step, args)
 
-    def recording_crc(path):
+    def recording_checksum(path, *args):
         hashed.append(Path(path))
-        return crc(path)
+        return checksum(path, *args)
 
     monkeypatch.setattr(Checkpointer, "_read", recording_read)
-    monkeypatch.setattr(manifest, "file_crc32", recording_crc)
+    monkeypatch.setattr(manifest, "file_checksum", recording_checksum)
     return orbax_items, hashed
 
 
@@ -78,8 +81,20 @@ def test_restore_reads_each_data_file_once_and_restores_every_array(tmp_path, mo
     other, other_opt = make(hidden=HIDDEN, seed=5)
     assert not np.array_equal(host(other)["params"]["fc1.weight"], saved["params"]["fc1.weight"])
     orbax_items, hashed = watch_reads(monkeypatch)
+    passes = []
+    read_items = direct_read.DirectRead.read_items
+
+    def recording_read_items(self, wanted):
+        passes.append(sorted(wanted))
+        return read_items(self, wanted)
+
+    monkeypatch.setattr(direct_read.DirectRead, "read_items", recording_read_items)
 
     assert Checkpointer(tmp_path, other, other_opt).restore().step == 3
+
+    # Both items' files in one pass (one item after the other, the optimizer's largest file
+    # ended the restore alone).
+    assert passes == [sorted([layout.MODEL, layout.OPTIMIZER])]
 
     assert_state_equal(host(other), saved)
     # Orbax read the small items only; the arrays came from the direct read, whose files the
@@ -117,9 +132,26 @@ def largest_data_file(step_dir: Path, item: str) -> Path:
     return max(data_files(step_dir, item), key=lambda p: p.stat().st_size)
 
 
+def as_old_manifest(step_dir: Path) -> None:
+    """Rewrite the step's manifest as zerojax wrote it before 2026-11-28: {size, crc32}."""
+    path = step_dir / layout.MANIFEST
+    files = json.loads(path.read_text())["files"]
+    assert all(set(entry) == {"size", "xxh3_64"} for entry in files.values())
+    old = {
+        rel: {"size": e["size"], "crc32": zlib.crc32((step_dir / rel).read_bytes())}
+        for rel, e in files.items()
+    }
+    path.write_text(json.dumps({"files": old}))
+
+
+@pytest.mark.parametrize("old_manifest", [False, True], ids=["xxh3_64", "crc32"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-def test_a_damaged_data_file_is_named_and_nothing_is_restored(tmp_path, damage):
+def test_a_damaged_data_file_is_named_and_nothing_is_restored(tmp_path, damage, old_manifest):
+    """Also with a manifest of crc32s (before 2026-11-28): the direct read checks each file
+    with the checksum its entry holds."""
     _, _, _, step_dir = saved_checkpoint(tmp_path)
+    if old_manifest:
+        as_old_manifest(step_dir)
     victim = largest_data_file(step_dir, layout.OPTIMIZER)
     if damage == "flip":
         data = bytearray(victim.read_bytes())
@@ -132,11 +164,49 @@ def test_a_damaged_data_file_is_named_and_nothing_is_restored(tmp_path, damage):
         victim.unlink()
     other, other_opt = make(hidden=HIDDEN, seed=5)
     before = host(other)
-    expected = {"flip": "changed since it was saved", "truncate": "truncated", "delete": "missing"}
+    kind = "crc32" if old_manifest else "xxh3_64"
+    expected = {
+        "flip": f"changed since it was saved: {kind}",
+        "truncate": "truncated",
+        "delete": "missing",
+    }
     with pytest.raises(CheckpointCorruptedError, match=expected[damage]) as info:
         Checkpointer(tmp_path, other, other_opt).restore(3)
     assert info.value.path == str(victim)
     assert_state_equal(host(other), before)
+
+
+def test_a_manifest_of_crc32s_still_restores(tmp_path, monkeypatch):
+    """A checkpoint from before 2026-11-28 (manifest of crc32s) restores through the direct
+    read, each file hashed once, with crc32."""
+    _, _, saved, step_dir = saved_checkpoint(tmp_path)
+    as_old_manifest(step_dir)
+    kinds = []
+    new_hasher = direct_read.new_hasher
+    monkeypatch.setattr(
+        direct_read, "new_hasher", lambda kind: kinds.append(kind) or new_hasher(kind)
+    )
+    other, other_opt = make(hidden=HIDDEN, seed=5)
+    orbax_items, hashed = watch_reads(monkeypatch)
+    Checkpointer(tmp_path, other, other_opt).restore(3)
+    assert_state_equal(host(other), saved)
+    assert layout.MODEL not in orbax_items and kinds and set(kinds) == {"crc32"}
+    assert not (data_files(step_dir, layout.MODEL) | data_files(step_dir, layout.OPTIMIZER)) & set(
+        hashed
+    )
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # the child runs no JAX
+def test_a_forked_child_starts_its_own_read_threads(tmp_path):
+    """The read threads live for the process; a forked child (a DataLoader worker) has none of
+    its parent's threads, so it must not reuse the parent's pool (its work would never run)."""
+    assert direct_read._read_pool() is direct_read._read_pool()  # started once
+    pid = os.fork()
+    if pid == 0:  # the child: a pool of its own, which runs work
+        ok = direct_read._pool is None and direct_read._read_pool().submit(int, 7).result() == 7
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 def test_files_of_an_item_not_restored_are_still_checked(tmp_path):

@@ -1,4 +1,5 @@
-"""The step manifest: sizes and crc32s that name a damaged checkpoint file.
+"""The step manifest: sizes and checksums (xxh3_64; crc32 in older manifests) that name a
+damaged checkpoint file.
 
 Run: .venv/bin/python -m pytest -q tests/ckpt/test_manifest.py -p no:cacheprovider
 Why: a checkpoint copied halfway, truncated by a full disk or edited by hand must fail with
@@ -14,11 +15,12 @@ import zlib
 
 import numpy as np
 import pytest
+import xxhash
 
 from zerojax.ckpt import layout
 from zerojax.ckpt.errors import CheckpointCorruptedError, CheckpointError
 from zerojax.ckpt.manifest import (
-    file_crc32,
+    file_checksum,
     manifest_problems,
     verify_manifest,
     write_manifest,
@@ -43,16 +45,17 @@ def step_dir(tmp_path):
     return root, files
 
 
-def test_manifest_records_every_file_size_and_crc32(step_dir):
+def test_manifest_records_every_file_size_and_xxh3(step_dir):
     root, files = step_dir
     write_manifest(root)
     manifest = json.loads((root / layout.MANIFEST).read_text())
     assert set(manifest["files"]) == set(files)  # not itself
     for rel, data in files.items():
-        assert manifest["files"][rel] == {"size": len(data), "crc32": zlib.crc32(data)}
-    assert file_crc32(root / "model/ocdbt.process_0/d/abc") == zlib.crc32(
-        files["model/ocdbt.process_0/d/abc"]
-    )
+        expected = {"size": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)}
+        assert manifest["files"][rel] == expected
+    big = files["model/ocdbt.process_0/d/abc"]  # streamed in 1 MB pieces: same digest
+    assert file_checksum(root / "model/ocdbt.process_0/d/abc") == xxhash.xxh3_64_intdigest(big)
+    assert file_checksum(root / "model/ocdbt.process_0/d/abc", "crc32") == zlib.crc32(big)
     assert sorted(os.listdir(root)) == sorted(["model", "meta", "empty_file", layout.MANIFEST])
     verify_manifest(root)  # intact: no error
     write_manifest(root)  # rewriting is idempotent and does not list the manifest
@@ -82,10 +85,39 @@ def test_changed_byte_same_size_is_a_crc_mismatch(step_dir):
     data[150] ^= 0x01
     target.write_bytes(bytes(data))
     with pytest.raises(
-        CheckpointCorruptedError, match=r"changed since it was saved: crc32"
+        CheckpointCorruptedError, match=r"changed since it was saved: xxh3_64 0x[0-9a-f]{16} vs"
     ) as info:
         verify_manifest(root)
     assert info.value.path == str(target)
+
+
+def old_manifest(root, files):
+    """The manifest as zerojax wrote it before 2026-11-28: {size, crc32} per file."""
+    entries = {rel: {"size": len(d), "crc32": zlib.crc32(d)} for rel, d in files.items()}
+    (root / layout.MANIFEST).write_text(json.dumps({"files": entries}))
+
+
+def test_a_manifest_of_crc32s_is_still_verified(step_dir):
+    """Checkpoints saved before the manifest held xxh3_64 verify with their crc32s, and a
+    changed byte, a truncation or a deletion is still named."""
+    root, files = step_dir
+    old_manifest(root, files)
+    verify_manifest(root)
+    target = root / "model/ocdbt.process_0/d/abc"
+    data = bytearray(target.read_bytes())
+    data[2**20 + 5] ^= 0x10  # in the second 1 MB piece of the streamed hash
+    target.write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointCorruptedError, match=r"changed since it was saved: crc32 0x[0-9a-f]{8} vs"
+    ) as info:
+        verify_manifest(root)
+    assert info.value.path == str(target)
+    with open(target, "r+b") as f:
+        f.truncate(10)
+    (root / "empty_file").unlink()
+    problems = manifest_problems(root)
+    assert [p.path for p in problems] == [str(root / "empty_file"), str(target)]
+    assert "is missing" in str(problems[0]) and "is truncated" in str(problems[1])
 
 
 def test_missing_and_grown_files(step_dir):
@@ -116,6 +148,8 @@ def test_no_manifest_and_a_damaged_manifest_are_refused(step_dir):
     # KeyError or a read of another file.
     for files in (
         {"meta/metadata": {"size": 3}},
+        {"meta/metadata": {"size": 3, "xxh3_64": "0x12"}},
+        {"meta/metadata": {"size": 3, "xxh3_64": 1, "crc32": None}},
         {"meta/metadata": [1, 2]},
         {"../../etc/passwd": {"size": 1, "crc32": 0}},
         {"/etc/passwd": {"size": 1, "crc32": 0}},
@@ -147,10 +181,10 @@ def test_an_unreadable_file_is_a_problem_not_an_os_error(step_dir, monkeypatch):
     root, _ = step_dir
     write_manifest(root)
 
-    def unreadable(path):
+    def unreadable(path, *_):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(manifest, "file_crc32", unreadable)
+    monkeypatch.setattr(manifest, "file_checksum", unreadable)
     with pytest.raises(CheckpointCorruptedError, match="cannot be read: PermissionError") as info:
         verify_manifest(root)
     assert info.value.path == str(root / "empty_file")  # the first file, in sorted order

@@ -285,7 +285,7 @@ def test_inspect_training_checkpoint(trained, capsys):
     assert "optimizer: AdamW, 1 param group, first group lr=0.01" in out
     assert 'extra: {"epoch": 2, "note": "hi"}' in out
     assert "engine: num_calls=1, micro_step=1, step=1, skipped_steps=0" in out
-    assert "verified: every file has its saved size and crc32" in out
+    assert "verified: every file has its saved size and checksum" in out
     assert '"stage": 3' in out  # the saving run's config, pretty-printed
 
     assert main(["ckpt", "inspect", str(directory), "--json"]) == 0

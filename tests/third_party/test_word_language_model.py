@@ -10,6 +10,14 @@ launch.py, which records every loss), on a tiny corpus written here (no download
 compared with the same script without its zerojax line: training, validation and test losses
 within 1e-5 relative (two float32 runs of one loop differ by reordered sums, ~1e-7 per step,
 amplified over ~40 steps of lr 20 to a few 1e-6 at most).
+
+`--model Transformer` (torch's `nn.Transformer` subclassed, its encoder given the square causal
+mask the model builds and caches in its forward) failed to capture; it now trains like torch
+at ZeRO-0 and ZeRO-3 and its whole-module save loads in a plain torch process. Its encoder
+layers use dropout 0.1 whatever `--dropout` says (`TransformerModel` passes no dropout to
+`nn.Transformer.__init__`), and zerojax's dropout masks are JAX's random numbers, not torch's,
+so the comparison runs both scripts under launch.py's `--no-dropout`; a run with the script's
+dropout on is checked to train, save and load.
 """
 
 from __future__ import annotations
@@ -56,20 +64,44 @@ def write_corpus(directory: Path) -> None:
         (directory / f"{name}.txt").write_text("\n".join(sentences) + "\n")
 
 
-def run(tmp_path: Path, name: str, config: dict | None, *script_args: str) -> list[float]:
+def write_counting_corpus(directory: Path) -> None:
+    """write_corpus's layout (52/17/17 lines of 9 words over 40), each sentence counting up from
+    a random word (w7 w8 ... w15, modulo 40): a pattern a 2-layer transformer learns in a few
+    dozen steps, so its losses fall well below the uniform log(41) and a run that does not
+    learn shows."""
+    rng = random.Random(0)
+    directory.mkdir(parents=True)
+    for name, lines in (("train", 52), ("valid", 17), ("test", 17)):
+        starts = (rng.randrange(40) for _ in range(lines))
+        sentences = (" ".join(f"w{(s + k) % 40}" for k in range(9)) for s in starts)
+        (directory / f"{name}.txt").write_text("\n".join(sentences) + "\n")
+
+
+CORPORA = {"LSTM": ("corpus", write_corpus), "Transformer": ("counting", write_counting_corpus)}
+
+
+def run(
+    tmp_path: Path,
+    name: str,
+    config: dict | None,
+    *script_args: str,
+    model: str = "LSTM",
+    launch_options: tuple[str, ...] = (),
+) -> list[float]:
     """The script, with zerojax (`config`) or without (None); every loss it computed."""
     out = tmp_path / name
     out.mkdir()
-    corpus = tmp_path / "corpus"
+    corpus_name, write = CORPORA[model]
+    corpus = tmp_path / corpus_name
     if not corpus.exists():
-        write_corpus(corpus)
-    launch = [str(LAUNCH), "--losses", str(out / "losses.json")]
+        write(corpus)
+    launch = [str(LAUNCH), "--losses", str(out / "losses.json"), *launch_options]
     if config is None:
         launch.append("--plain")
     else:
         (out / "zerojax.json").write_text(json.dumps(config))
     args = [
-        "--data", str(corpus), "--model", "LSTM", "--emsize", "16", "--nhid", "16",
+        "--data", str(corpus), "--model", model, "--emsize", "16", "--nhid", "16",
         "--nlayers", "2", "--dropout", "0", "--epochs", "3", "--batch_size", "8",
         "--bptt", "8", "--log-interval", "5", "--save", str(out / "model.pt"), *script_args,
     ]  # fmt: skip
@@ -130,3 +162,98 @@ def test_lstm_with_adamw(torch_losses, tmp_path):
     theirs = torch_losses("adamw")
     assert len(ours) == len(theirs) == 3 * 8 + 3 * 2 + 2
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+
+
+# --model Transformer at the pytorch/examples README's Transformer settings but --lr 2 (its
+# command uses 5): with clipping at 0.25 each SGD step moves the weights by lr * 0.25, and at
+# lr 5 on this corpus a 1-ulp difference in the weights grows to ~2e-5 in the last losses (plain
+# torch against itself with every initial weight scaled by 1 + 1.2e-7 * N(0, 1)); at lr 2 that
+# same perturbation moves plain torch's own losses by at most 1.7e-6 over the run, and zerojax,
+# whose float32 sums are ordered differently (~1e-7 relative per forward), measured 5.4e-7
+# (ZeRO-0) and 3.6e-7 (ZeRO-3). So the issue's 1e-5 relative holds with a margin of ~6x over
+# the problem's own conditioning.
+TRANSFORMER = ("--lr", "2")
+NO_DROPOUT = ("--no-dropout",)
+
+
+@pytest.fixture(scope="module")
+def torch_transformer(tmp_path_factory):
+    """Plain torch's Transformer run without dropout: (losses, run folder)."""
+    base = tmp_path_factory.mktemp("torch-transformer")
+    losses = run(base, "plain", None, *TRANSFORMER, model="Transformer", launch_options=NO_DROPOUT)
+    return losses, base / "plain"
+
+
+def load_in_plain_torch(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """`checkpoint` (a `torch.save(model, f)` of the Transformer) loaded as the script loads it
+    (`weights_only`, its list of allowed classes) in a fresh Python that never imports zerojax;
+    its state_dict."""
+    weights = checkpoint.with_suffix(".state_dict.pt")
+    program = f"""
+import sys, torch
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+from model import PositionalEncoding, TransformerModel
+allowed = [
+    PositionalEncoding, TransformerModel, torch.nn.functional.relu,
+    torch.nn.modules.activation.MultiheadAttention, torch.nn.modules.container.ModuleList,
+    torch.nn.modules.dropout.Dropout, torch.nn.modules.linear.Linear,
+    torch.nn.modules.linear.NonDynamicallyQuantizableLinear,
+    torch.nn.modules.normalization.LayerNorm, torch.nn.modules.sparse.Embedding,
+    torch.nn.modules.transformer.TransformerEncoder,
+    torch.nn.modules.transformer.TransformerEncoderLayer,
+]
+with torch.serialization.safe_globals(allowed):
+    model = torch.load({str(checkpoint)!r}, weights_only=True)
+assert type(model) is TransformerModel, type(model)
+assert {{type(p) for p in model.parameters()}} == {{torch.nn.Parameter}}
+assert not any(name.startswith("zerojax") for name in sys.modules)
+torch.save(model.state_dict(), {str(weights)!r})
+"""
+    done = run_fresh_python(["-c", program], timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(weights)
+
+
+@pytest.mark.parametrize(
+    "config",
+    ["zero0-1-device", pytest.param("zero3-8-devices", marks=pytest.mark.slow)],
+)
+def test_transformer_without_dropout_trains_like_torch_and_saves_a_plain_model(
+    torch_transformer, tmp_path, config
+):
+    ours = run(
+        tmp_path, "zerojax", CONFIGS[config], *TRANSFORMER,
+        model="Transformer", launch_options=NO_DROPOUT,
+    )  # fmt: skip
+    theirs, plain = torch_transformer
+    # 3 epochs of 8 training steps, 2 validation chunks per epoch, 2 test chunks (the test
+    # losses are those of the model the script saved whole and loaded back).
+    assert len(ours) == len(theirs) == 3 * 8 + 3 * 2 + 2
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert np.mean(theirs[16:24]) < np.mean(theirs[:8]) - 0.5  # a run that learned
+    checkpoint = tmp_path / "zerojax" / "model.pt"
+    assert b"zerojax" not in checkpoint.read_bytes().lower()
+    loaded, reference = load_in_plain_torch(checkpoint), load_in_plain_torch(plain / "model.pt")
+    assert loaded.keys() == reference.keys()
+    # The saved weights (entries <= 1.4) after all 24 steps (the validation loss falls every
+    # epoch, so both runs save epoch 3's): measured within 4.8e-7 of torch's; 10x that.
+    for name, value in reference.items():
+        np.testing.assert_allclose(loaded[name], value, rtol=0, atol=5e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_transformer_with_the_scripts_dropout_trains_saves_and_loads(tmp_path):
+    """The script as a user runs it: `--dropout 0.2` (its default) in the positional encoding,
+    torch's 0.1 in every encoder layer. zerojax draws the masks, so only the run's health is
+    checked: finite losses, a falling training loss, a checkpoint plain torch loads."""
+    ours = run(
+        tmp_path, "zerojax", CONFIGS["zero0-1-device"], *TRANSFORMER, "--dropout", "0.2",
+        model="Transformer",
+    )  # fmt: skip
+    assert len(ours) == 3 * 8 + 3 * 2 + 2
+    assert np.isfinite(ours).all(), ours
+    assert np.mean(ours[16:24]) < np.mean(ours[:8]) - 0.3, ours
+    checkpoint = tmp_path / "zerojax" / "model.pt"
+    assert b"zerojax" not in checkpoint.read_bytes().lower()
+    weights = load_in_plain_torch(checkpoint)
+    assert all(torch.isfinite(value).all() for value in weights.values())

@@ -50,15 +50,21 @@ def exports(monkeypatch):
 
 
 class Compiles:
-    """JAX backend compilations (XLA), counted while listening."""
+    """JAX backend compilations (XLA), counted while listening, with the name of each compiled
+    function (`jit(fused)`: the fused step program, `jit(program)`: a recorded eager program,
+    `jit(convert_element_type)`: a cast, ...)."""
 
     def __init__(self):
-        self.count = 0
+        self.names: list[str] = []
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-    def _on_event(self, event, secs, **_):
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def _on_event(self, event, secs, fun_name="?", **_):
         if event == dispatch.BACKEND_COMPILE_EVENT:
-            self.count += 1
+            self.names.append(fun_name)
 
     def close(self):
         jax.monitoring.unregister_event_duration_listener(self._on_event)
@@ -198,7 +204,8 @@ class Rows(torch.utils.data.Dataset):
 def fine_tune(tmp_path, config=None, *, zerojax_model=True):
     """STEPS Trainer steps with dynamic padding (DataCollatorForSeq2Seq: pad to the longest row,
     labels -100); the Trainer's own AdamW and schedule. Returns (logged (loss, grad_norm) per
-    step, padded batch shapes, backend compilations per step, the model)."""
+    step, padded batch shapes, the names of the backend compilations of each step, the
+    model)."""
     torch.manual_seed(0)
     model = llama()
     if zerojax_model:
@@ -212,7 +219,7 @@ def fine_tune(tmp_path, config=None, *, zerojax_model=True):
         return batch
 
     logs: list[tuple[float, float]] = []
-    per_step: list[int] = []
+    per_step: list[list[str]] = []
     compiles = Compiles()
 
     class Recorder(transformers.TrainerCallback):
@@ -220,7 +227,7 @@ def fine_tune(tmp_path, config=None, *, zerojax_model=True):
             self.start = compiles.count
 
         def on_step_end(self, *args, **kwargs):
-            per_step.append(compiles.count - self.start)
+            per_step.append(compiles.names[self.start :])
 
     class Logged(transformers.TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -270,12 +277,39 @@ def zerojax_run(tmp_path_factory):
     return run, calls["n"]
 
 
+@pytest.fixture(scope="module")
+def bucketed_run(tmp_path_factory):
+    """The zerojax fine-tune with inputs.pad_to_multiple_of {sequence: 16}."""
+    config = {**CONFIG, "inputs": {"pad_to_multiple_of": {"sequence": 16}}}
+    return fine_tune(tmp_path_factory.mktemp("bucketed"), config)
+
+
+# What a fine-tune compiles whatever its input shapes: the Trainer's clip and AdamW step as
+# recorded programs (`jit(program)`: its first step, which creates AdamW's state, and every
+# later one; both take parameters and gradients, never the batch). The first step also makes
+# a constant once per process (`jit(convert_element_type)` of a 0-d float32: the loss scale
+# 1.0 without fp16).
+OPTIMIZER_PROGRAM = "jit(program)"
+FIRST_STEP_CONSTANT = "jit(convert_element_type)"
+
+
+def step_programs(step: int, names: list[str]) -> list[str]:
+    """The compilations of a step that depend on its input shapes."""
+    names = [n for n in names if n != OPTIMIZER_PROGRAM]
+    if step == 0 and FIRST_STEP_CONSTANT in names:
+        names.remove(FIRST_STEP_CONSTANT)
+    return names
+
+
 def test_trainer_with_dynamic_padding_captures_once_more_and_matches_torch(torch_run, zerojax_run):
     """6 distinct lengths in 6 steps: the first capture, then one symbolic capture serving the
-    other 5 (it was 6 captures). Logged losses and gradient norms equal plain torch's to 1e-5
-    relative (float32, reordered sums: ~1e-7 a step, as in test_hf_trainer)."""
+    other 5 (it was 6 captures), and one XLA compilation per length: its fused step program.
+    Logged losses and gradient norms equal plain torch's to 1e-5 relative (float32, reordered
+    sums: ~1e-7 a step, as in test_hf_trainer)."""
     theirs, their_shapes, _, _ = torch_run
-    (ours, our_shapes, _, _), num_exports = zerojax_run
+    (ours, our_shapes, per_step, _), num_exports = zerojax_run
+    for step, names in enumerate(per_step):
+        assert step_programs(step, names) == ["jit(fused)"], (step, names)
     assert our_shapes == their_shapes and len(set(our_shapes[:STEPS])) == 6, our_shapes
     # torch 2.14's export of HF Llama with a symbolic sequence length fails (its own error,
     # logged at debug level): zerojax then captures each length as it is, with the same
@@ -287,7 +321,7 @@ def test_trainer_with_dynamic_padding_captures_once_more_and_matches_torch(torch
 
 
 def test_bucketed_trainer_matches_unbucketed_and_compiles_once_per_bucket(
-    tmp_path, torch_run, zerojax_run
+    torch_run, zerojax_run, bucketed_run
 ):
     """inputs.pad_to_multiple_of {sequence: 16}: the 6 lengths fall in 2 buckets (16, 32); the
     losses and gradient norms are the unbucketed run's (padding masked and labelled -100: the
@@ -295,9 +329,7 @@ def test_bucketed_trainer_matches_unbucketed_and_compiles_once_per_bucket(
     seen before compiles nothing."""
     (unbucketed, shapes, _, _), _ = zerojax_run
     theirs = torch_run[0]
-    ours, _, per_step, model = fine_tune(
-        tmp_path, {**CONFIG, "inputs": {"pad_to_multiple_of": {"sequence": 16}}}
-    )
+    ours, _, per_step, model = bucketed_run
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(unbucketed), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
     buckets = [-(-length // 16) * 16 for _, length in shapes[:STEPS]]
@@ -305,10 +337,31 @@ def test_bucketed_trainer_matches_unbucketed_and_compiles_once_per_bucket(
     seen = set()
     for step, bucket in enumerate(buckets):
         if bucket in seen:
-            assert per_step[step] == 0, (step, bucket, per_step)
+            assert not per_step[step], (step, bucket, per_step)
         seen.add(bucket)
     programs = model._zerojax_engine._converted[True]._programs
     assert {key[1][0][0][1] for key in programs} == set(buckets)
+
+
+def test_bucketed_trainer_compiles_one_step_program_per_bucket(zerojax_run, bucketed_run):
+    """The compilations themselves, by name: each bucket compiles its fused step program
+    (forward, backward and the model's loss in one) and nothing else; what the run compiles
+    besides does not depend on the batch (the optimizer's programs, the first step's
+    constant), at most 3 programs in all. The inputs' int64 -> int32 cast used to be a compiled
+    program of its own for every new shape (`jnp.array(..., dtype=int32)`: a
+    `jit(convert_element_type)` per bucket); it is numpy's now, on the host
+    (`zerojax.bridge.dtypes.host_array`)."""
+    (_, shapes, _, _), _ = zerojax_run
+    _, _, per_step, _ = bucketed_run
+    buckets = [-(-length // 16) * 16 for _, length in shapes[:STEPS]]
+    firsts = {buckets.index(bucket) for bucket in set(buckets)}
+    for step, names in enumerate(per_step):
+        expected = ["jit(fused)"] if step in firsts else []
+        assert step_programs(step, names) == expected, (step, names)
+        if step > 1:  # the optimizer's programs are compiled by the first two steps
+            assert names == expected, (step, names)
+    others = [n for names in per_step for n in names if n != "jit(fused)"]
+    assert len(others) <= 3, others
 
 
 # --- bucketing: outputs, loss and gradients equal the unpadded call's ------------------------

@@ -92,16 +92,28 @@ def is_bool(dtype) -> bool:
     return np.dtype(dtype) == np.bool_
 
 
-def from_torch(tensor: torch.Tensor) -> jax.Array:
-    """A JAX array with the values of a (CPU) torch tensor; bf16 goes through its bit pattern."""
+def host_array(tensor: torch.Tensor) -> np.ndarray:
+    """The values of a (CPU) torch tensor as a numpy array of their JAX dtype (`to_jax_dtype`),
+    a copy of its own; bf16 goes through its bit pattern.
+
+    The cast (int64 -> int32 without x64) and the copy are numpy's, on the host: JAX's
+    `jnp.array(x, dtype, copy=True)` does both as a compiled `convert_element_type`, one XLA
+    compilation for every new shape and dtype, so each new input length of a run with varying
+    shapes compiled a helper program beside its step program. A copy: on CPU, a JAX array may
+    alias the numpy buffer it was made from, which torch can later change in place (an
+    optimizer step, BatchNorm statistics), silently changing the JAX array too."""
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
         array = tensor.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     else:
         array = tensor.contiguous().numpy()
-    # A copy: on CPU, jnp.asarray may alias the numpy buffer, which torch can later change in
-    # place (an optimizer step, BatchNorm statistics), silently changing the JAX array too.
-    return jnp.array(array, dtype=to_jax_dtype(tensor.dtype), copy=True)
+    return np.array(array, dtype=to_jax_dtype(tensor.dtype), copy=True)
+
+
+def from_torch(tensor: torch.Tensor) -> jax.Array:
+    """A JAX array with the values of a (CPU) torch tensor (`host_array`), on the default
+    device: a transfer, no compiled program."""
+    return jax.device_put(host_array(tensor))
 
 
 def to_torch(array) -> torch.Tensor:

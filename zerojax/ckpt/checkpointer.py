@@ -41,7 +41,7 @@ Concurrency contract:
   deadlock across processes). The files are written by a background thread; a step directory
   appears under its final name only when every item is committed (Orbax renames it), so a
   crash mid-save leaves the previous steps intact and the partial one invisible. The manifest
-  (sizes and crc32s) is written inside the temporary directory just before that rename
+  (sizes and checksums) is written inside the temporary directory just before that rename
   (`zerojax.ckpt.commit`): a step never appears without it.
 - `save` waits for the previous save to finish before starting another; `wait`, `restore`,
   `close` and leaving a `with` block wait too, and each raises CheckpointSaveError (naming the
@@ -66,6 +66,7 @@ Concurrency contract:
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import json
@@ -542,7 +543,10 @@ class Checkpointer:
     def _start_write(
         self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite
     ) -> None:
-        with self._orbax_lock:
+        # One process writes every file of the step: TensorStore need not fsync each write,
+        # the commit's manifest pass flushes every file before the rename.
+        one_writer = commit.files_synced_at_commit() if jax.process_count() == 1 else None
+        with self._orbax_lock, one_writer or contextlib.nullcontext():
             manager.reload()  # steps another process added, or someone deleted, since
             manager.save(step, args=args, force=True)
 
@@ -754,7 +758,7 @@ class Checkpointer:
     def _restore_step(self, engine, step: int, load_optimizer: bool) -> RestoredState:
         step_dir = self.step_dir(step)
         # The arrays' data files are checked against the manifest as they are read, once
-        # (`direct_read`); the crc32 pass over every other file runs meanwhile on a helper
+        # (`direct_read`); the checksum pass over every other file runs meanwhile on a helper
         # thread (zlib releases the GIL). Nothing read is written into the engine before both
         # pass, and when the pass fails its error (naming the damaged file) wins over whatever
         # the read raised.
@@ -822,11 +826,25 @@ class Checkpointer:
             self._check_optimizer(step_dir, optimizer, meta)
 
         model_abstract, _, source = ts.model_target(engine, meta["parameters"])
-        model = self._read_arrays(step, layout.MODEL, model_abstract, "model", direct)
+        abstracts = {layout.MODEL: model_abstract}
+        if with_optimizer:
+            abstracts[layout.OPTIMIZER] = ts.optimizer_target(engine, meta.get("optimizer"))[0]
+        # Both items' data files in one pass of the direct read: the largest files of either
+        # item are read at once, on both cores (item after item, the optimizer's largest
+        # file alone was the end of the restore).
+        read = self._read_direct(direct, abstracts)
+        model = self._read_arrays(
+            step, layout.MODEL, model_abstract, "model", read.get(layout.MODEL, {})
+        )
         opt_state = None
         if with_optimizer:
-            abstract, _ = ts.optimizer_target(engine, meta.get("optimizer"))
-            opt_state = self._read_arrays(step, layout.OPTIMIZER, abstract, "state", direct)
+            opt_state = self._read_arrays(
+                step,
+                layout.OPTIMIZER,
+                abstracts[layout.OPTIMIZER],
+                "state",
+                read.get(layout.OPTIMIZER, {}),
+            )
         train_state = None
         if layout.TRAIN_STATE in items:
             saved = self._saved_paths(step_dir, layout.TRAIN_STATE)
@@ -926,7 +944,7 @@ class Checkpointer:
         return {ts.path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
     def _read_arrays(
-        self, step: int, item: str, abstract: Any, label: str, direct: DirectRead | None = None
+        self, step: int, item: str, abstract: Any, label: str, done: Mapping | None = None
     ) -> Any:
         """Read the arrays of `item` into the shapes, dtypes and shardings of `abstract` (a tree
         of jax.ShapeDtypeStruct with shardings); returns the same tree of jax.Arrays.
@@ -941,16 +959,12 @@ class Checkpointer:
         CheckpointCorruptedError; on one process it is a CheckpointMismatchError listing every
         array). Zero-size arrays are not stored (`ts.is_empty`): they are created here.
 
-        Before any of that, in one process, the arrays stored as the target wants them (same
-        shape and dtype) are read by `direct_read` when the item's layout allows it and they
-        fit in `_HOST_BATCH_BYTES` together: each data file once, checked against the
-        manifest as it is read, then one `jax.device_put`."""
+        `done`: {piece path: tree of placed jax.Arrays} already read by the direct read
+        (`_read_direct`); only the other pieces are read here."""
         pieces = list(_pieces(abstract))
         host = jax.process_count() == 1 and _HOST_READ
         budget = _HOST_BATCH_BYTES if host else float("inf")
-        done: dict[tuple, Any] = {}
-        if host and direct is not None and item in direct.plans:
-            done = self._read_direct(direct, item, abstract, pieces, budget)
+        done = dict(done or {})
         batch: list[tuple[tuple, Any]] = []
         size = 0
         for path, sub in pieces:
@@ -973,16 +987,56 @@ class Checkpointer:
             return done[()]
         return _nest((path, done[path]) for path, _ in pieces)
 
-    def _read_direct(
-        self, direct: DirectRead, item: str, abstract: Any, pieces: list, budget: float
-    ) -> dict:
-        """{piece path: tree of placed jax.Arrays} for the pieces `direct` can read (see
-        `_read_arrays`); {} when the item's files turn out not to be what it can read."""
-        plan = direct.plans[item]
+    def _read_direct(self, direct: DirectRead | None, abstracts: Mapping[str, Any]) -> dict:
+        """{item: {piece path: tree of placed jax.Arrays}} for the pieces of each item's target
+        (`abstracts`: {item: tree of jax.ShapeDtypeStruct}) that `direct` can read: in one
+        process, the arrays stored as the target wants them (same shape and dtype), when the
+        item's layout allows it, each data file read once and checked against the manifest
+        as it is read (`direct_read`). The items are read together while their arrays fit in
+        `_HOST_BATCH_BYTES`. An item missing from the answer is read by `_read_arrays`
+        through Orbax (its files turned out not to be what the direct read knows)."""
+        if direct is None or not (jax.process_count() == 1 and _HOST_READ):
+            return {}
+        chosen: dict[str, list] = {}
+        wanted: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
+        passes: list[list[str]] = []
+        pass_bytes = 0
+        for item, abstract in abstracts.items():
+            if item not in direct.plans:
+                continue
+            found = self._direct_pieces(direct.plans[item], abstract)
+            if found is None:
+                continue
+            chosen[item], wanted[item], nbytes = found
+            if not passes or pass_bytes + nbytes > _HOST_BATCH_BYTES:
+                passes.append([])
+                pass_bytes = 0
+            passes[-1].append(item)
+            pass_bytes += nbytes
+        out: dict[str, dict] = {}
+        for items in passes:
+            try:
+                arrays = direct.read_items({item: wanted[item] for item in items})
+            except direct_read.Unsupported as why:
+                log.debug("zerojax: %s %s read through Orbax: %s", direct.step_dir, items, why)
+                continue
+            for item in items:
+                out[item] = {
+                    path: jax.tree.unflatten(
+                        jax.tree.structure(sub), [arrays[item][n] for n in sub_names]
+                    )
+                    for path, sub, sub_names in chosen[item]
+                }
+        return out
+
+    @staticmethod
+    def _direct_pieces(plan: direct_read.ItemPlan, abstract: Any):
+        """(chosen pieces [(path, sub, names)], {name: struct}, bytes) of `abstract` that the
+        direct read can take from `plan`; None when none fits or they exceed the budget."""
         names = ocp.tree.get_param_names(abstract, include_empty_nodes=False)
         wanted: dict[str, jax.ShapeDtypeStruct] = {}
         chosen = []
-        for path, sub in pieces:
+        for path, sub in _pieces(abstract):
             structs, sub_names = jax.tree.leaves(sub), jax.tree.leaves(_get(names, path))
             if len(structs) != len(sub_names) or not structs:
                 continue
@@ -996,17 +1050,9 @@ class Checkpointer:
                 chosen.append((path, sub, sub_names))
                 wanted.update(zip(sub_names, structs, strict=True))
         nbytes = sum(s.size * np.dtype(s.dtype).itemsize for s in wanted.values())
-        if not chosen or nbytes > budget:
-            return {}
-        try:
-            arrays = direct.read(item, wanted)
-        except direct_read.Unsupported as why:
-            log.debug("zerojax: %s/%s is read through Orbax: %s", direct.step_dir, item, why)
-            return {}
-        return {
-            path: jax.tree.unflatten(jax.tree.structure(sub), [arrays[n] for n in sub_names])
-            for path, sub, sub_names in chosen
-        }
+        if not chosen or nbytes > _HOST_BATCH_BYTES:
+            return None
+        return chosen, wanted, nbytes
 
     def _read_batch(self, step: int, item: str, batch: list, label: str, host: bool) -> dict:
         target = batch[0][1] if batch[0][0] == () else _nest(batch)

@@ -215,7 +215,7 @@ def verify_checkpoint(directory: str | os.PathLike, step: int | None = None) -> 
     step that could not be verified, one line each -- no manifest, a file that differs from
     it, an item the step says it holds that is missing, a stored entry without its array, or
     metadata that cannot be read (then the description holds the listing only, "described":
-    False). Reads every file (crc32). Raises CheckpointNotFoundError only (no directory,
+    False). Reads every file (checksums). Raises CheckpointNotFoundError only (no directory,
     step, or committed step).
 
     >>> verify_checkpoint("runs/gpt")["problems"]

@@ -20,7 +20,7 @@ each item is its own Orbax item:
         train_state/  PyTreeSave  {"rng": uint32 key data, "loss_scale": {...}} (absent after
                                   `ckpt import`)
         meta/         JsonSave    see `Meta` below
-        zerojax_manifest.json     size and crc32 of every file, written before Orbax's
+        zerojax_manifest.json     size and xxh3_64 of every file, written before Orbax's
                                   commit renames the directory
 
 Orbax keys may contain dots: a flat dict {"h.0.attn.weight": ...} is stored leaf by leaf and
@@ -39,8 +39,8 @@ META = "meta"
 ITEMS = (MODEL, OPTIMIZER, TRAIN_STATE, META)
 
 MANIFEST = "zerojax_manifest.json"
-"""{"files": {relative path: {"size": int, "crc32": int}}} for every file under the step
-directory except itself."""
+"""{"files": {relative path: {"size": int, "xxh3_64": int}}} for every file under the step
+directory except itself (manifests from before 2026-11-28: "crc32" instead of "xxh3_64")."""
 
 # `meta` keys (JSON):
 #   format      FORMAT

@@ -32,7 +32,7 @@ import torch
 import torch.utils._pytree as torch_pytree
 
 from zerojax.bridge.convert import Static
-from zerojax.bridge.dtypes import from_torch, to_torch
+from zerojax.bridge.dtypes import from_torch, host_array, to_torch
 from zerojax.bridge.value_inputs import input_key
 from zerojax.config.deepspeed import autos_error
 from zerojax.train.engine import Engine, named_state_tensors
@@ -214,7 +214,9 @@ class ZeroModule(torch.nn.Module):
         for i in value_positions:
             jax_flat[i] = Static(flat[i].numpy(force=True))
         for i in tensor_positions:
-            jax_flat[i] = engine.shard_input(from_torch(flat[i]))
+            # Host values straight to the program's sharding: one transfer, nothing compiled
+            # per input shape (dtypes.host_array).
+            jax_flat[i] = engine.shard_input(host_array(flat[i]))
         jax_args, jax_kwargs = torch_pytree.tree_unflatten(jax_flat, spec)
         # Several processes: outputs with the batch's rows go back as this process's rows.
         self._zerojax_global_rows = engine.placement.global_rows(jax_flat)
