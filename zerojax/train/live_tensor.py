@@ -42,7 +42,7 @@ import torch.utils._pytree as torch_pytree
 from torch._decomp import decomposition_table
 
 from zerojax.bridge import eager
-from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch
+from zerojax.bridge.dtypes import from_torch, host_array, to_jax_dtype, to_torch
 from zerojax.bridge.registry import get_lowering
 from zerojax.distributed.arrays import host_copy
 from zerojax.train import deferred
@@ -194,11 +194,7 @@ def _input_of(tensor: torch.Tensor) -> jax.Array | Deferred | np.ndarray:
     """A recorded op's input: a live tensor's value, or a host tensor's values as a numpy copy
     (the program takes it as it takes any argument; a JAX array made of it here would be a
     dispatch of its own: Rprop passes 0-d host tensors to three ops per parameter per step)."""
-    if isinstance(tensor, LiveTensor):
-        return tensor.value()
-    if tensor.dtype == torch.bfloat16:
-        return from_torch(tensor)
-    return np.array(tensor.detach().numpy(), dtype=to_jax_dtype(tensor.dtype))
+    return tensor.value() if isinstance(tensor, LiveTensor) else host_array(tensor)
 
 
 def _conform(value: jax.Array | Deferred, shape: tuple[int, ...], dtype) -> jax.Array | Deferred:
