@@ -165,6 +165,9 @@ class Engine:
                 else None
             ),
         )
+        # The scale without fp16 loss scaling: placed once (`jnp.float32(1.0)` compiled a
+        # conversion program in every process).
+        self._unit_scale = jax.device_put(np.float32(1.0))
         self._converted: dict[bool, Converted] = {}
         self._before_donation: list[Callable[[], None]] = []
         self._torch_optimizer: torch.optim.Optimizer | None = None
@@ -429,7 +432,7 @@ class Engine:
     @property
     def scale(self) -> jax.Array:
         loss_scale = self._current.loss_scale
-        return loss_scale["scale"] if loss_scale is not None else jnp.float32(1.0)
+        return loss_scale["scale"] if loss_scale is not None else self._unit_scale
 
     @_capturing
     def forward(self, converted, args, kwargs, *, differentiable=None, replay=None):
