@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerojax.bridge.dtypes import from_torch, to_jax_dtype, to_torch, to_torch_dtype
+from zerojax.bridge.dtypes import host_array, to_jax_dtype, to_torch, to_torch_dtype
 from zerojax.distributed.arrays import host_copy
 from zerojax.train.live_tensor import LiveTensor
 
@@ -62,7 +62,7 @@ def gather(optimizers: Iterable[LiveOptimizer], put, plan) -> dict[str, dict[str
             if isinstance(value, LiveTensor):
                 array = value.array
             elif torch.is_tensor(value) and value.dtype not in (torch.float64, torch.complex128):
-                array = from_torch(value)
+                array = host_array(value)  # placed by `put` below
             else:
                 raise ValueError(
                     f"zerojax: optimizer state {key!r} of parameter {name!r} is "
