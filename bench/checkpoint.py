@@ -709,6 +709,43 @@ def save_profile(contender: ZerojaxContender, repeats: int) -> str:
     )
 
 
+def save_sync_table(zerojax: ZerojaxContender, torch_save: TorchSaveContender, repeats: int) -> str:
+    """Total save, interleaved: TensorStore's fsync after each write (zerojax before the flush
+    moved to the commit), the flush at the commit (`commit.files_synced_at_commit`: what saves
+    do now), and torch.save (no flush at all). Each save's directory is deleted after it."""
+    from zerojax.ckpt import commit as commit_module
+
+    install = commit_module._install_sync_at_commit
+    ways = {
+        "zerojax, TensorStore's fsync after each write (before)": False,
+        "zerojax, every file flushed once at the commit (now)": True,
+        "torch.save (no flush)": None,
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    try:
+        for i in range(repeats):
+            print(f"  save-sync repeat {i + 1}/{repeats} ...", file=sys.stderr, flush=True)
+            for j, (name, at_commit) in enumerate(ways.items()):
+                step = 40_000 + 10 * i + j
+                if at_commit is None:
+                    seconds[name].append(torch_save.save(step)[1])
+                    shutil.rmtree(torch_save.path(step).parent)
+                    continue
+                commit_module._install_sync_at_commit = install if at_commit else lambda: False
+                seconds[name].append(zerojax.save(step)[1])
+                shutil.rmtree(zerojax.ckpt.step_dir(step))
+    finally:
+        commit_module._install_sync_at_commit = install
+    med = statistics.median
+    base = med(seconds["torch.save (no flush)"])
+    lines = ["| total save | median (ms) | min (ms) | vs torch.save |", "|---|---|---|---|"]
+    lines += [
+        f"| {n} | {med(v) * 1e3:.0f} | {min(v) * 1e3:.0f} | {med(v) / base:.2f}x |"
+        for n, v in seconds.items()
+    ]
+    return "\n".join(lines) + f"\n\nMedians of {repeats}, interleaved."
+
+
 # --- export peak RSS -----------------------------------------------------------------------------
 
 _BASELINE = (
@@ -812,6 +849,11 @@ def main() -> None:
         "--skip-dcp", action="store_true", help="zerojax and torch.save only (a quicker A/B)"
     )
     parser.add_argument(
+        "--save-sync-ab",
+        action="store_true",
+        help="also: total save with TensorStore's fsync per write vs the flush at the commit",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke test: a 2-layer width-128 GPT-2, 2 repeats"
     )
     options = parser.parse_args()
@@ -851,6 +893,9 @@ def main() -> None:
         if options.profile_restore:
             profile = restore_profile(contenders[0], repeats)
             profile += "\n\n" + save_profile(contenders[0], repeats)
+        sync_ab = None
+        if options.save_sync_ab:
+            sync_ab = save_sync_table(contenders[0], contenders[1], repeats)
         contenders[0].ckpt.close()
         snapshots = None if options.skip_snapshot else snapshot_table(engine, repeats)
         export = None
@@ -888,6 +933,9 @@ def main() -> None:
     if profile is not None:
         print("\n## Where a restore's (and a save's) time goes\n")
         print(profile)
+    if sync_ab is not None:
+        print("\n## Total save: where the disk flush happens\n")
+        print(sync_ab)
     if snapshots is not None:
         print(
             f"\n## Out of the next update's reach: snapshot vs copies to host ({os.cpu_count()} CPUs)\n"

@@ -9,7 +9,10 @@ batches have 15 distinct padded lengths. Counted per run, in one process each (n
 cache shared between them), the persistent compilation cache off:
 
 - torch.export captures (calls of `torch.export.export`, whatever calls it) and their time;
-- XLA compilations (JAX's `/jax/core/compile/backend_compile_duration` events) and their time;
+- XLA compilations (JAX's `/jax/core/compile/backend_compile_duration` events) and their time,
+  in all and by compiled function (`jit(fused)`: the fused step program, one per input shape;
+  `jit(program)`: a recorded eager program, here the Trainer's clip and AdamW step; the rest
+  are made once, at `initialize` or by the first step);
 - the median step (wall time of `training_step`, the Trainer's forward, backward, clip, step is
   outside it) over the steps, and the whole `trainer.train()`.
 
@@ -113,11 +116,13 @@ def run(case: str) -> dict:
 
     torch.export.export = counted_export
     compiles = {"count": 0, "secs": 0.0}
+    by_function: dict[str, int] = {}
 
-    def on_event(event, secs, **_):
+    def on_event(event, secs, fun_name="?", **_):
         if event == dispatch.BACKEND_COMPILE_EVENT:
             compiles["count"] += 1
             compiles["secs"] += secs
+            by_function[fun_name] = by_function.get(fun_name, 0) + 1
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
 
@@ -172,6 +177,7 @@ def run(case: str) -> dict:
         "export_secs": round(exports["secs"], 2),
         "xla_compiles": compiles["count"],
         "xla_compile_secs": round(compiles["secs"], 2),
+        "compiled": dict(sorted(by_function.items(), key=lambda item: -item[1])),
         "median_step_secs": round(statistics.median(step_secs), 4),
         "train_secs": round(total, 2),
         "losses": losses,

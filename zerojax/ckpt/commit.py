@@ -172,10 +172,11 @@ def files_synced_at_commit():
     flushes every file of the step to the disk after hashing it, before the manifest and the
     rename. The guarantee is the same -- every byte of a committed step is on the disk before
     its directory is renamed -- but the disk writes are no longer waited for one write at a
-    time, inside TensorStore's write path: a save of the bench state took 1.0-2.7 s with
-    TensorStore's fsyncs and 0.7-1.4 s without them on the shared 2-core host
-    (BENCHMARKS.md). Other threads, and Orbax saves outside the Checkpointer, keep
-    TensorStore's default.
+    time, inside TensorStore's write path: a save of the bench state took 1,659 ms (median of
+    7) with TensorStore's fsyncs and 1,057 ms with the flush at the commit, interleaved, on the
+    shared 2-core host (BENCHMARKS.md). Other threads (Orbax's merge of the per-process
+    b-trees writes a few small files on its own thread), and Orbax saves outside the
+    Checkpointer, keep TensorStore's default.
 
     Only where one process writes the whole step: with several, process 0 writes the manifest
     over files other processes wrote, and on a network file system its fdatasync would not

@@ -4,8 +4,11 @@ Batches padded to their longest row (the Hugging Face Trainer's default collator
 length almost every step, and every new shape is a new XLA program (a symbolic capture spares
 torch.export, not XLA: `bridge.symbolic_shapes`). With `inputs.pad_to_multiple_of:
 {sequence: 64}` each call's inputs are padded further, up to the next multiple, so a run
-compiles at most one program per bucket; `batch:` does the same for the batch dim (a short
-last batch, an eval batch of another size).
+compiles at most one step program per bucket (the fused forward and backward of a model that
+computes its loss, as under the Trainer; a loss computed from the outputs takes a forward and
+a backward program); `batch:` does the same for the batch dim (a short last batch, an eval
+batch of another size). Nothing else is compiled per shape: inputs reach the program cast on
+the host (`zerojax.bridge.dtypes.host_array`), padded and sliced back by torch ops.
 
 Padding must not change what the user gets, and zerojax pads only where that is certain: a
 call of keyword inputs `input_ids`, `attention_mask` and `labels` (2-d, one shape), and
