@@ -85,18 +85,23 @@ def test_state_is_the_train_state_on_the_zero_shardings():
                 assert type(value) is torch.Tensor and array.sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_checkpoint_round_trips_bitwise_into_an_optimizer_that_has_not_stepped(tmp_path, name):
-    """Saved after 3 steps and restored into a fresh model and optimizer (no state yet): the
-    state is bitwise the saved one, and the next 2 steps are bitwise those of the run that
-    went on."""
+def saved_then_continued(tmp_path, name: str):
+    """ZeRO-3 with optimizer `name`: 3 steps, a checkpoint in tmp_path/run, 2 more steps.
+    (The model, its optimizer state at the save, the last 2 steps' losses.)"""
     model, optimizer = make(ZERO3, OPTIMIZERS[name])
     train(model, optimizer, 3, seed=0)
     saved = host(model.engine.state.opt_state)
     with zerojax.Checkpointer(tmp_path / "run", model, optimizer, async_save=False) as ckpt:
         ckpt.save(3, force=True)
-    expected = train(model, optimizer, 2, seed=1)
+    return model, saved, train(model, optimizer, 2, seed=1)
 
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_checkpoint_round_trips_bitwise_into_an_optimizer_that_has_not_stepped(tmp_path, name):
+    """Saved after 3 steps and restored into a fresh model and optimizer (no state yet): the
+    state is bitwise the saved one, and the next 2 steps are bitwise those of the run that
+    went on."""
+    model, saved, expected = saved_then_continued(tmp_path, name)
     other, other_optimizer = make(ZERO3, OPTIMIZERS[name])
     assert zerojax.Checkpointer(tmp_path / "run", other, other_optimizer).restore().step == 3
     assert_bitwise(host(other.engine.state.opt_state), saved)
@@ -107,13 +112,7 @@ def test_checkpoint_round_trips_bitwise_into_an_optimizer_that_has_not_stepped(t
 
 @pytest.mark.parametrize("name", ["RMSprop", "Adafactor"])
 def test_checkpoint_resumes_onto_another_mesh(tmp_path, name):
-    model, optimizer = make(ZERO3, OPTIMIZERS[name])
-    train(model, optimizer, 3, seed=0)
-    saved = host(model.engine.state.opt_state)
-    with zerojax.Checkpointer(tmp_path / "run", model, optimizer, async_save=False) as ckpt:
-        ckpt.save(3, force=True)
-    expected = train(model, optimizer, 2, seed=1)
-
+    _, saved, expected = saved_then_continued(tmp_path, name)
     other, other_optimizer = make(ZERO1_4X2, OPTIMIZERS[name])
     zerojax.Checkpointer(tmp_path / "run", other, other_optimizer).restore()
     restored = other.engine.state.opt_state
