@@ -206,8 +206,8 @@ SAME_ERROR = [
         id="optimizer-betas",
     ),
     pytest.param(
-        {"optimizer": {"type": "Adafactor"}},
-        lambda: OptimizerConfig(type="Adafactor"),
+        {"optimizer": {"type": "Lion"}},
+        lambda: OptimizerConfig(type="Lion"),
         id="optimizer-type",
     ),
 ]
