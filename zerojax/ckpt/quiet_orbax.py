@@ -11,7 +11,8 @@ above goes to the `zerojax.orbax` logger at DEBUG instead:
 
 - absl's logger (Orbax logs through it): records at ERROR or above whose source file is in
   Orbax's package. Orbax's warnings are left alone.
-- asyncio's logger: records that name a coroutine of Orbax's package.
+- asyncio's logger: records that name a coroutine of Orbax's package, or a write into Orbax's
+  temporary directory (a TensorStore future's unretrieved exception).
 - `sys.unraisablehook`: an exception whose traceback passes through Orbax's package, or the
   "Event loop is closed" of a callback reaching Orbax's closed loop (raised in asyncio
   itself). Anything else goes to the hook that was there before.
@@ -32,6 +33,10 @@ import orbax.checkpoint as ocp
 __all__ = ["install"]
 
 _ORBAX_DIR = os.path.dirname(os.path.abspath(ocp.__file__))
+# What a write Orbax abandoned names when it fails: its temporary directory. A TensorStore
+# future's "Future exception was never retrieved" carries no frame of Orbax's, only the path
+# of the write (`.../2.orbax-checkpoint-tmp/optimizer.orbax-checkpoint-tmp/ocdbt...`).
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
 _to = logging.getLogger("zerojax.orbax")
 
 
@@ -56,7 +61,7 @@ class _OrbaxTasks(logging.Filter):
             message = record.getMessage()
         except Exception:  # noqa: BLE001 - a record that cannot format: not ours to judge
             return True
-        if _ORBAX_DIR in message:
+        if _ORBAX_DIR in message or _ORBAX_TMP in message:
             return _demote(record)
         return True
 
