@@ -480,10 +480,13 @@ def _foreach(func, args: tuple, kwargs: dict):
     if plan is not None:
         return plan.record(args, kwargs, indexed, name.endswith("_"))
     elements = [bind(i) for i in range(count)]
-    results = _foreach_recorded(per_tensor, elements, written)
-    if results is not None and plan_key is not None:
-        plan = _ForeachPlan.of(per_tensor, written, args, kwargs, target, elements)
+    recorded = _foreach_recorded(per_tensor, elements, written)
+    results = None if recorded is None else recorded[0]
+    if recorded is not None and plan_key is not None:
+        plan = _ForeachPlan.of(per_tensor, written, args, kwargs, target, elements, recorded)
         if plan is not None:
+            if len(_foreach_plans) >= _MAX_FOREACH_PLANS:
+                _foreach_plans.pop(next(iter(_foreach_plans)))  # the oldest
             _foreach_plans[plan_key] = plan
     if results is None:  # element by element, as torch's fallback does
         results = [per_tensor(*positional, **keywords) for positional, keywords in elements]
@@ -527,8 +530,10 @@ def _leaf_key(x, traced: bool):
     return (type(x), x) if isinstance(x, (int, float, bool, complex)) else x
 
 
-# A foreach call's key (`_foreach_key`) -> how it was recorded (`_ForeachPlan`).
+# A foreach call's key (`_foreach_key`) -> how it was recorded (`_ForeachPlan`); beyond the
+# limit the oldest goes (as eager's calls do).
 _foreach_plans: dict[tuple, _ForeachPlan] = {}
+_MAX_FOREACH_PLANS = 1024
 
 
 class _ForeachPlan:
@@ -540,26 +545,27 @@ class _ForeachPlan:
     __slots__ = ("avals", "calls", "dtypes", "in_place", "run", "serials", "sources")
 
     @classmethod
-    def of(cls, per_tensor, written, args, kwargs, target, elements) -> _ForeachPlan | None:
+    def of(
+        cls, per_tensor, written, args, kwargs, target, elements, recorded
+    ) -> _ForeachPlan | None:
+        """The plan of a call `_foreach_recorded` just recorded (`recorded`: its results,
+        each element's call and output aval), or None where elements hold containers."""
+        _, calls, avals = recorded
         in_place = written or bool(_mutated_positions(per_tensor))
-        op = eager.functional_variant(per_tensor) if in_place and not written else per_tensor
         # Each element's leaves in `bind`'s order: positional arguments, the call's keywords,
         # then the foreach op's positional arguments the per-tensor op takes by keyword.
         kwarg_only = [j < len(target) and target[j].kwarg_only for j in range(len(args))]
         origin = [("arg", j) for j in range(len(args)) if not kwarg_only[j]]
         origin += [("kw", n) for n in kwargs]
         origin += [("arg", j) for j in range(len(args)) if kwarg_only[j]]
-        calls, sources = [], []
-        for positional, keywords in elements:
-            leaves, spec, spec_key = _flatten(tuple(positional), keywords)
-            if spec_key is None:  # containers inside an element: no plan
+        sources = []
+        for (positional, keywords), call in zip(elements, calls, strict=True):
+            if _flatten(tuple(positional), keywords)[2] is None:  # containers: no plan
                 return None
-            call = eager.eager_call(op, spec, leaves, _key_of, eager.meta_of, spec_key)
-            calls.append(call)
             sources.append(tuple(origin[i] for i in call.dynamic))
         plan = cls()
         plan.calls, plan.sources, plan.in_place = tuple(calls), tuple(sources), in_place
-        plan.avals = [call.output_avals(None)[0] for call in calls]  # computed: cached
+        plan.avals = list(avals)
         plan.dtypes = [call.out_meta.dtype for call in calls]
         plan.serials = ("foreach", per_tensor, tuple(call.serial for call in calls))
         plan.run = functools.partial(
@@ -585,10 +591,11 @@ class _ForeachPlan:
         return [LiveTensor.owning(v, d) for v, d in zip(outputs, self.dtypes, strict=True)]
 
 
-def _foreach_recorded(per_tensor, elements: list, written: bool) -> list | None:
+def _foreach_recorded(per_tensor, elements: list, written: bool) -> tuple | None:
     """A foreach op recorded as one op over all its elements (an optimizer's `_foreach_*`
-    steps: the per-element Python of `run_op` once per list, not per tensor): the live
-    results, written into the first list where the op is in place. None where an element needs
+    steps: the per-element Python of `run_op` once per list, not per tensor): (the live
+    results, written into the first list where the op is in place; each element's call; each
+    element's output aval). None where an element needs
     another path (a host tensor written, an op without lowering, a view, float64): the caller
     runs the elements one at a time."""
     in_place = written or bool(_mutated_positions(per_tensor))
@@ -628,10 +635,11 @@ def _foreach_recorded(per_tensor, elements: list, written: bool) -> list | None:
     if in_place:
         for (positional, _), value in zip(elements, outputs, strict=True):
             positional[0].write(value)
-    return [
+    results = [
         LiveTensor.owning(value, call.out_meta.dtype)
         for value, call in zip(outputs, calls, strict=True)
     ]
+    return results, calls, avals
 
 
 def _run_elements(calls: tuple, sizes: tuple, arrays: list, rng):
