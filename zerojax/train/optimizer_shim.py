@@ -107,8 +107,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @property
     def compiled(self) -> bool:
-        """Whether updates run the engine's compiled program (state in the TrainState) rather
-        than the torch optimizer's own step (state in the torch optimizer)."""
+        """Whether updates run the engine's compiled program rather than the torch optimizer's
+        own step (its state kept in `optimizer.state`, which the TrainState's `opt_state`
+        reflects: `zerojax.train.live_optimizer_state`)."""
         return self._compiled
 
     @property
