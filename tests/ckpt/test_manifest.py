@@ -77,13 +77,18 @@ def test_truncated_file_is_named_with_both_sizes(step_dir):
     assert isinstance(info.value, CheckpointError)
 
 
+def flip_bits(path, offset: int, mask: int) -> None:
+    """Change the byte at `offset` of the file at `path` (XOR `mask`), keeping its size."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+
+
 def test_changed_byte_same_size_is_a_crc_mismatch(step_dir):
     root, _ = step_dir
     write_manifest(root)
     target = root / "model/_METADATA"
-    data = bytearray(target.read_bytes())
-    data[150] ^= 0x01
-    target.write_bytes(bytes(data))
+    flip_bits(target, 150, 0x01)
     with pytest.raises(
         CheckpointCorruptedError, match=r"changed since it was saved: xxh3_64 0x[0-9a-f]{16} vs"
     ) as info:
@@ -104,9 +109,7 @@ def test_a_manifest_of_crc32s_is_still_verified(step_dir):
     old_manifest(root, files)
     verify_manifest(root)
     target = root / "model/ocdbt.process_0/d/abc"
-    data = bytearray(target.read_bytes())
-    data[2**20 + 5] ^= 0x10  # in the second 1 MB piece of the streamed hash
-    target.write_bytes(bytes(data))
+    flip_bits(target, 2**20 + 5, 0x10)  # in the second 1 MB piece of the streamed hash
     with pytest.raises(
         CheckpointCorruptedError, match=r"changed since it was saved: crc32 0x[0-9a-f]{8} vs"
     ) as info:

@@ -138,7 +138,11 @@ _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 # this mark must go.
 @pytest.mark.xfail(
     _TORCH < (2, 13),
-    reason="nn.LSTM with a passed-in (h, c) state does not capture on torch 2.11 yet",
+    reason=(
+        "on torch 2.11, torch.export cannot capture this script's nn.LSTM called with its "
+        "carried (h, c) state (torch raises 'hx and cx should also be 3-D'); torch 2.13 and "
+        "2.14 capture it: train LSTMs that carry their state with torch >= 2.13"
+    ),
     strict=True,
 )
 @pytest.mark.parametrize(
