@@ -188,6 +188,44 @@ def test_an_optimizer_built_after_initialize_steps_as_recorded_ops():
     assert_params_close(model, twin, 1e-5)
 
 
+@pytest.mark.parametrize("config", [ZERO0, ZERO3], ids=["zero0", "zero3"])
+def test_state_buffers_only_the_recording_holds_are_reused(config, caplog, monkeypatch):
+    """An optimizer's state before its step is held by nothing but the step's recording: its
+    buffers are donated to the program (the new moments are written where the old ones were,
+    as the compiled update does), which changes no value. An array something else still holds
+    is never donated: it keeps its value."""
+
+    unheld = deferred._UNHELD
+
+    def train(donating: bool):
+        monkeypatch.setattr(deferred, "_UNHELD", unheld if donating else -1)
+        model, optimizer, twin, twin_optimizer = wrapped_twin(
+            config, lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5)
+        )
+        programs_per_step(model, optimizer, twin, twin_optimizer, steps=2)
+        tensors = [t for state in optimizer.state.values() for t in state.values() if t.ndim > 0]
+        held = tensors[0].array  # a reference from outside the recording
+        before = np.asarray(held).copy()
+        assert programs_per_step(model, optimizer, twin, twin_optimizer, steps=2) == [1, 1]
+        np.testing.assert_array_equal(np.asarray(held), before)
+        return [p.detach().numpy() for p in model.parameters()], len(tensors)
+
+    caplog.set_level("INFO", logger="zerojax.train.deferred")
+    reference, _ = train(donating=False)
+    monkeypatch.setattr(deferred, "_programs", {})  # each program compiled (and logged) anew
+    caplog.clear()
+    params, count = train(donating=True)
+    donated = [
+        int(record.getMessage().split(" of its ")[0].rsplit("; ", 1)[1])
+        for record in caplog.records
+        if "input arrays donated" in record.getMessage()
+    ]
+    # The square averages and momentum buffers (2 per parameter); then all but the held one.
+    assert donated[-2:] == [count, count - 1], donated
+    for ours, theirs in zip(params, reference, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 def test_a_failed_recording_says_so_when_its_values_are_read(monkeypatch):
     model, _, _, _ = wrapped_twin(ZERO0)
     x, y = batches(1)[0]

@@ -35,7 +35,9 @@ that later reads see, and are handed to the engine after the program runs.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -52,6 +54,9 @@ log = logging.getLogger(__name__)
 # A recording this long runs at once: a loop that never reads a value (an EMA updated for many
 # steps with no engine program between) must not grow one program without bound.
 _MAX_OPS = 20_000
+# `sys.getrefcount` of an input array in `flush` that only the recording holds: its list's
+# reference and the call's argument.
+_UNHELD = 2
 # Compiled recordings kept; beyond it the least recently added is dropped.
 _MAX_PROGRAMS = 256
 # Distinct recorded-op signatures numbered before the numbering starts again.
@@ -61,12 +66,14 @@ _MAX_SIGNATURES = 1_000_000
 class Deferred:
     """The value of a recorded op that has not run yet (shape and JAX dtype known)."""
 
-    __slots__ = ("__weakref__", "_array", "_error", "dtype", "shape")
+    __slots__ = ("__weakref__", "_array", "_error", "_position", "dtype", "shape")
 
-    def __init__(self, shape: tuple[int, ...], dtype):
+    def __init__(self, shape: tuple[int, ...], dtype, position: tuple = ()):
         self.shape, self.dtype = tuple(shape), dtype
         self._array: jax.Array | None = None
         self._error: BaseException | None = None
+        # ("op", op index, output index) in the recording that will compute it.
+        self._position = position
 
     @property
     def ndim(self) -> int:
@@ -120,21 +127,23 @@ class _Recording:
         self.scalars: list[Any] = []
         self.rngs: list[jax.Array] = []
         # Whether an input is an array of several processes: then every op runs at once (see
-        # `record`).
+        # `record`); whether one spans several devices (then `flush` waits for the results).
         self.spans_processes = False
-        # Deferred -> (op index, output index) of the values this recording will produce.
-        self.positions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.spans_devices = False
         # (writer, name) -> (the value last written into that engine entry, its sharding);
         # `writer` takes {name: array} (all of a recording's writes through it at once).
         self.writes: dict[tuple[Callable, str], tuple[Deferred | jax.Array, Any]] = {}
-        # Deferred -> the sharding it is to leave the program on (`place`).
-        self.placed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # (op index, output index) -> the sharding that output is to leave the program on
+        # (`place`).
+        self.placed: dict[tuple[int, int], Any] = {}
 
     def ref(self, value) -> tuple:
         """Where an op's input comes from: an earlier op's output, an array or a scalar."""
         if isinstance(value, Deferred):
             if value._array is None and value._error is None:
-                return ("op", *self.positions[value])
+                # Pending values are this recording's: `flush` computes or fails all of a
+                # recording's referenced outputs before another one starts.
+                return value._position
             value = value.resolve()  # raises for a value whose recording failed
         if isinstance(value, jax.Array):
             slot = self.array_slots.get(id(value))
@@ -142,6 +151,7 @@ class _Recording:
                 slot = self.array_slots[id(value)] = len(self.arrays)
                 self.arrays.append(value)
                 self.spans_processes |= not value.is_fully_addressable
+                self.spans_devices |= _spans_devices(value)
             return ("array", slot)
         self.scalars.append(value)
         return ("scalar", len(self.scalars) - 1)
@@ -179,10 +189,8 @@ def record(
             recording.rngs.append(rng())
         index = len(recording.ops)
         recording.ops.append(op)
-        outputs = [Deferred(a.shape, a.dtype) for a in out_avals]
+        outputs = [Deferred(a.shape, a.dtype, ("op", index, k)) for k, a in enumerate(out_avals)]
         recording.outputs.append([weakref.ref(d) for d in outputs])
-        for k, deferred in enumerate(outputs):
-            recording.positions[deferred] = (index, k)
         # Several processes run their programs' collectives in one order only if every
         # process runs the same programs: a host read that one rank makes alone (rank 0 saving
         # `optimizer.state_dict()`) would cut its recording where the others' goes on, and the
@@ -211,8 +219,8 @@ def place(value: Deferred, sharding) -> None:
     """Have the recording leave `value` on `sharding` (an optimizer's state tensor on its ZeRO
     shards): placed by the program itself, not moved after it."""
     with _lock:
-        if value in _recording.positions:
-            _recording.placed[value] = sharding
+        if value._array is None and value._error is None:
+            _recording.placed[value._position[1:]] = sharding
 
 
 def programs_compiled() -> int:
@@ -254,21 +262,37 @@ def flush() -> None:
         }
         placed = recording.placed
         out_shardings = tuple(
-            targets.get(id(output), placed.get(output))
-            for output in (recording.outputs[i][k]() for i, k in wanted)
+            targets.get(id(recording.outputs[i][k]()), placed.get((i, k))) for i, k in wanted
         )
+        # Inputs nothing but this recording holds (an optimizer state tensor's value before
+        # the step, a temporary's): their buffers are the program's to reuse for its results
+        # (XLA writes the new moments where the old ones were, no fresh allocation).
+        arrays = recording.arrays
+        donated = tuple(i for i in range(len(arrays)) if sys.getrefcount(arrays[i]) <= _UNHELD)
         key = (
             tuple(op.signature for op in recording.ops),
             tuple(wanted),
-            len(recording.arrays),
+            len(arrays),
             out_shardings,
+            donated,
         )
         try:
             program = _programs.get(key)
-            if program is None:
+            new = program is None
+            if new:
                 program = _compile(recording, wanted, key)
-            results, flags = program(recording.arrays, recording.scalars, recording.rngs)
-            if any(_spans_devices(a) for a in recording.arrays):
+            given, kept = [], arrays
+            if donated:
+                gone = set(donated)
+                given = [arrays[i] for i in donated]
+                kept = [a for i, a in enumerate(arrays) if i not in gone]
+                recording.arrays = arrays = []
+            with warnings.catch_warnings():
+                if new:  # XLA reuses what it can; a buffer it cannot reuse is just freed
+                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                results, flags = program(given, kept, recording.scalars, recording.rngs)
+            del given
+            if recording.spans_devices:
                 jax.block_until_ready(results)
         except Exception as error:
             # The values are lost, not wrong: every tensor waiting for them says why when read.
@@ -298,8 +322,15 @@ def _hand_over(recording: _Recording) -> None:
 
 def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
     steps = [(op.fn, op.refs, op.random) for op in recording.ops]
+    count, donated = key[2], key[4]
+    kept = [i for i in range(count) if i not in set(donated)]
 
-    def program(arrays, scalars, rngs):
+    def program(given, held, scalars, rngs):
+        arrays = [None] * count
+        for i, array in zip(donated, given, strict=True):
+            arrays[i] = array
+        for i, array in zip(kept, held, strict=True):
+            arrays[i] = array
         produced, flags, draws = [], [], iter(rngs)
         for fn, refs, random in steps:
             inputs = [
@@ -319,8 +350,13 @@ def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
         return [produced[i][k] for i, k in wanted], flags
 
     _compiled[0] += 1
-    log.info("zerojax: compiling recorded live-tensor ops: %s", _why_new(key))
-    compiled = jax.jit(program, out_shardings=(list(key[3]), None))
+    log.info(
+        "zerojax: compiling recorded live-tensor ops: %s; %d of its %d input arrays donated",
+        _why_new(key),
+        len(donated),
+        count,
+    )
+    compiled = jax.jit(program, out_shardings=(list(key[3]), None), donate_argnums=0)
     if len(_programs) >= _MAX_PROGRAMS:
         _programs.pop(next(iter(_programs)))
     _programs[key] = compiled
@@ -341,9 +377,22 @@ def _why_new(key: tuple) -> str:
             return f"{len(ops)} ops, differing from the previous program at op {i}: {key!r}"
     if len(ops) != len(previous):
         return f"{len(ops)} ops where the previous program had {len(previous)}"
-    return f"{len(ops)} ops, the same ops with other results still referenced"
+    if key[1] != _last_key[0][1]:
+        return f"{len(ops)} ops, the same ops with other results still referenced"
+    if key[4] != _last_key[0][4]:
+        return f"{len(ops)} ops, the same ops with other inputs held elsewhere (not donated)"
+    return f"{len(ops)} ops, the same ops with results placed on other shardings"
+
+
+# sharding -> whether it spans several devices (asked once per array a recording takes in).
+_spanning: dict[Any, bool] = {}
 
 
 def _spans_devices(array: jax.Array) -> bool:
     sharding = getattr(array, "sharding", None)
-    return isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+    spans = _spanning.get(sharding)
+    if spans is None:
+        if len(_spanning) >= _MAX_PROGRAMS:
+            _spanning.clear()
+        spans = _spanning[sharding] = isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+    return spans

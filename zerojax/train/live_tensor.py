@@ -445,18 +445,7 @@ def _foreach(func, args: tuple, kwargs: dict):
     shared."""
     if "out" in kwargs:
         return _on_host(func, args, kwargs, _mutated_positions(func))
-    name = func.__name__.split(".")[0].removeprefix("_foreach_")
-    schema = func._schema.arguments
-    indexed = {
-        i
-        for i, argument in enumerate(schema[: len(args)])
-        if str(argument.type).startswith("List[")
-        or (argument.name == "scalars" and str(argument.type) == "Tensor")
-    }
-    per_tensor, written = _per_tensor_op(func)
-    # The per-tensor schema takes some of the foreach op's positional arguments by keyword
-    # (`addcmul_`'s value): bind them in order, by its names.
-    target = per_tensor._schema.arguments
+    returns_none, schema, indexed, per_tensor, written, target = _foreach_form(func, len(args))
     count = len(next(args[i] for i in sorted(indexed)))
 
     def element(j, argument, i):
@@ -478,7 +467,7 @@ def _foreach(func, args: tuple, kwargs: dict):
     plan_key = _foreach_key(func, per_tensor, written, args, kwargs, indexed, schema)
     plan = _foreach_plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
-        return plan.record(args, kwargs, indexed, name.endswith("_"))
+        return plan.record(args, kwargs, indexed, returns_none)
     elements = [bind(i) for i in range(count)]
     recorded = _foreach_recorded(per_tensor, elements, written)
     results = None if recorded is None else recorded[0]
@@ -493,7 +482,27 @@ def _foreach(func, args: tuple, kwargs: dict):
         if written:
             for (positional, _), result in zip(elements, results, strict=True):
                 positional[0].copy_(result)
-    return None if name.endswith("_") else results
+    return None if returns_none else results
+
+
+@functools.cache
+def _foreach_form(func, positional: int) -> tuple:
+    """What `_foreach` needs of a foreach op's schema, called with `positional` positional
+    arguments: (whether it returns None: in place; its arguments; the positions indexed per
+    element; the per-tensor op and whether its result is written into the first list; that
+    op's arguments)."""
+    name = func.__name__.split(".")[0].removeprefix("_foreach_")
+    schema = func._schema.arguments
+    indexed = frozenset(
+        i
+        for i, argument in enumerate(schema[:positional])
+        if str(argument.type).startswith("List[")
+        or (argument.name == "scalars" and str(argument.type) == "Tensor")
+    )
+    per_tensor, written = _per_tensor_op(func)
+    # The per-tensor schema takes some of the foreach op's positional arguments by keyword
+    # (`addcmul_`'s value): bind them in order, by its names.
+    return name.endswith("_"), schema, indexed, per_tensor, written, per_tensor._schema.arguments
 
 
 def _foreach_key(func, per_tensor, written, args, kwargs, indexed, schema) -> tuple | None:
@@ -501,15 +510,22 @@ def _foreach_key(func, per_tensor, written, args, kwargs, indexed, schema) -> tu
     shapes and dtypes, and its scalars as `eager.eager_call` keys them (a float traced as a
     program input: its type; else its value). None where no plan is kept (a `scalars` tensor,
     read on the host per element)."""
-    in_place = written or bool(_mutated_positions(per_tensor))
-    op = eager.functional_variant(per_tensor) if in_place and not written else per_tensor
-    traced = op is not None and eager.traces_scalars(op)
+    traced = _traces_scalars(per_tensor, written)
     key: list = [func]
     for j, argument in enumerate(args):
         if j in indexed:
             if schema[j].name == "scalars" and torch.is_tensor(argument):
                 return None
-            key.append(tuple(_leaf_key(x, traced) for x in argument))
+            key.append(
+                tuple(
+                    [
+                        (type(x) is LiveTensor, x.shape, x.dtype)
+                        if isinstance(x, torch.Tensor)
+                        else _leaf_key(x, traced)
+                        for x in argument
+                    ]
+                )
+            )
         else:
             key.append(_leaf_key(argument, traced))
     for name, value in kwargs.items():
@@ -520,6 +536,14 @@ def _foreach_key(func, per_tensor, written, args, kwargs, indexed, schema) -> tu
     except TypeError:  # an argument that is no key (a list where one value is expected)
         return None
     return key
+
+
+@functools.cache
+def _traces_scalars(per_tensor, written: bool) -> bool:
+    """Whether the op a foreach call records for `per_tensor` takes floats as program inputs."""
+    in_place = written or bool(_mutated_positions(per_tensor))
+    op = eager.functional_variant(per_tensor) if in_place and not written else per_tensor
+    return op is not None and eager.traces_scalars(op)
 
 
 def _leaf_key(x, traced: bool):
@@ -542,7 +566,7 @@ class _ForeachPlan:
     call again: where each element's inputs come from in the foreach arguments, and the one
     recorded op it was."""
 
-    __slots__ = ("avals", "calls", "dtypes", "in_place", "run", "serials", "sources")
+    __slots__ = ("avals", "calls", "conforms", "dtypes", "in_place", "run", "serials", "sources")
 
     @classmethod
     def of(
@@ -566,6 +590,13 @@ class _ForeachPlan:
         plan = cls()
         plan.calls, plan.sources, plan.in_place = tuple(calls), tuple(sources), in_place
         plan.avals = list(avals)
+        # Whether a result written in place must be cast or broadcast to its tensor first (the
+        # plan's key fixes every element's shape and dtype).
+        plan.conforms = in_place and any(
+            aval.shape != tuple(positional[0].shape)
+            or aval.dtype != to_jax_dtype(positional[0].dtype)
+            for (positional, _), aval in zip(elements, avals, strict=True)
+        )
         plan.dtypes = [call.out_meta.dtype for call in calls]
         plan.serials = ("foreach", per_tensor, tuple(call.serial for call in calls))
         plan.run = functools.partial(
@@ -583,9 +614,12 @@ class _ForeachPlan:
                     x = args[where][i] if where in indexed else args[where]
                 inputs.append(_input_of(x) if isinstance(x, torch.Tensor) else x)
         outputs = deferred.record(self.serials, self.run, inputs, self.avals)
-        if self.in_place:
+        if self.conforms:
             for tensor, value in zip(args[0], outputs, strict=True):
                 tensor.write(value)
+        elif self.in_place:
+            for tensor, value in zip(args[0], outputs, strict=True):
+                tensor._source.write(value)
         if returns_none:
             return None
         return [LiveTensor.owning(v, d) for v, d in zip(outputs, self.dtypes, strict=True)]

@@ -34,6 +34,7 @@ import functools
 import os
 import traceback
 import warnings
+import weakref
 from pathlib import Path
 
 import jax
@@ -96,6 +97,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._optimizer_step_post_hooks = optimizer._optimizer_step_post_hooks
         # The engine's names of this optimizer's parameters (zero_grad drops only theirs).
         names = {id(p): n for n, p in engine.module.named_parameters(remove_duplicate=False)}
+        # (parameter name, state key) -> the state tensor `_place_state` put on its sharding.
+        self._placed: dict[tuple[str, str], weakref.ref] = {}
         self._param_names = {
             id(p): engine.alias[names[id(p)]] for g in self.param_groups for p in g["params"]
         }
@@ -175,8 +178,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Host tensors of that shape (from `load_state_dict`) become live ones; scalars (step
         counts) stay as torch keeps them."""
         plan = self._engine.plan
-        if on_device and "opt_state" not in plan.offloaded:
+        offloaded = "opt_state" in plan.offloaded
+        if on_device and not offloaded:
             return
+        # Without offload a state tensor once placed stays on its sharding (`Owned`): only
+        # tensors not seen here before (a new state key, one `load_state_dict` put in) are
+        # looked at.
+        placed = None if offloaded else self._placed
         for param, state in self._optimizer.state.items():
             name = self._param_names.get(id(param))
             if name is None:
@@ -185,6 +193,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if on_device:
                 sharding = plan.on_device(sharding)
             for key, value in state.items():
+                if placed is not None:
+                    known = placed.get((name, key))
+                    if known is not None and known() is value:
+                        continue
                 if not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
                     continue
                 source = getattr(value, "_source", None)
@@ -192,6 +204,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     if source.sharding is not sharding:  # kept there from now on (`Owned`)
                         source.sharding = sharding
                         source.write(source.array)
+                    if placed is not None:
+                        placed[(name, key)] = weakref.ref(value)
                 elif isinstance(value, LiveTensor):
                     if value.array.sharding != sharding:
                         value.write(jax.device_put(value.array, sharding))

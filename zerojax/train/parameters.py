@@ -176,10 +176,11 @@ class _StandIn:
                 )
             stand_in.live().copy_(value)
             return None
-        if any(isinstance(a, (list, tuple, dict)) for a in args) or kwargs:
+        lively = _lively(args) if not kwargs else None
+        if lively is None:
             args, kwargs = torch_pytree.tree_map_only(_StandIn, lambda t: t.live(), (args, kwargs))
-        else:  # most calls (`p.mul_(x)`, `p.grad`): no containers to walk
-            args = tuple(a.live() if isinstance(a, _StandIn) else a for a in args)
+        else:
+            args = lively
         return func(*args, **kwargs)
 
     def _ordinary(self) -> torch.Tensor:
@@ -196,6 +197,29 @@ class _StandIn:
 
     def __repr__(self) -> str:
         return repr(self._ordinary())
+
+
+def _lively(args: tuple) -> tuple | None:
+    """`args` with each stand-in, alone or in a flat list (a foreach call's, an optimizer's
+    every step), as its live view; None where a container holds containers (the caller walks
+    those as a tree)."""
+    lively = []
+    for a in args:
+        if isinstance(a, _StandIn):
+            a = a.live()
+        elif type(a) is list or type(a) is tuple:
+            items = []
+            for item in a:
+                if isinstance(item, _StandIn):
+                    item = item.live()
+                elif isinstance(item, (list, tuple, dict)):
+                    return None
+                items.append(item)
+            a = items if type(a) is list else tuple(items)
+        elif isinstance(a, (list, tuple, dict)) and not isinstance(a, torch.Size):
+            return None
+        lively.append(a)
+    return tuple(lively)
 
 
 def _live_view(stand_in, reader: str, writer: str) -> LiveTensor:
