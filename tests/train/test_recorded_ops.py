@@ -190,10 +190,11 @@ def test_an_optimizer_built_after_initialize_steps_as_recorded_ops():
 
 @pytest.mark.parametrize("config", [ZERO0, ZERO3], ids=["zero0", "zero3"])
 def test_state_buffers_only_the_recording_holds_are_reused(config, caplog, monkeypatch):
-    """An optimizer's state before its step is held by nothing but the step's recording: its
-    buffers are donated to the program (the new moments are written where the old ones were,
-    as the compiled update does), which changes no value. An array something else still holds
-    is never donated: it keeps its value."""
+    """An optimizer's state before its step is held by nothing but the step's recording, and
+    the parameters by the engine, which the step's writes replace: their buffers are donated
+    to the program (new moments and weights written where the old ones were, as the compiled
+    update does), which changes no value. An array something else still holds is never
+    donated: it keeps its value."""
 
     unheld = deferred._UNHELD
 
@@ -208,7 +209,8 @@ def test_state_buffers_only_the_recording_holds_are_reused(config, caplog, monke
         before = np.asarray(held).copy()
         assert programs_per_step(model, optimizer, twin, twin_optimizer, steps=2) == [1, 1]
         np.testing.assert_array_equal(np.asarray(held), before)
-        return [p.detach().numpy() for p in model.parameters()], len(tensors)
+        params = [p.detach().numpy() for p in model.parameters()]
+        return params, len(tensors) + len(params)
 
     caplog.set_level("INFO", logger="zerojax.train.deferred")
     reference, _ = train(donating=False)
@@ -220,7 +222,7 @@ def test_state_buffers_only_the_recording_holds_are_reused(config, caplog, monke
         for record in caplog.records
         if "input arrays donated" in record.getMessage()
     ]
-    # The square averages and momentum buffers (2 per parameter); then all but the held one.
+    # The parameters, square averages and momentum buffers; then all but the held one.
     assert donated[-2:] == [count, count - 1], donated
     for ours, theirs in zip(params, reference, strict=True):
         np.testing.assert_array_equal(ours, theirs)

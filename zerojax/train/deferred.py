@@ -54,9 +54,9 @@ log = logging.getLogger(__name__)
 # A recording this long runs at once: a loop that never reads a value (an EMA updated for many
 # steps with no engine program between) must not grow one program without bound.
 _MAX_OPS = 20_000
-# `sys.getrefcount` of an input array in `flush` that only the recording holds: its list's
-# reference and the call's argument.
-_UNHELD = 2
+# `sys.getrefcount(array)` in `_unheld` for an input array only the recording holds: its
+# list's reference, `_unheld`'s argument and `getrefcount`'s own.
+_UNHELD = 3
 # Compiled recordings kept; beyond it the least recently added is dropped.
 _MAX_PROGRAMS = 256
 # Distinct recorded-op signatures numbered before the numbering starts again.
@@ -136,6 +136,9 @@ class _Recording:
         # (op index, output index) -> the sharding that output is to leave the program on
         # (`place`).
         self.placed: dict[tuple[int, int], Any] = {}
+        # id(array) -> (the array, (writer, name)): engine entries' values read while recording
+        # (`read_entry`); one this recording writes anew loses the engine's hold when it runs.
+        self.entries: dict[int, tuple[jax.Array, tuple[Callable, str]]] = {}
 
     def ref(self, value) -> tuple:
         """Where an op's input comes from: an earlier op's output, an array or a scalar."""
@@ -199,6 +202,14 @@ def record(
         if len(recording.ops) >= _MAX_OPS or recording.spans_processes:
             flush()
         return outputs
+
+
+def read_entry(array: jax.Array, writer: Callable, name: str) -> None:
+    """Note that `array` is the engine's value of entry `name` (written through `writer`): if
+    this recording writes that entry, the engine's hold on `array` ends when it runs, and the
+    program may reuse its buffer (`flush`)."""
+    with _lock:
+        _recording.entries.setdefault(id(array), (array, (writer, name)))
 
 
 def pending_write(writer: Callable, name: str) -> Deferred | jax.Array | None:
@@ -268,7 +279,7 @@ def flush() -> None:
         # the step, a temporary's): their buffers are the program's to reuse for its results
         # (XLA writes the new moments where the old ones were, no fresh allocation).
         arrays = recording.arrays
-        donated = tuple(i for i in range(len(arrays)) if sys.getrefcount(arrays[i]) <= _UNHELD)
+        donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i]))
         key = (
             tuple(op.signature for op in recording.ops),
             tuple(wanted),
@@ -309,6 +320,22 @@ def flush() -> None:
         _hand_over(recording)
         for vector in flags:
             raise_if_out_of_range(vector)
+
+
+def _unheld(recording: _Recording, array: jax.Array) -> bool:
+    """Whether nothing outside `recording` will hold `array` once it has run: no reference but
+    the recording's own, or else the engine's to an entry the recording writes anew (handed
+    over right after the program) and `recording.entries`' note of it."""
+    references = sys.getrefcount(array)
+    if references <= _UNHELD:
+        return True
+    entry = recording.entries.get(id(array))
+    return (
+        entry is not None
+        and entry[0] is array
+        and entry[1] in recording.writes
+        and references <= _UNHELD + 2  # the engine's state and the note
+    )
 
 
 def _hand_over(recording: _Recording) -> None:

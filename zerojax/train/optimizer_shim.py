@@ -163,7 +163,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             clipping = engine.config.train.gradient_clipping
             if clipping is not None:
                 engine.clip_grad_norm(clipping)
-            self._place_state(on_device=True)  # offloaded state: brought in for the step
+            # Host state tensors (Adagrad builds its sums in its constructor, `load_state_dict`
+            # puts host tensors in) become live before torch's step sees them, and offloaded
+            # state is brought in for the step.
+            self._place_state(on_device=True)
             with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
                 unhooked_step(self._optimizer)()
             self._place_state()
@@ -179,8 +182,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         counts) stay as torch keeps them."""
         plan = self._engine.plan
         offloaded = "opt_state" in plan.offloaded
-        if on_device and not offloaded:
-            return
+        on_device = on_device and offloaded  # without offload the shards are on the devices
         # Without offload a state tensor once placed stays on its sharding (`Owned`): only
         # tensors not seen here before (a new state key, one `load_state_dict` put in) are
         # looked at.

@@ -129,6 +129,7 @@ class EngineEntry:
                 f"zerojax: the gradient of '{self.name}' was cleared (zero_grad, or a step with "
                 f"gradient accumulation) after this `p.grad` tensor was taken; read `p.grad` again"
             )
+        deferred.read_entry(value, self.writer, self.name)
         return value
 
     def read(self) -> jax.Array:
