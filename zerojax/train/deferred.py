@@ -69,7 +69,7 @@ class Deferred:
     __slots__ = ("__weakref__", "_array", "_error", "_position", "dtype", "shape")
 
     def __init__(self, shape: tuple[int, ...], dtype, position: tuple = ()):
-        self.shape, self.dtype = tuple(shape), dtype
+        self.shape, self.dtype = shape if type(shape) is tuple else tuple(shape), dtype
         self._array: jax.Array | None = None
         self._error: BaseException | None = None
         # ("op", op index, output index) in the recording that will compute it.

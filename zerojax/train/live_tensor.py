@@ -446,7 +446,7 @@ def _foreach(func, args: tuple, kwargs: dict):
     if "out" in kwargs:
         return _on_host(func, args, kwargs, _mutated_positions(func))
     returns_none, schema, indexed, per_tensor, written, target = _foreach_form(func, len(args))
-    count = len(next(args[i] for i in sorted(indexed)))
+    count = len(args[min(indexed)])
 
     def element(j, argument, i):
         if j not in indexed:

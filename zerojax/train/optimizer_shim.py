@@ -195,11 +195,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if on_device:
                 sharding = plan.on_device(sharding)
             for key, value in state.items():
+                if not torch.is_tensor(value):
+                    continue
                 if placed is not None:
                     known = placed.get((name, key))
                     if known is not None and known() is value:
                         continue
-                if not torch.is_tensor(value) or tuple(value.shape) != tuple(param.shape):
+                if tuple(value.shape) != tuple(param.shape):
+                    if placed is not None:  # a step count: stays as torch keeps it
+                        placed[(name, key)] = weakref.ref(value)
                     continue
                 source = getattr(value, "_source", None)
                 if isinstance(source, Owned):

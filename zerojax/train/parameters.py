@@ -177,7 +177,10 @@ class _StandIn:
                 )
             stand_in.live().copy_(value)
             return None
-        lively = _lively(args) if not kwargs else None
+        plain_kwargs = not kwargs or not any(
+            isinstance(v, (_StandIn, list, tuple, dict)) for v in kwargs.values()
+        )
+        lively = _lively(args) if plain_kwargs else None
         if lively is None:
             args, kwargs = torch_pytree.tree_map_only(_StandIn, lambda t: t.live(), (args, kwargs))
         else:
