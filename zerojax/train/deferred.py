@@ -30,6 +30,15 @@ Only results still referenced when the recording runs leave the program (a Pytho
 value never reaches memory), which CPython's reference counting decides deterministically.
 Writes into the engine's state (a gradient, a weight, a buffer) are kept as pending writes
 that later reads see, and are handed to the engine after the program runs.
+
+Reference counts also decide which inputs the program may overwrite (JAX buffer donation, as
+the engine's compiled update donates its state): an input array that nothing but the
+recording holds -- an optimizer's moment before its in-place update, a value the recording
+superseded -- or that only the engine holds for an entry the recording writes anew (a
+parameter an optimizer's step updates; the engine's hold ends at the hand-over). Its buffer
+then takes the new value, with no fresh allocation (XLA:CPU pays for a fresh buffer in page
+faults). An array held anywhere else (a user's reference, a checkpoint's snapshot) is never
+donated, so no value anyone can still read is lost.
 """
 
 from __future__ import annotations
@@ -249,10 +258,12 @@ def flush() -> None:
     hand pending writes to the engine. Nothing to do without recorded ops or writes."""
     global _recording
     if not (_recording.ops or _recording.writes):
+        _recording.entries.clear()  # notes of reads no op took in (a host read's)
         return
     with _lock:
         recording = _recording
         if not (recording.ops or recording.writes):
+            recording.entries.clear()
             return
         _recording = _Recording()
         if not recording.ops:  # writes of values computed already (an earlier recording's)
