@@ -101,20 +101,31 @@ def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], optio
         has_weight_decay=options["weight_decay"] != 0,
     )
     written = [live[0], *live[2:]]  # params, exp_avgs, exp_avg_sqs (, max_exp_avg_sqs)
-    avals = [
-        jax.ShapeDtypeStruct(tuple(t.shape), to_jax_dtype(t.dtype))
-        for tensors in written
-        for t in tensors
-    ]
     keys = tuple(hyper)
+    key = (
+        "adam",
+        group,
+        keys,
+        tuple((t.shape, t.dtype) for tensors in written for t in tensors),
+    )
     outputs = deferred.record(
-        ("adam", group, keys, tuple((tuple(t.shape), t.dtype) for t in live[0])),
+        key,
         functools.partial(_adam_elements, group, count, keys),
         [t.value() for tensors in live for t in tensors] + [counts] + [hyper[k] for k in keys],
-        avals,
+        _avals(key[3]),
     )
+    # Each output has its tensor's shape and dtype (`_avals`): written as it is.
     for tensor, value in zip((t for tensors in written for t in tensors), outputs, strict=True):
-        tensor.write(value)
+        tensor._source.write(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _avals(shapes_and_dtypes: tuple) -> list[jax.ShapeDtypeStruct]:
+    """The recorded op's outputs: one per written tensor, of its shape and dtype."""
+    return [
+        jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype))
+        for shape, dtype in shapes_and_dtypes
+    ]
 
 
 def _adam_elements(group: optimizers.ParamGroupSpec, count: int, keys: tuple, arrays: list, rng):
