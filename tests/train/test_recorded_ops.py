@@ -228,6 +228,23 @@ def test_state_buffers_only_the_recording_holds_are_reused(config, caplog, monke
         np.testing.assert_array_equal(ours, theirs)
 
 
+def test_state_built_by_the_constructor_steps_recorded_from_the_first_step(monkeypatch):
+    """Adagrad builds its sums in its constructor, on the host parameters `initialize` then
+    takes over: they become live before torch's first step sees them (the step is recorded,
+    not run element by element on host copies)."""
+    from zerojax.train import live_tensor
+
+    def no_host_copies(func, *args):
+        raise AssertionError(f"{func} ran on host copies")
+
+    model, optimizer, twin, twin_optimizer = wrapped_twin(
+        ZERO3, lambda p: torch.optim.Adagrad(p, lr=1e-2, initial_accumulator_value=0.1)
+    )
+    monkeypatch.setattr(live_tensor, "_on_host", no_host_copies)
+    assert programs_per_step(model, optimizer, twin, twin_optimizer) == [1, 1, 1]
+    assert_params_close(model, twin, 1e-5)
+
+
 def test_a_failed_recording_says_so_when_its_values_are_read(monkeypatch):
     model, _, _, _ = wrapped_twin(ZERO0)
     x, y = batches(1)[0]
