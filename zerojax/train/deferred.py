@@ -175,6 +175,9 @@ _programs: dict[tuple, Callable] = {}
 _last_key: list[tuple] = []
 _compiled = [0]
 _runs = [0]
+# The recordings `flush` is running (taken out of `_recording`, their writes not yet handed
+# over).
+_running: list[_Recording] = []
 
 
 def record(
@@ -257,80 +260,91 @@ def flush() -> None:
     """Run what has been recorded, as one program; resolve every Deferred still referenced and
     hand pending writes to the engine. Nothing to do without recorded ops or writes."""
     global _recording
-    if not (_recording.ops or _recording.writes):
+    if not (_recording.ops or _recording.writes or _running):
         _recording.entries.clear()  # notes of reads no op took in (a host read's)
         return
+    # A flush running on another thread holds the lock until it has handed its writes over:
+    # the engine is not read in between (its entries' old arrays may be donated).
     with _lock:
         recording = _recording
         if not (recording.ops or recording.writes):
             recording.entries.clear()
             return
         _recording = _Recording()
-        if not recording.ops:  # writes of values computed already (an earlier recording's)
-            _hand_over(recording)
-            return
-        wanted = [
-            (i, k)
-            for i, outputs in enumerate(recording.outputs)
-            for k, output in enumerate(outputs)
-            if output() is not None
-        ]
-        # Values bound for the engine leave the program on the entry's sharding: no transfer
-        # afterwards (the compiler's own choice can be an equal layout spelt differently).
-        targets = {
-            id(value): sharding
-            for value, sharding in recording.writes.values()
-            if isinstance(value, Deferred)
-        }
-        placed = recording.placed
-        out_shardings = tuple(
-            targets.get(id(recording.outputs[i][k]()), placed.get((i, k))) for i, k in wanted
-        )
-        # Inputs nothing but this recording holds (an optimizer state tensor's value before
-        # the step, a temporary's): their buffers are the program's to reuse for its results
-        # (XLA writes the new moments where the old ones were, no fresh allocation).
-        arrays = recording.arrays
-        donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i]))
-        key = (
-            tuple(op.signature for op in recording.ops),
-            tuple(wanted),
-            len(arrays),
-            out_shardings,
-            donated,
-        )
+        _running.append(recording)
         try:
-            program = _programs.get(key)
-            new = program is None
-            if new:
-                program = _compile(recording, wanted, key)
-            given, kept = [], arrays
-            if donated:
-                gone = set(donated)
-                given = [arrays[i] for i in donated]
-                kept = [a for i, a in enumerate(arrays) if i not in gone]
-                recording.arrays = arrays = []
-            with warnings.catch_warnings():
-                if new:  # XLA reuses what it can; a buffer it cannot reuse is just freed
-                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                results, flags = program(given, kept, recording.scalars, recording.rngs)
-            del given
-            if recording.spans_devices:
-                jax.block_until_ready(results)
-        except Exception as error:
-            # The values are lost, not wrong: every tensor waiting for them says why when read.
-            for i, k in wanted:
-                deferred = recording.outputs[i][k]()
-                if deferred is not None:
-                    deferred._error = error
-            raise
-        _runs[0] += 1
-        for (i, k), array in zip(wanted, results, strict=True):
+            _run(recording)
+        finally:
+            _running.pop()
+
+
+def _run(recording: _Recording) -> None:
+    """Run `recording` (taken out of `_recording` by `flush`, which holds the lock)."""
+    if not recording.ops:  # writes of values computed already (an earlier recording's)
+        _hand_over(recording)
+        return
+    wanted = [
+        (i, k)
+        for i, outputs in enumerate(recording.outputs)
+        for k, output in enumerate(outputs)
+        if output() is not None
+    ]
+    # Values bound for the engine leave the program on the entry's sharding: no transfer
+    # afterwards (the compiler's own choice can be an equal layout spelt differently).
+    targets = {
+        id(value): sharding
+        for value, sharding in recording.writes.values()
+        if isinstance(value, Deferred)
+    }
+    placed = recording.placed
+    out_shardings = tuple(
+        targets.get(id(recording.outputs[i][k]()), placed.get((i, k))) for i, k in wanted
+    )
+    # Inputs nothing but this recording holds (an optimizer state tensor's value before
+    # the step, a temporary's): their buffers are the program's to reuse for its results
+    # (XLA writes the new moments where the old ones were, no fresh allocation).
+    arrays = recording.arrays
+    donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i]))
+    key = (
+        tuple(op.signature for op in recording.ops),
+        tuple(wanted),
+        len(arrays),
+        out_shardings,
+        donated,
+    )
+    try:
+        program = _programs.get(key)
+        new = program is None
+        if new:
+            program = _compile(recording, wanted, key)
+        given, kept = [], arrays
+        if donated:
+            gone = set(donated)
+            given = [arrays[i] for i in donated]
+            kept = [a for i, a in enumerate(arrays) if i not in gone]
+            recording.arrays = arrays = []
+        with warnings.catch_warnings():
+            if new:  # XLA reuses what it can; a buffer it cannot reuse is just freed
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            results, flags = program(given, kept, recording.scalars, recording.rngs)
+        del given
+        if recording.spans_devices:
+            jax.block_until_ready(results)
+    except Exception as error:
+        # The values are lost, not wrong: every tensor waiting for them says why when read.
+        for i, k in wanted:
             deferred = recording.outputs[i][k]()
             if deferred is not None:
-                deferred._array = array
-        _hand_over(recording)
-        for vector in flags:
-            raise_if_out_of_range(vector)
+                deferred._error = error
+        raise
+    _runs[0] += 1
+    for (i, k), array in zip(wanted, results, strict=True):
+        deferred = recording.outputs[i][k]()
+        if deferred is not None:
+            deferred._array = array
+    _hand_over(recording)
+    for vector in flags:
+        raise_if_out_of_range(vector)
 
 
 def _unheld(recording: _Recording, array: jax.Array) -> bool:
