@@ -10,7 +10,9 @@ the caches, then the step itself), and a second step for reference. Each child r
 times from the OS's start of the process (Linux /proc), and its effective-time ledger (init,
 trace_compile, checkpoint_restore) with the goodput terms (`zerojax.runtime.effective_time`).
 One process: no `jax.distributed` join (bench/multiprocess.py measures restarts under
-torchrun).
+torchrun). The first step's parts are the ledger's trace_compile records by source: in a warm
+restart all of them fall in the first step; in the cold run they also count the second step's
+compiles, so its "rest" is approximate.
 
 Run: .venv/bin/python bench/effective_time_restart.py [--restarts 3] [--dir /tmp/somewhere]
 """
@@ -204,11 +206,6 @@ def main() -> None:
     print(
         f"| **process start -> first step done** | **{med('to_first_step'):.2f}** "
         f"| {cold['to_first_step']:.2f} |"
-    )
-    launched = lambda runs: statistics.median(r["to_first_step"] - r["second_step"] for r in runs)
-    print(
-        f"| process start -> first step launched (done less a step's run: the second step's) "
-        f"| {launched(warm):.2f} | {launched([cold]):.2f} |"
     )
     print(
         f"| (second step, for reference) | {med('second_step'):.2f} | {cold['second_step']:.2f} |"
