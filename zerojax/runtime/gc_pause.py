@@ -11,7 +11,8 @@ process), while the same step with the collector off left 40 unreachable objects
 collecting during it frees next to nothing and costs the walk.
 
 So `collection_paused()` turns the collector off for the block and back on after it: around
-torch.export's capture (`Engine.converted`) and each program's trace and lowering
+zerojax's own imports (`zerojax/__init__.py`: two full collections, ~0.7 s of `import zerojax`
+at load 10), torch.export's capture (`Engine.converted`) and each program's trace and lowering
 (`Program._executable`); not around XLA's compile, which runs in C++ and may take minutes
 cold, while other threads' garbage would wait. Nothing is left uncollected (cyclic garbage
 made inside goes at the first collection after), and the first step's peak memory did not
