@@ -1,10 +1,13 @@
 """zerojax: an ordinary PyTorch model and training loop as one sharded JAX/XLA program."""
 
+from zerojax.runtime.gc_pause import collection_paused as _collection_paused
 from zerojax.runtime.global_random import unchanged_global_random_state as _unchanged_random
 
 # `import jax` draws from numpy's global random state; a script that seeded it before this
-# import must draw what it would without zerojax (zerojax/runtime/global_random.py).
-with _unchanged_random():
+# import must draw what it would without zerojax (zerojax/runtime/global_random.py). The
+# imports build long-lived objects only, so no full GC walks the process meanwhile (two took
+# ~0.7 s of `import zerojax` at load 10: zerojax/runtime/gc_pause.py).
+with _unchanged_random(), _collection_paused():
     from zerojax import distributed
     from zerojax.bridge import (
         CaptureError,

@@ -48,7 +48,7 @@ from zerojax.bridge.index_bounds import raise_if_out_of_range
 from zerojax.config import Config
 from zerojax.distributed.arrays import host_copy
 from zerojax.parallel.placement import placement_kind
-from zerojax.runtime import effective_time
+from zerojax.runtime import effective_time, gc_pause
 from zerojax.sharding import make_mesh, make_sharding_plan
 from zerojax.train import deferred, live_optimizer_state, optimizers
 from zerojax.train.parameters import plain_parameters
@@ -385,7 +385,10 @@ class Engine:
                 torch.Tensor, torch.Tensor.detach, (args, kwargs)
             )
             args, kwargs = self.placement.trace_example(args, kwargs)
-            with effective_time.LEDGER.measure("trace_compile", source="torch.export"):
+            with (
+                effective_time.LEDGER.measure("trace_compile", source="torch.export"),
+                gc_pause.collection_paused(),  # runtime/gc_pause.py
+            ):
                 self._converted[train] = Converted(
                     self.traced_module, args, kwargs, train=train, read_values=False
                 )

@@ -60,6 +60,7 @@ from zerojax.compat.jax_api import on_host
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.parallel import ExpertLoadLog
+from zerojax.runtime import gc_pause
 from zerojax.sharding.zero import HOST_MEMORY_KIND, ShardingPlan
 from zerojax.train import optimizers
 from zerojax.train.gradient_reach import flat_argument_marks, reached_outputs
@@ -180,13 +181,18 @@ class Program:
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
         entry = self._compiled.get(key)
         if entry is None:
-            traced = self._jitted.trace(*args)
-            reached = None
-            if self._reached_from is not None:
-                marks = flat_argument_marks(args, self._reached_from)
-                reached = jax.tree.unflatten(traced.out_tree, reached_outputs(traced.jaxpr, marks))
+            # No full GC walks the process while tracing grows it (runtime/gc_pause.py).
+            with gc_pause.collection_paused():
+                traced = self._jitted.trace(*args)
+                reached = None
+                if self._reached_from is not None:
+                    marks = flat_argument_marks(args, self._reached_from)
+                    reached = jax.tree.unflatten(
+                        traced.out_tree, reached_outputs(traced.jaxpr, marks)
+                    )
+                lowered = traced.lower()
             options = compiler_options(_platform(leaves))
-            compiled = traced.lower().compile(compiler_options=options or None)
+            compiled = lowered.compile(compiler_options=options or None)
             entry = self._compiled[key] = (compiled, reached)
         self._by_avals[quick] = entry
         return entry
