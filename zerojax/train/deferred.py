@@ -192,7 +192,8 @@ def record(
     makes the op's key (random ops only)."""
     with _lock:
         recording = _recording
-        refs = tuple(recording.ref(x) for x in inputs)
+        ref = recording.ref
+        refs = tuple([ref(x) for x in inputs])
         signature = _signatures.get((key, refs))
         if signature is None:
             if len(_described) >= _MAX_SIGNATURES:  # numbers are reused: programs go too

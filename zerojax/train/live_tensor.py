@@ -606,13 +606,17 @@ class _ForeachPlan:
 
     def record(self, args: tuple, kwargs: dict, indexed: set, returns_none: bool):
         inputs = []
+        append = inputs.append
         for i, source in enumerate(self.sources):
             for kind, where in source:
                 if kind == "kw":
                     x = kwargs[where]
                 else:
                     x = args[where][i] if where in indexed else args[where]
-                inputs.append(_input_of(x) if isinstance(x, torch.Tensor) else x)
+                if type(x) is LiveTensor:
+                    append(x._source.value())
+                else:
+                    append(_input_of(x) if isinstance(x, torch.Tensor) else x)
         outputs = deferred.record(self.serials, self.run, inputs, self.avals)
         if self.conforms:
             for tensor, value in zip(args[0], outputs, strict=True):
