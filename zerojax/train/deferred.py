@@ -221,8 +221,7 @@ def read_entry(array: jax.Array, writer: Callable, name: str) -> None:
     """Note that `array` is the engine's value of entry `name` (written through `writer`): if
     this recording writes that entry, the engine's hold on `array` ends when it runs, and the
     program may reuse its buffer (`flush`)."""
-    with _lock:
-        _recording.entries.setdefault(id(array), (array, (writer, name)))
+    _recording.entries.setdefault(id(array), (array, (writer, name)))  # atomic under the GIL
 
 
 def pending_write(writer: Callable, name: str) -> Deferred | jax.Array | None:

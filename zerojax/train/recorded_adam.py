@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torch.optim import adam
 
-from zerojax.bridge.dtypes import to_jax_dtype
 from zerojax.pallas_kernels.adamw.bias_correction import adam_bias_corrections
 from zerojax.train import deferred, optimizers
 from zerojax.train.live_tensor import LiveTensor
@@ -80,7 +79,9 @@ def _live(tensor) -> LiveTensor | None:
 
 
 def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], options) -> None:
-    torch._foreach_add_(state_steps, 1)  # torch's host step counts, advanced as torch does
+    # torch's host step counts, advanced as torch's own step advances them (one CPU scalar
+    # tensor, not a 1 wrapped per element)
+    torch._foreach_add_(state_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
     counts = np.asarray([int(s.item()) for s in state_steps], np.int32)
     name = "AdamW" if options["decoupled_weight_decay"] else "Adam"
     hyper = optimizers.group_hyper(
@@ -101,17 +102,19 @@ def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], optio
         has_weight_decay=options["weight_decay"] != 0,
     )
     written = [live[0], *live[2:]]  # params, exp_avgs, exp_avg_sqs (, max_exp_avg_sqs)
+    values = [[t._source.value() for t in tensors] for tensors in live]
     keys = tuple(hyper)
+    # A live tensor's value has its shape and its dtype's JAX dtype (`LiveTensor.write`).
     key = (
         "adam",
         group,
         keys,
-        tuple((t.shape, t.dtype) for tensors in written for t in tensors),
+        tuple((v.shape, v.dtype) for vs in (values[0], *values[2:]) for v in vs),
     )
     outputs = deferred.record(
         key,
         functools.partial(_adam_elements, group, count, keys),
-        [t.value() for tensors in live for t in tensors] + [counts] + [hyper[k] for k in keys],
+        [v for vs in values for v in vs] + [counts] + [hyper[k] for k in keys],
         _avals(key[3]),
     )
     # Each output has its tensor's shape and dtype (`_avals`): written as it is.
@@ -122,10 +125,7 @@ def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], optio
 @functools.lru_cache(maxsize=64)
 def _avals(shapes_and_dtypes: tuple) -> list[jax.ShapeDtypeStruct]:
     """The recorded op's outputs: one per written tensor, of its shape and dtype."""
-    return [
-        jax.ShapeDtypeStruct(tuple(shape), to_jax_dtype(dtype))
-        for shape, dtype in shapes_and_dtypes
-    ]
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes_and_dtypes]
 
 
 def _adam_elements(group: optimizers.ParamGroupSpec, count: int, keys: tuple, arrays: list, rng):
