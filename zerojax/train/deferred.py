@@ -300,9 +300,9 @@ def _run(recording: _Recording) -> None:
     out_shardings = tuple(
         targets.get(id(recording.outputs[i][k]()), placed.get((i, k))) for i, k in wanted
     )
-    # Inputs nothing but this recording holds (an optimizer state tensor's value before
-    # the step, a temporary's): their buffers are the program's to reuse for its results
-    # (XLA writes the new moments where the old ones were, no fresh allocation).
+    # Inputs nothing else holds once it has run (`_unheld`: an optimizer state tensor's value
+    # before the step, a parameter the step rewrites): their buffers are the program's to
+    # reuse for its results (XLA writes the new values where the old ones were).
     arrays = recording.arrays
     donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i]))
     key = (
@@ -375,7 +375,8 @@ def _hand_over(recording: _Recording) -> None:
 def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
     steps = [(op.fn, op.refs, op.random) for op in recording.ops]
     count, donated = key[2], key[4]
-    kept = [i for i in range(count) if i not in set(donated)]
+    gone = set(donated)
+    kept = [i for i in range(count) if i not in gone]
 
     def program(given, held, scalars, rngs):
         arrays = [None] * count
