@@ -175,9 +175,9 @@ _programs: dict[tuple, Callable] = {}
 _last_key: list[tuple] = []
 _compiled = [0]
 _runs = [0]
-# The recordings `flush` is running (taken out of `_recording`, their writes not yet handed
-# over).
-_running: list[_Recording] = []
+# How many recordings `flush` is running (taken out of `_recording`, their writes not yet
+# handed over).
+_running = [0]
 
 
 def record(
@@ -260,7 +260,7 @@ def flush() -> None:
     """Run what has been recorded, as one program; resolve every Deferred still referenced and
     hand pending writes to the engine. Nothing to do without recorded ops or writes."""
     global _recording
-    if not (_recording.ops or _recording.writes or _running):
+    if not (_recording.ops or _recording.writes or _running[0]):
         _recording.entries.clear()  # notes of reads no op took in (a host read's)
         return
     # A flush running on another thread holds the lock until it has handed its writes over:
@@ -271,11 +271,11 @@ def flush() -> None:
             recording.entries.clear()
             return
         _recording = _Recording()
-        _running.append(recording)
+        _running[0] += 1
         try:
             _run(recording)
         finally:
-            _running.pop()
+            _running[0] -= 1
 
 
 def _run(recording: _Recording) -> None:

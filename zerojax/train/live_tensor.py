@@ -516,16 +516,7 @@ def _foreach_key(func, per_tensor, written, args, kwargs, indexed, schema) -> tu
         if j in indexed:
             if schema[j].name == "scalars" and torch.is_tensor(argument):
                 return None
-            key.append(
-                tuple(
-                    [
-                        (type(x) is LiveTensor, x.shape, x.dtype)
-                        if isinstance(x, torch.Tensor)
-                        else _leaf_key(x, traced)
-                        for x in argument
-                    ]
-                )
-            )
+            key.append(tuple([_leaf_key(x, traced) for x in argument]))
         else:
             key.append(_leaf_key(argument, traced))
     for name, value in kwargs.items():
@@ -606,17 +597,13 @@ class _ForeachPlan:
 
     def record(self, args: tuple, kwargs: dict, indexed: set, returns_none: bool):
         inputs = []
-        append = inputs.append
         for i, source in enumerate(self.sources):
             for kind, where in source:
                 if kind == "kw":
                     x = kwargs[where]
                 else:
                     x = args[where][i] if where in indexed else args[where]
-                if type(x) is LiveTensor:
-                    append(x._source.value())
-                else:
-                    append(_input_of(x) if isinstance(x, torch.Tensor) else x)
+                inputs.append(_input_of(x) if isinstance(x, torch.Tensor) else x)
         outputs = deferred.record(self.serials, self.run, inputs, self.avals)
         if self.conforms:
             for tensor, value in zip(args[0], outputs, strict=True):

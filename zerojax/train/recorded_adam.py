@@ -102,7 +102,7 @@ def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], optio
         has_weight_decay=options["weight_decay"] != 0,
     )
     written = [live[0], *live[2:]]  # params, exp_avgs, exp_avg_sqs (, max_exp_avg_sqs)
-    values = [[t._source.value() for t in tensors] for tensors in live]
+    values = [[t.value() for t in tensors] for tensors in live]
     keys = tuple(hyper)
     # A live tensor's value has its shape and its dtype's JAX dtype (`LiveTensor.write`).
     key = (
