@@ -300,3 +300,30 @@ def test_a_write_of_a_value_computed_earlier_reaches_the_engine():
     expected = doubled.numpy()  # runs the recording
     first.grad.copy_(doubled)
     np.testing.assert_array_equal(np.asarray(model.engine.state.grads[name]), expected)
+
+
+def test_a_scalar_object_is_one_program_input_however_many_ops_take_it():
+    """A foreach op hands its one `value=-lr` to each element: one program input, not one
+    per element (each input is a device value made at every run). Distinct scalar objects
+    stay distinct inputs, equal values or not, and every op reads its own."""
+    model, _, _, _ = wrapped_twin(ZERO0)
+    x, y = batches(1)[0]
+    backward(model, x, y)
+    params = [p.detach() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    # Ordinary tensors with the same values: torch computes on them.
+    host_params = [torch.from_numpy(p.numpy().copy()) for p in params]
+    host_grads = [torch.from_numpy(g.numpy().copy()) for g in grads]
+    lr, other = -0.125, float("-0.375")
+    for ps, gs in ((params, grads), (host_params, host_grads)):
+        torch._foreach_add_(ps, gs, alpha=lr)
+        torch._foreach_mul_(gs, 3.0)
+        ps[0].add_(gs[0], alpha=other)
+    assert len(params) > 2
+    # lr, 3.0 and `other`, whatever the number of parameters.
+    assert len(deferred._recording.scalars) == 3
+    deferred.flush()
+    for ours, theirs in zip(params + grads, host_params + host_grads, strict=True):
+        # Elementwise float32 ops on the same inputs: an FMA may round once where torch rounds
+        # twice (1 ulp of the result per op, two ops: ~2.4e-7 relative).
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=3e-7, atol=1e-9)

@@ -134,6 +134,7 @@ class _Recording:
         self.arrays: list[jax.Array] = []
         self.array_slots: dict[int, int] = {}
         self.scalars: list[Any] = []
+        self.scalar_slots: dict[int, int] = {}
         self.rngs: list[jax.Array] = []
         # Whether an input is an array of several processes: then every op runs at once (see
         # `record`); whether one spans several devices (then `flush` waits for the results).
@@ -162,11 +163,18 @@ class _Recording:
             if slot is None:
                 slot = self.array_slots[id(value)] = len(self.arrays)
                 self.arrays.append(value)
-                self.spans_processes |= not value.is_fully_addressable
-                self.spans_devices |= _spans_devices(value)
+                processes, devices = _spans(value.sharding)
+                self.spans_processes |= processes
+                self.spans_devices |= devices
             return ("array", slot)
-        self.scalars.append(value)
-        return ("scalar", len(self.scalars) - 1)
+        # One input per scalar object: a foreach op hands its one `value=-lr` to each of its
+        # elements, which would be as many program inputs (each converted to a device value
+        # at every run). `scalars` holds each object, so no other takes its id meanwhile.
+        slot = self.scalar_slots.get(id(value))
+        if slot is None:
+            slot = self.scalar_slots[id(value)] = len(self.scalars)
+            self.scalars.append(value)
+        return ("scalar", slot)
 
 
 _lock = threading.RLock()
@@ -437,15 +445,18 @@ def _why_new(key: tuple) -> str:
     return f"{len(ops)} ops, the same ops with results placed on other shardings"
 
 
-# sharding -> whether it spans several devices (asked once per array a recording takes in).
-_spanning: dict[Any, bool] = {}
+# sharding -> (whether it spans several processes, several devices), asked once per array a
+# recording takes in.
+_spanning: dict[Any, tuple[bool, bool]] = {}
 
 
-def _spans_devices(array: jax.Array) -> bool:
-    sharding = getattr(array, "sharding", None)
+def _spans(sharding) -> tuple[bool, bool]:
     spans = _spanning.get(sharding)
     if spans is None:
         if len(_spanning) >= _MAX_PROGRAMS:
             _spanning.clear()
-        spans = _spanning[sharding] = isinstance(sharding, NamedSharding) and sharding.mesh.size > 1
+        spans = _spanning[sharding] = (
+            not sharding.is_fully_addressable,
+            isinstance(sharding, NamedSharding) and sharding.mesh.size > 1,
+        )
     return spans
