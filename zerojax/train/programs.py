@@ -45,6 +45,7 @@ executable the last call used, which is what `zerojax.memory_report` reports.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import lru_cache, partial
 from typing import Any, NamedTuple
@@ -60,7 +61,7 @@ from zerojax.compat.jax_api import on_host
 from zerojax.config import Config
 from zerojax.pallas_kernels.backend import auto_picks_pallas
 from zerojax.parallel import ExpertLoadLog
-from zerojax.runtime import gc_pause
+from zerojax.runtime import gc_pause, program_cache
 from zerojax.sharding.zero import HOST_MEMORY_KIND, ShardingPlan
 from zerojax.train import optimizers
 from zerojax.train.gradient_reach import flat_argument_marks, reached_outputs
@@ -134,10 +135,27 @@ class Program:
     from positional argument i (`zerojax.train.gradient_reach`): `last_reached` is that tree
     of booleans (the outputs' structure) for the latest call."""
 
-    def __init__(self, name: str, fn: Callable, *, reached_from: int | None = None, **jit_options):
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        *,
+        reached_from: int | None = None,
+        cache_identity: Callable[[], str | None] | None = None,
+        **jit_options,
+    ):
         self.name = name
         self._jitted = jax.jit(fn, **jit_options)
         self._reached_from = reached_from
+        # A description of everything `fn` closes over, by content (None: not describable):
+        # with it the program is served from the persistent program cache when one is
+        # configured (runtime/program_cache.py). Only for programs whose tracing computes
+        # nothing else the caller reads, jitted with no options but donation.
+        assert cache_identity is None or (
+            reached_from is None and set(jit_options) <= {"donate_argnums"}
+        ), "a cached program is traced for its module alone"
+        self._cache_identity = cache_identity
+        self._jit_options = jit_options
         # Signature -> (executable, reached tree or None).
         self._compiled: dict[Any, Any] = {}
         self._by_avals: dict[Any, Any] = {}
@@ -181,25 +199,65 @@ class Program:
         key = (treedef, tuple(_leaf_signature(x) for x in leaves))
         entry = self._compiled.get(key)
         if entry is None:
-            # No full GC walks the process while tracing grows it (runtime/gc_pause.py).
-            with gc_pause.collection_paused():
-                traced = self._jitted.trace(*args)
-                reached = None
-                if self._reached_from is not None:
-                    marks = flat_argument_marks(args, self._reached_from)
-                    reached = jax.tree.unflatten(
-                        traced.out_tree, reached_outputs(traced.jaxpr, marks)
-                    )
-                lowered = traced.lower()
-            options = compiler_options(_platform(leaves))
-            compiled = lowered.compile(compiler_options=options or None)
-            entry = self._compiled[key] = (compiled, reached)
+            entry = self._compiled[key] = self._compile(args, leaves, treedef)
         self._by_avals[quick] = entry
         return entry
+
+    def _compile(self, args, leaves, treedef):
+        """(executable, reached tree or None) for these arguments: loaded from the program
+        cache, or traced, lowered and compiled (and then stored in the cache)."""
+        platform = _platform(leaves)
+        options = compiler_options(platform)
+        cache_key = None
+        if self._cache_identity is not None and program_cache.cache_directory() is not None:
+            identity = self._cache_identity()
+            if identity is not None:
+                cache_key = program_cache.program_key(
+                    self.name, identity, treedef, leaves, self._jit_options, platform, options
+                )
+        # No full GC walks the process while tracing grows it (runtime/gc_pause.py).
+        with gc_pause.collection_paused():
+            if cache_key is not None:
+                compiled = program_cache.load(
+                    cache_key, self.name, args, self._jit_options, options
+                )
+                if compiled is not None:
+                    return compiled, None
+            traced = self._jitted.trace(*args)
+            reached = None
+            if self._reached_from is not None:
+                marks = flat_argument_marks(args, self._reached_from)
+                reached = jax.tree.unflatten(traced.out_tree, reached_outputs(traced.jaxpr, marks))
+            if cache_key is not None:
+                compiled = program_cache.export_and_store(
+                    cache_key, self.name, traced, args, platform, self._jit_options, options
+                )
+                if compiled is not None:
+                    return compiled, reached
+            lowered = traced.lower()
+        return lowered.compile(compiler_options=options or None), reached
 
     def num_compiled(self) -> int:
         """How many signatures this program has been compiled for."""
         return len(self._compiled)
+
+
+# Runtime settings that say where caches and reports go, not what a program computes: a
+# restarted job's new effective-time log must not miss its programs.
+_NOT_PROGRAM_SETTINGS = ("compilation_cache_dir", "effective_time_log", "report_effective_time")
+
+
+def _config_for_key(config: Config) -> dict:
+    """The config's sections as a program cache key describes them (runtime's own
+    `_NOT_PROGRAM_SETTINGS` left out; any other runtime setting is in)."""
+    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    runtime = sections.pop("runtime")
+    sections["runtime"] = {
+        f.name: getattr(runtime, f.name)
+        for f in dataclasses.fields(runtime)
+        if f.name not in _NOT_PROGRAM_SETTINGS
+    }
+    return sections
 
 
 @jax.tree_util.register_pytree_node_class
@@ -521,7 +579,43 @@ class StepPrograms:
             new_master, new_state = self.moved_state(new_master, new_state, to_host=True)
             return new_params, new_master, new_state, new_loss_scale, finite
 
-        return Program("update", update, donate_argnums=(0, 1, 2))
+        return Program(
+            "update",
+            update,
+            cache_identity=lambda: self._update_identity(spec),
+            donate_argnums=(0, 1, 2),
+        )
+
+    def _update_identity(self, spec: optimizers.OptimizerSpec) -> str | None:
+        """What the update closes over, by content (`program_cache.describe`): the spec, the
+        plan's shardings, the precision policy and the config. None (not cached) under
+        offload: its host computations and memory kinds are not exported as they run."""
+        plan = self.plan
+        if plan.offloaded:
+            return None
+        try:
+            return program_cache.describe(
+                {
+                    "spec": spec,
+                    "policy": self.policy,
+                    "config": _config_for_key(self.config),
+                    "stage": plan.stage,
+                    "mesh": plan.mesh,
+                    **{
+                        component: dict(getattr(plan, component))
+                        for component in (
+                            "params",
+                            "compute_params",
+                            "grads",
+                            "opt_state",
+                            "master_weights",
+                            "shapes",
+                        )
+                    },
+                }
+            )
+        except program_cache.Undescribable:
+            return None
 
     def updates_on_host(self, master) -> bool:
         """Whether the update's element-wise step runs on the host (ZeRO-Offload's CPU
