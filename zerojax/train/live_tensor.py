@@ -248,26 +248,28 @@ def _returns_view(op: torch._ops.OpOverload) -> bool:
 
 
 @functools.cache
-def _route(func) -> tuple[str, bool]:
-    """(Which path of `run_op` an op takes, whether it is a fused optimizer step): asked once
-    per op, as an optimizer's step makes hundreds of calls."""
+def _route(func) -> tuple[str, bool, list[int], bool]:
+    """(Which path of `run_op` an op takes, whether it is a fused optimizer step, the
+    positions it writes, whether it returns a view): asked once per op in one lookup, as an
+    optimizer's step makes hundreds of calls (hashing an OpOverload runs Python)."""
     fused = func in FUSED_OPTIMIZER_OPS
+    mutated, view = _mutated_positions(func), _returns_view(func)
     if func in _ALIASES:
-        return "alias", fused
+        return "alias", fused, mutated, view
     if func is aten.copy_.default:
-        return "copy", fused
+        return "copy", fused, mutated, view
     if func.namespace == "aten" and func.__name__.startswith("_foreach_"):
-        return "foreach", fused
+        return "foreach", fused, mutated, view
     if _written_kwargs(func):
-        return "out", fused
-    if _mutated_positions(func):
-        return "mutated", fused
-    return "functional", fused
+        return "out", fused, mutated, view
+    if mutated:
+        return "mutated", fused, mutated, view
+    return "functional", fused, mutated, view
 
 
 def run_op(func, args: tuple, kwargs: dict):
     """One ATen call with live tensors among its arguments."""
-    route, fused = _route(func)
+    route, fused, mutated, view = _route(func)
     if route == "alias":
         (tensor,) = args
         return LiveTensor(tensor._source, tensor.shape, tensor.dtype)
@@ -279,7 +281,6 @@ def run_op(func, args: tuple, kwargs: dict):
         return None
     if route == "out":
         return _into_out(func, args, kwargs)
-    mutated = _mutated_positions(func)
     if mutated:
         functional = eager.functional_variant(func)
         if mutated != [0] or functional is None or not isinstance(args[0], LiveTensor):
@@ -295,22 +296,29 @@ def run_op(func, args: tuple, kwargs: dict):
             return decomposition(*args, **kwargs)
         return _on_host(func, args, kwargs, mutated)
     leaves, spec, spec_key = _flatten(args, kwargs)
-    if any(isinstance(x, torch.Tensor) and x.dtype in _WIDE for x in leaves):
-        return _on_host(func, args, kwargs, mutated)
+    for x in leaves:
+        if isinstance(x, torch.Tensor) and x.dtype in _WIDE:
+            return _on_host(func, args, kwargs, mutated)
     try:
         call = eager.eager_call(func, spec, leaves, _key_of, eager.meta_of, spec_key)
     except (RuntimeError, NotImplementedError):
         # No meta kernel, or a data-dependent output shape (nonzero, unique): torch decides.
         return _on_host(func, args, kwargs, mutated)
-    if any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta)):
+    if _wide_result(call):
         return _on_host(func, args, kwargs, mutated)
-    if _returns_view(func) and isinstance(args[0], LiveTensor):
+    if view and isinstance(args[0], LiveTensor):
         return _views(func, spec, spec_key, leaves, call, args[0])  # computed when read
     inputs = [
         _input_of(x) if isinstance(x, torch.Tensor) else x
         for x in (leaves[i] for i in call.dynamic)
     ]
     return _recorded(call, inputs, func, args, kwargs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _wide_result(call) -> bool:
+    """Whether `call` returns a float64/complex128 tensor (computed on the host)."""
+    return any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta))
 
 
 def _recorded(call, inputs: list, func, args: tuple, kwargs: dict):
@@ -320,8 +328,14 @@ def _recorded(call, inputs: list, func, args: tuple, kwargs: dict):
         avals = call.output_avals(inputs)
     except eager.ScalarsMustBeConstant:
         return run_op(func, args, kwargs)
+    # Keyed by the call's serial (its op, signature and constants); the op's name says which
+    # op it is in the compile log, and hashes faster than the op.
     outputs = deferred.record(
-        (call.serial, call.op), call.run, inputs, avals, _next_rng if call.random else None
+        (call.serial, call.op.__name__),
+        call.run,
+        inputs,
+        avals,
+        _next_rng if call.random else None,
     )
     if call.reads_indices:
         # An index out of range raises torch's error at the call, as torch does (and before
@@ -350,7 +364,7 @@ class ViewOf:
     def value(self) -> jax.Array | Deferred:
         base = self.base.value()
         outputs = deferred.record(
-            (self.view_call.serial, self.view_call.op),
+            (self.view_call.serial, self.view_call.op.__name__),
             self.view_call.run,
             [base],
             self.view_call.output_avals([base]),
@@ -417,11 +431,10 @@ def _flatten(args: tuple, kwargs: dict):
     """(leaves, tree spec, its cache key) of an op's arguments: arguments without containers
     (most calls: `add_(g, alpha=-lr)`) skip the pytree walk, and their spec is keyed by the
     argument count and keyword names."""
-    if any(isinstance(a, (list, tuple, dict)) for a in args) or any(
-        isinstance(v, (list, tuple, dict)) for v in kwargs.values()
-    ):
-        leaves, spec = torch_pytree.tree_flatten((args, kwargs))
-        return leaves, spec, None
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple, dict)):
+            leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+            return leaves, spec, None
     key = (len(args), tuple(kwargs))
     return [*args, *kwargs.values()], _flat_spec(key), key
 
