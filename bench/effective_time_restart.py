@@ -6,7 +6,8 @@ devices). One cold child process runs two steps, saves a checkpoint and fills th
 compilation cache (and zerojax's capture cache inside it); then `--restarts` warm children, one
 after another, each do what a restarted job does: import, build the model and optimizer,
 `zerojax.initialize`, `Checkpointer.restore()`, one training step (capture and compile from
-the caches, then the step itself), and a second step for reference. Each child reports wall
+the caches, then the step itself; the update program is loaded from zerojax's program cache,
+not traced), and a second step for reference. Each child reports wall
 times from the OS's start of the process (Linux /proc), and its effective-time ledger (init,
 trace_compile, checkpoint_restore) with the goodput terms (`zerojax.runtime.effective_time`).
 One process: no `jax.distributed` join (bench/multiprocess.py measures restarts under
@@ -49,6 +50,7 @@ FIRST_STEP_PARTS = (
     ("jaxpr_trace_duration", "JAX tracing of the programs"),
     ("jaxpr_to_mlir_module_duration", "lowering"),
     ("backend_compile_duration", "compile, or load from the persistent cache"),
+    ("program_cache_load", "read programs from the program cache (instead of tracing them)"),
 )
 
 

@@ -121,7 +121,7 @@ def mlp(width: int, num_layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers, torch.nn.LayerNorm(width), torch.nn.Linear(width, 8))
 
 
-def train(cache: Path, *, width=32, num_layers=2, stage=3, mesh=None, precision=None):
+def train(cache: Path, *, width=32, num_layers=2, stage=3, mesh=None, precision=None, train=None):
     """(programs loaded from the cache, weights) after two AdamW steps of a small MLP (the
     update program is what is cached: any model will do, a small one compiles fast)."""
     torch.manual_seed(0)
@@ -134,6 +134,8 @@ def train(cache: Path, *, width=32, num_layers=2, stage=3, mesh=None, precision=
     }
     if precision is not None:
         settings["precision"] = precision
+    if train is not None:
+        settings["train"] = train
     generator = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 16, generator=generator), torch.randn(8, 8, generator=generator))]
     loads = ProgramLoads()
@@ -198,6 +200,8 @@ CHANGES = {
         "precision": "params=bfloat16,compute=bfloat16,master=float32",
     },
     "ZeRO-2": {"stage": 2},
+    # The arguments are the same: only the key's description of the config tells them apart.
+    "gradient clipping": {"train": {"gradient_clipping": 1.0}},
     "another mesh": {"mesh": {"data": 2, "fsdp": 4}},
 }
 
