@@ -12,7 +12,7 @@ from zerojax.integrations import accelerate as accelerate_integration
 from zerojax.integrations import hf_trainer as hf_trainer_integration
 from zerojax.runtime import effective_time, worker_processes
 from zerojax.runtime.compilation_cache import enable_compilation_cache
-from zerojax.train import foreach_default, recorded_adam
+from zerojax.train import foreach_default, recorded_adafactor, recorded_adam
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule, zero_module
 from zerojax.train.optimizer_config import build_optimizer, check_optimizer_matches_config
@@ -73,6 +73,7 @@ def initialize(
     accelerate_integration.install_prepare_hook()
     foreach_default.install()  # torch.optim picks its foreach steps for live parameters
     recorded_adam.install()  # ... and its foreach Adam/AdamW step is one recorded op
+    recorded_adafactor.install()  # ... and Adafactor's step too, without its host reads
     prepared = accelerate_integration.unwrap_prepared(model, optimizer)
     model, optimizer = prepared.model, prepared.optimizer
     if isinstance(model, ZeroModule):

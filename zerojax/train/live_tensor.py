@@ -216,7 +216,8 @@ def _conformed(arrays: list, rng, *, shape, dtype):
     return jnp.broadcast_to(value, shape).astype(dtype), None
 
 
-def _key_of(tensor: torch.Tensor):
+def key_of(tensor: torch.Tensor):
+    """A tensor's part of an `eager.eager_call` signature: its shape and dtype."""
     return (tuple(tensor.shape), tensor.dtype)
 
 
@@ -300,7 +301,7 @@ def run_op(func, args: tuple, kwargs: dict):
         if isinstance(x, torch.Tensor) and x.dtype in _WIDE:
             return _on_host(func, args, kwargs, mutated)
     try:
-        call = eager.eager_call(func, spec, leaves, _key_of, eager.meta_of, spec_key)
+        call = eager.eager_call(func, spec, leaves, key_of, eager.meta_of, spec_key)
     except (RuntimeError, NotImplementedError):
         # No meta kernel, or a data-dependent output shape (nonzero, unique): torch decides.
         return _on_host(func, args, kwargs, mutated)
@@ -401,7 +402,7 @@ def _views(func, spec, spec_key, leaves: list, call, base: LiveTensor):
         torch.empty(tuple(base.shape), dtype=torch.int32, device="meta") if x is base else x
         for x in leaves
     ]
-    positions_call = eager.eager_call(func, spec, numbered, _key_of, eager.meta_of, spec_key)
+    positions_call = eager.eager_call(func, spec, numbered, key_of, eager.meta_of, spec_key)
     meta = call.out_meta
     if isinstance(meta, torch.Tensor):
         return LiveTensor(ViewOf(base, call, positions_call, None), meta.shape, meta.dtype)
@@ -648,7 +649,7 @@ def _foreach_recorded(per_tensor, elements: list, written: bool) -> tuple | None
         if any(isinstance(x, torch.Tensor) and x.dtype in _WIDE for x in leaves):
             return None
         try:
-            call = eager.eager_call(op, spec, leaves, _key_of, eager.meta_of, spec_key)
+            call = eager.eager_call(op, spec, leaves, key_of, eager.meta_of, spec_key)
         except (RuntimeError, NotImplementedError):
             return None
         if not isinstance(call.out_meta, torch.Tensor) or call.out_meta.dtype in _WIDE:

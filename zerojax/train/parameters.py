@@ -39,6 +39,7 @@ __all__ = [
     "ShardedBuffer",
     "ShardedParameter",
     "is_plain",
+    "live_of",
     "plain_parameters",
     "release_parameters",
 ]
@@ -201,6 +202,14 @@ class _StandIn:
 
     def __repr__(self) -> str:
         return repr(self._ordinary())
+
+
+def live_of(tensor) -> LiveTensor | None:
+    """The live tensor of a parameter or buffer stand-in (its live view), a live tensor itself;
+    None for anything else."""
+    if isinstance(tensor, LiveTensor):
+        return tensor
+    return tensor.live() if isinstance(tensor, _StandIn) else None
 
 
 def _lively(args: tuple) -> tuple | None:

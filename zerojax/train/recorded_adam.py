@@ -32,6 +32,7 @@ from torch.optim import adam
 from zerojax.pallas_kernels.adamw.bias_correction import adam_bias_corrections
 from zerojax.train import deferred, optimizers
 from zerojax.train.live_tensor import LiveTensor
+from zerojax.train.parameters import live_of
 
 __all__ = ["install"]
 
@@ -48,7 +49,7 @@ def install() -> None:
         lists = [params, grads, exp_avgs, exp_avg_sqs]
         if options["amsgrad"]:
             lists.append(max_exp_avg_sqs)
-        live = [[_live(t) for t in tensors] for tensors in lists]
+        live = [[live_of(t) for t in tensors] for tensors in lists]
         recordable = (
             grad_scale is None
             and found_inf is None
@@ -68,14 +69,6 @@ def install() -> None:
 
     multi_tensor_adam._zerojax_live = True  # type: ignore[attr-defined]
     adam._multi_tensor_adam = multi_tensor_adam
-
-
-def _live(tensor) -> LiveTensor | None:
-    """The live tensor of a parameter stand-in or a live tensor; None for anything else."""
-    if isinstance(tensor, LiveTensor):
-        return tensor
-    live = getattr(tensor, "live", None)
-    return live() if callable(live) and hasattr(tensor, "_zerojax_engine") else None
 
 
 def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], options) -> None:
