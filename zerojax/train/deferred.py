@@ -152,7 +152,7 @@ class _Recording:
 
     def ref(self, value) -> tuple:
         """Where an op's input comes from: an earlier op's output, an array or a scalar."""
-        if isinstance(value, Deferred):
+        if type(value) is Deferred:
             if value._array is None and value._error is None:
                 # Pending values are this recording's: `flush` computes or fails all of a
                 # recording's referenced outputs before another one starts.

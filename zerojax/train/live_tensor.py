@@ -610,14 +610,19 @@ class _ForeachPlan:
         return plan
 
     def record(self, args: tuple, kwargs: dict, indexed: set, returns_none: bool):
-        inputs = []
+        inputs: list = []
+        append = inputs.append
         for i, source in enumerate(self.sources):
             for kind, where in source:
                 if kind == "kw":
                     x = kwargs[where]
                 else:
                     x = args[where][i] if where in indexed else args[where]
-                inputs.append(_input_of(x) if isinstance(x, torch.Tensor) else x)
+                # `_input_of`, inlined for the commonest input: this runs per element.
+                if type(x) is LiveTensor:
+                    append(x._source.value())
+                else:
+                    append(_input_of(x) if isinstance(x, torch.Tensor) else x)
         outputs = deferred.record(self.serials, self.run, inputs, self.avals)
         if self.conforms:
             for tensor, value in zip(args[0], outputs, strict=True):
