@@ -167,6 +167,24 @@ def test_master_weights_take_in_place_writes():
     )
 
 
+def test_assigning_data_sets_the_parameter_and_refuses_another_shape():
+    """`p.data = t` (weight loading and tying by hand) sets the value, as torch's does, and
+    the training that follows matches torch's; another shape is refused by name (a zerojax
+    parameter's shape is fixed), leaving the value as it was."""
+    model, optimizer, reference, ref_optimizer = twins()
+    value = torch.randn(model.module.fc1.weight.shape)
+    model.module.fc1.weight.data = value.clone()
+    reference.fc1.weight.data = value.clone()
+    np.testing.assert_array_equal(model.module.fc1.weight.detach().numpy(), value.numpy())
+    step_both(model, optimizer, reference, ref_optimizer, *mlp_batch())
+    assert_state_close(model.module.state_dict(), reference.state_dict(), "after .data =")
+    before = model.module.fc1.weight.detach().numpy().copy()
+    with pytest.raises(RuntimeError, match="'fc1.weight' of shape"):
+        model.module.fc1.weight.data = torch.zeros(3, 3)
+    np.testing.assert_array_equal(model.module.fc1.weight.detach().numpy(), before)
+    assert tuple(model.module.fc1.weight.data.shape) == before.shape
+
+
 def test_freezing_mid_run_stops_gradients_and_updates():
     model, optimizer, reference, ref_optimizer = twins()
     step_both(model, optimizer, reference, ref_optimizer, *mlp_batch())

@@ -118,6 +118,10 @@ class LiveTensor(torch.Tensor):
         """The value, or the Deferred a recorded op will produce: what later ops record."""
         return self._source.value()
 
+    def aliased(self) -> LiveTensor:
+        """A new live tensor over the same value (what `detach()` and `.data` give)."""
+        return LiveTensor(self._source, self.shape, self.dtype)
+
     def write(self, value: jax.Array | Deferred) -> None:
         """Replace the value (broadcast and cast to this tensor's shape and dtype)."""
         shape, dtype = tuple(self.shape), to_jax_dtype(self.dtype)
@@ -273,7 +277,7 @@ def run_op(func, args: tuple, kwargs: dict):
     route, fused, mutated, view = _route(func)
     if route == "alias":
         (tensor,) = args
-        return LiveTensor(tensor._source, tensor.shape, tensor.dtype)
+        return tensor.aliased()
     if route == "copy":
         return _copy_(*args, **kwargs)
     if route == "foreach":

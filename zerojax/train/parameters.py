@@ -46,6 +46,8 @@ __all__ = [
 
 Tensor = torch.Tensor
 
+_DATA_GET, _DATA_SET = Tensor.data.__get__, Tensor.data.__set__
+
 # Answered by the stand-in: its metadata is the parameter's own.
 _OWN_METADATA = frozenset(
     {
@@ -168,7 +170,15 @@ class _StandIn:
         if func in _OWN_METADATA or is_plain():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        if func is Tensor.data.__set__:
+        # A descriptor's `__get__`/`__set__` is a new method-wrapper at each access: compared
+        # with ==, never `is`.
+        if func == _DATA_GET:
+            # `p.data`: a new live tensor over the same entry, as torch's `.data` of the live
+            # view is (its alias route), without the round trip through the dispatcher: a
+            # hand-written update loop asks once per parameter per step.
+            (stand_in,) = args
+            return stand_in.live().aliased()
+        if func == _DATA_SET:
             stand_in, value = args
             if tuple(value.shape) != tuple(stand_in.shape):
                 raise RuntimeError(
