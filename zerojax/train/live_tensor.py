@@ -293,8 +293,20 @@ def run_op(func, args: tuple, kwargs: dict):
         if get_lowering(functional) is None and func in decomposition_table:
             # e.g. square_: torch's reference runs the out-of-place ops and copy_s the result.
             return decomposition_table[func](*args, **kwargs)
-        args[0].write(_value_of(run_op(functional, args, kwargs)))
+        route, fused, written, view = _route(functional)
+        if route == "functional" and not fused:
+            value = _functional(functional, args, kwargs, written, view, False)
+        else:
+            value = run_op(functional, args, kwargs)
+        args[0].write(_value_of(value) if isinstance(value, torch.Tensor) else value)
         return args[0]
+    return _functional(func, args, kwargs, mutated, view, True)
+
+
+def _functional(func, args: tuple, kwargs: dict, mutated: list, view: bool, wrap: bool):
+    """`run_op` for an op that writes none of its arguments. `wrap=False` (an in-place op's
+    out-of-place form, written back at once) may give a recorded result's value without the
+    live tensor around it."""
     if get_lowering(func) is None:
         decomposition = decomposition_table.get(func)
         if decomposition is not None:
@@ -317,7 +329,7 @@ def run_op(func, args: tuple, kwargs: dict):
         _input_of(x) if isinstance(x, torch.Tensor) else x
         for x in (leaves[i] for i in call.dynamic)
     ]
-    return _recorded(call, inputs, func, args, kwargs)
+    return _recorded(call, inputs, func, args, kwargs, wrap)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -326,9 +338,9 @@ def _wide_result(call) -> bool:
     return any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta))
 
 
-def _recorded(call, inputs: list, func, args: tuple, kwargs: dict):
+def _recorded(call, inputs: list, func, args: tuple, kwargs: dict, wrap: bool = True):
     """`call` on `inputs`, recorded (`zerojax.train.deferred`): live tensors over its results,
-    computed when the recording runs."""
+    computed when the recording runs (`wrap=False`: a single result's Deferred itself)."""
     try:
         avals = call.output_avals(inputs)
     except eager.ScalarsMustBeConstant:
@@ -348,7 +360,7 @@ def _recorded(call, inputs: list, func, args: tuple, kwargs: dict):
         deferred.flush()
     meta = call.out_meta
     if isinstance(meta, torch.Tensor):
-        return LiveTensor.owning(outputs[0], meta.dtype)
+        return LiveTensor.owning(outputs[0], meta.dtype) if wrap else outputs[0]
     metas, spec = torch_pytree.tree_flatten(meta)
     tensors = [LiveTensor.owning(d, m.dtype) for d, m in zip(outputs, metas, strict=True)]
     return torch_pytree.tree_unflatten(tensors, spec)
