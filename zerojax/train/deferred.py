@@ -445,18 +445,23 @@ def _why_new(key: tuple) -> str:
     return f"{len(ops)} ops, the same ops with results placed on other shardings"
 
 
-# sharding -> (whether it spans several processes, several devices), asked once per array a
-# recording takes in.
-_spanning: dict[Any, tuple[bool, bool]] = {}
+# id(sharding) -> (the sharding, (whether it spans several processes, several devices)),
+# asked once per array a recording takes in: keyed by identity, as the few sharding objects
+# of a step's arrays recur (equal ones compare through a Python __eq__); holding each keeps
+# its id its own.
+_spanning: dict[int, tuple[Any, tuple[bool, bool]]] = {}
+_MAX_SHARDINGS = 4096
 
 
 def _spans(sharding) -> tuple[bool, bool]:
-    spans = _spanning.get(sharding)
-    if spans is None:
-        if len(_spanning) >= _MAX_PROGRAMS:
-            _spanning.clear()
-        spans = _spanning[sharding] = (
-            not sharding.is_fully_addressable,
-            isinstance(sharding, NamedSharding) and sharding.mesh.size > 1,
-        )
+    known = _spanning.get(id(sharding))
+    if known is not None and known[0] is sharding:
+        return known[1]
+    if len(_spanning) >= _MAX_SHARDINGS:
+        _spanning.clear()
+    spans = (
+        not sharding.is_fully_addressable,
+        isinstance(sharding, NamedSharding) and sharding.mesh.size > 1,
+    )
+    _spanning[id(sharding)] = (sharding, spans)
     return spans
