@@ -293,9 +293,9 @@ def run_op(func, args: tuple, kwargs: dict):
         if get_lowering(functional) is None and func in decomposition_table:
             # e.g. square_: torch's reference runs the out-of-place ops and copy_s the result.
             return decomposition_table[func](*args, **kwargs)
-        route, fused, written, view = _route(functional)
-        if route == "functional" and not fused:
-            value = _functional(functional, args, kwargs, written, view, False)
+        functional_route = _route(functional)
+        if functional_route[:2] == ("functional", False):
+            value = _functional(functional, args, kwargs, *functional_route[2:], wrap=False)
         else:
             value = run_op(functional, args, kwargs)
         args[0].write(_value_of(value) if isinstance(value, torch.Tensor) else value)
@@ -332,7 +332,7 @@ def _functional(func, args: tuple, kwargs: dict, mutated: list, view: bool, wrap
     return _recorded(call, inputs, func, args, kwargs, wrap)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)  # as many as `eager` keeps
 def _wide_result(call) -> bool:
     """Whether `call` returns a float64/complex128 tensor (computed on the host)."""
     return any(m.dtype in _WIDE for m in torch_pytree.tree_leaves(call.out_meta))
