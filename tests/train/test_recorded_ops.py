@@ -148,11 +148,21 @@ def test_recorded_writes_are_seen_by_later_reads_and_host_reads():
     np.testing.assert_allclose(ours.detach().numpy(), theirs.detach().numpy(), atol=1e-6)
 
 
-def test_a_schedule_and_varying_clip_norms_never_recompile():
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9),
+        pytest.param(  # one recorded op (recorded_adafactor)
+            lambda p: torch.optim.Adafactor(p, lr=1e-2, weight_decay=0.01),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["RMSprop", "Adafactor"],
+)
+def test_a_schedule_and_varying_clip_norms_never_recompile(make):
     """100 steps, a cosine LR schedule, a clip norm that changes every step, a torch optimizer's
-    own step (RMSprop) and torch's clip_grad_norm_: the number of compiled programs stays
-    constant after step 2, and the run matches plain torch."""
-    make = lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9)
+    own step and torch's clip_grad_norm_: the number of compiled programs stays constant after
+    step 2, and the run matches plain torch."""
     model, optimizer, twin, twin_optimizer = wrapped_twin(ZERO0, make)
     schedules = [
         torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=100)
