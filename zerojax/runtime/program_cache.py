@@ -11,8 +11,8 @@ A wrong hit would train silently different numbers, so the key is built to miss 
 program could differ (`program_key`): the program's name and a description of everything its
 Python function closes over, given by the caller (`zerojax.train.programs.StepPrograms`: the
 optimizer spec, the sharding plan, the precision policy, the config); the arguments' tree and,
-per leaf, shape, dtype, weak type and sharding (mesh axes, sizes, device ids, spec, memory
-kind); the jit options; the compiler options; JAX's configuration (global and the trace
+per leaf, shape, dtype, weak type, whether it is committed to its devices and its sharding
+(mesh axes, sizes, device ids, spec, memory kind); the jit options; the compiler options; JAX's configuration (global and the trace
 context); the platform, the devices and processes; zerojax's own source (a hash of every module
 in the package: any edit misses); and the versions of Python, JAX, jaxlib, numpy, torch and
 the XLA_FLAGS. A value the describer does not know (`describe`: an object known only by its
@@ -191,6 +191,17 @@ def _describe_named_sharding(sharding: jax.sharding.NamedSharding, ndim: int | N
     return f"Named({_describe_mesh(sharding.mesh)},{describe(spec)},{sharding.memory_kind})"
 
 
+def _without_trailing_none(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+    """The same layout spelled one way: an executable's shardings are its arguments' objects,
+    and `P()`, `P(None)` and `P(None, None)` (or `P(('a',))` and `P('a')`) are one layout."""
+    spec = [a[0] if isinstance(a, tuple) and len(a) == 1 else a for a in sharding.spec]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
+    )
+
+
 def _describe_leaf(leaf) -> str:
     """What an executable requires of an argument: its aval and its sharding's layout."""
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
@@ -200,7 +211,10 @@ def _describe_leaf(leaf) -> str:
         else:
             placed = describe(sharding)
         weak_type = getattr(leaf, "weak_type", False)
-        return f"A({leaf.shape},{leaf.dtype},{weak_type},{placed})"
+        # jit places an uncommitted array (made without a device: `jnp.zeros`) where the
+        # program wants it, a committed one where it is: other input shardings.
+        committed = getattr(leaf, "committed", True)
+        return f"A({leaf.shape},{leaf.dtype},{weak_type},{committed},{placed})"
     if isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex):
         return f"N({type(leaf).__name__},{np.shape(leaf)},{np.result_type(leaf)})"
     raise Undescribable(f"an argument of type {_qualname(type(leaf))}")
@@ -290,7 +304,7 @@ def _executable_layout(compiled) -> dict[str, Any]:
 
     def shardings(tree) -> list[str]:
         return [
-            _describe_named_sharding(s, None)
+            _describe_named_sharding(_without_trailing_none(s), None)
             if isinstance(s, jax.sharding.NamedSharding)
             else repr(s)
             for s in jax.tree.leaves(tree)
