@@ -321,3 +321,29 @@ def test_what_has_no_description_by_content_is_not_cached():
     with pytest.raises(program_cache.Undescribable):
         program_cache.describe(object())
     assert key_of([object()]) is None
+
+
+def test_an_uncommitted_argument_has_its_own_key():
+    """jit places an array made without a device (`jnp.zeros`) where the program wants it: the
+    executable takes other input shardings than for the same array committed to device 0."""
+    uncommitted = jax.numpy.zeros(4)
+    committed = jax.device_put(jax.numpy.zeros(4), jax.devices()[0])
+    assert not uncommitted.committed and committed.committed
+    assert key_of([uncommitted]) != key_of([committed])
+
+
+def test_an_executable_layout_is_compared_as_layouts_not_spellings():
+    """A restored optimizer state may spell a replicated sharding `P(None)` where the writer's
+    had `P()`: one layout, so a loaded entry must not be refused for it (it was: every load of
+    a restored run warned and traced again)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+    value = np.arange(8, dtype=np.float32)
+
+    def layout(spec):
+        x = jax.device_put(value, NamedSharding(mesh, spec))
+        compiled = jax.jit(lambda x: x * 2).trace(x).lower().compile()
+        return program_cache._executable_layout(compiled)
+
+    assert layout(PartitionSpec()) == layout(PartitionSpec(None))
+    assert layout(PartitionSpec("data")) == layout(PartitionSpec(("data",)))
+    assert layout(PartitionSpec()) != layout(PartitionSpec("data"))
