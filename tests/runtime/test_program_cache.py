@@ -223,7 +223,14 @@ DAMAGES = {
 }
 
 
-@pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
+# Each damage is a trace and a compile more (~2 s); the default run keeps two of them.
+SLOW_DAMAGES = ("truncated", "empty")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [pytest.param(d, marks=pytest.mark.slow) if d in SLOW_DAMAGES else d for d in DAMAGES],
+)
 def test_a_damaged_entry_warns_is_traced_again_and_replaced(
     damage, filled, tmp_path, restore_jax_cache
 ):
