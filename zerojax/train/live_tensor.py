@@ -445,21 +445,46 @@ def _set_elements_op(arrays: list, rng):
 
 
 def _flatten(args: tuple, kwargs: dict):
-    """(leaves, tree spec, its cache key) of an op's arguments: arguments without containers
-    (most calls: `add_(g, alpha=-lr)`) skip the pytree walk, and their spec is keyed by the
-    argument count and keyword names."""
-    for a in (*args, *kwargs.values()):
+    """(leaves, tree spec, its cache key) of an op's arguments. Arguments without containers
+    (most calls: `add_(g, alpha=-lr)`) and arguments with flat lists or tuples of leaves
+    (`index_put_`'s indices: Rprop's masks, per parameter per step) skip the pytree walk, and
+    their spec is keyed by the argument count, the keyword names and each list's type and
+    length (hashing a spec walks it); deeper containers are flattened as a tree, keyed by
+    their spec."""
+    structure = None
+    for i, a in enumerate((*args, *kwargs.values())):
         if isinstance(a, (list, tuple, dict)):
-            leaves, spec = torch_pytree.tree_flatten((args, kwargs))
-            return leaves, spec, None
-    key = (len(args), tuple(kwargs))
-    return [*args, *kwargs.values()], _flat_spec(key), key
+            if (type(a) is not list and type(a) is not tuple) or any(
+                isinstance(x, (list, tuple, dict)) for x in a
+            ):
+                leaves, spec = torch_pytree.tree_flatten((args, kwargs))
+                return leaves, spec, None
+            if structure is None:
+                structure = [None] * (len(args) + len(kwargs))
+            structure[i] = (type(a), len(a))
+    if structure is None:
+        key: tuple = (len(args), tuple(kwargs))
+        return [*args, *kwargs.values()], _flat_spec(key), key
+    leaves = []
+    for a in (*args, *kwargs.values()):
+        if type(a) is list or type(a) is tuple:
+            leaves.extend(a)
+        else:
+            leaves.append(a)
+    key = (len(args), tuple(kwargs), tuple(structure))
+    return leaves, _flat_spec(key), key
 
 
 @functools.cache
-def _flat_spec(key: tuple[int, tuple[str, ...]]):
-    count, names = key
-    return torch_pytree.tree_flatten((tuple(range(count)), dict.fromkeys(names, 0)))[1]
+def _flat_spec(key: tuple):
+    """The spec of arguments shaped as `key` says (`_flatten`): leaves, or flat lists or
+    tuples of them."""
+    count, names = key[0], key[1]
+    shapes = key[2] if len(key) > 2 else (None,) * (count + len(names))
+    stand_ins = [0 if shape is None else shape[0]([0] * shape[1]) for shape in shapes]
+    return torch_pytree.tree_flatten(
+        (tuple(stand_ins[:count]), dict(zip(names, stand_ins[count:], strict=True)))
+    )[1]
 
 
 def _copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
