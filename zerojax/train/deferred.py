@@ -312,7 +312,12 @@ def _run(recording: _Recording) -> None:
     # before the step, a parameter the step rewrites): their buffers are the program's to
     # reuse for its results (XLA writes the new values where the old ones were).
     arrays = recording.arrays
-    donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i]))
+    # Not where a result leaves for host memory (offloaded optimizer state): XLA pairs donated
+    # inputs with results by shape and dtype alone, and a device buffer given to a result
+    # bound for the host fails the run ("Memory kind mismatch").
+    donated = ()
+    if not any(_in_host_memory(sharding) for sharding in out_shardings):
+        donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i]))
     key = (
         tuple(op.signature for op in recording.ops),
         tuple(wanted),
@@ -353,6 +358,10 @@ def _run(recording: _Recording) -> None:
     _hand_over(recording)
     for vector in flags:
         raise_if_out_of_range(vector)
+
+
+def _in_host_memory(sharding) -> bool:
+    return getattr(sharding, "memory_kind", None) not in (None, "device")
 
 
 def _unheld(recording: _Recording, array: jax.Array) -> bool:
