@@ -142,7 +142,7 @@ def describe(value: Any) -> str:
     if isinstance(value, type) and issubclass(value, np.generic):
         return f"dtype({np.dtype(value)})"
     if isinstance(value, jax.sharding.NamedSharding):
-        return _describe_named_sharding(value, None)
+        return _describe_named_sharding(value)
     if isinstance(value, jax.sharding.PartitionSpec):
         return f"P{describe(tuple(value))}"
     if isinstance(value, jax.sharding.Mesh):
@@ -183,33 +183,20 @@ def _describe_mesh(mesh: jax.sharding.Mesh) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _describe_named_sharding(sharding: jax.sharding.NamedSharding, ndim: int | None) -> str:
-    spec = tuple(sharding.spec)
-    if ndim is not None:  # P() == P(None, None) for an argument of rank 2, as jit sees it
-        spec += (None,) * (ndim - len(spec))
-        spec = tuple(a[0] if isinstance(a, tuple) and len(a) == 1 else a for a in spec)
-    return f"Named({_describe_mesh(sharding.mesh)},{describe(spec)},{sharding.memory_kind})"
-
-
-def _without_trailing_none(sharding: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
-    """The same layout spelled one way: an executable's shardings are its arguments' objects,
-    and `P()`, `P(None)` and `P(None, None)` (or `P(('a',))` and `P('a')`) are one layout."""
+def _describe_named_sharding(sharding: jax.sharding.NamedSharding) -> str:
+    """The sharding's layout, spelled one way: `P()`, `P(None)` and `P(None, None)` (or
+    `P(('a',))` and `P('a')`) are one layout, and an executable's shardings are its
+    arguments' objects, spelled either way."""
     spec = [a[0] if isinstance(a, tuple) and len(a) == 1 else a for a in sharding.spec]
     while spec and spec[-1] is None:
         spec.pop()
-    return jax.sharding.NamedSharding(
-        sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
-    )
+    return f"Named({_describe_mesh(sharding.mesh)},{describe(tuple(spec))},{sharding.memory_kind})"
 
 
 def _describe_leaf(leaf) -> str:
     """What an executable requires of an argument: its aval and its sharding's layout."""
     if isinstance(leaf, jax.Array | jax.ShapeDtypeStruct):
-        sharding = leaf.sharding
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            placed = _describe_named_sharding(sharding, leaf.ndim)
-        else:
-            placed = describe(sharding)
+        placed = describe(leaf.sharding)
         weak_type = getattr(leaf, "weak_type", False)
         # jit places an uncommitted array (made without a device: `jnp.zeros`) where the
         # program wants it, a committed one where it is: other input shardings.
@@ -304,9 +291,7 @@ def _executable_layout(compiled) -> dict[str, Any]:
 
     def shardings(tree) -> list[str]:
         return [
-            _describe_named_sharding(_without_trailing_none(s), None)
-            if isinstance(s, jax.sharding.NamedSharding)
-            else repr(s)
+            _describe_named_sharding(s) if isinstance(s, jax.sharding.NamedSharding) else repr(s)
             for s in jax.tree.leaves(tree)
         ]
 
