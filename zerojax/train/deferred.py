@@ -56,7 +56,16 @@ from jax.sharding import NamedSharding
 
 from zerojax.bridge.index_bounds import raise_if_out_of_range
 
-__all__ = ["Deferred", "flush", "programs_compiled", "programs_run", "record", "resolve"]
+__all__ = [
+    "Deferred",
+    "current_recording",
+    "flush",
+    "programs_compiled",
+    "programs_run",
+    "record",
+    "resolve",
+    "signature_generation",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,13 @@ _UNHELD = 3
 _MAX_PROGRAMS = 256
 # Distinct recorded-op signatures numbered before the numbering starts again.
 _MAX_SIGNATURES = 1_000_000
+
+# While an optimizer's step is replayed (`zerojax.train.step_replay`): called before anything
+# reads, writes or records live values outside the replay, to turn the replayed ops into the
+# recording they stand for first.
+interrupt: list[Callable[[], None] | None] = [None]
+# While a step is traced: called with (source, value) at each write of a live tensor's source.
+write_hook: list[Callable[[Any, Any], None] | None] = [None]
 
 
 class Deferred:
@@ -150,6 +166,29 @@ class _Recording:
         # (`read_entry`); one this recording writes anew loses the engine's hold when it runs.
         self.entries: dict[int, tuple[jax.Array, tuple[Callable, str]]] = {}
 
+    def take_arrays(self, arrays: list[jax.Array]) -> None:
+        """Take `arrays` as the next input arrays (a replay rebuilding a recording: the same
+        array may fill two slots, as a recording made afresh could not)."""
+        slots, start = self.array_slots, len(self.arrays)
+        for i, array in enumerate(arrays, start):
+            slots.setdefault(id(array), i)
+        self.arrays.extend(arrays)
+        for sharding in {id(a.sharding): a.sharding for a in arrays}.values():
+            processes, devices = _spans(sharding)
+            self.spans_processes |= processes
+            self.spans_devices |= devices
+
+    def take_scalar(self, value) -> None:
+        """Take `value` as the next scalar input (see `take_array`)."""
+        self.scalar_slots.setdefault(id(value), len(self.scalars))
+        self.scalars.append(value)
+
+    def take_ops(self, ops: list, outputs: list[list]) -> None:
+        """Take recorded `ops` (recorded before, their inputs taken here in the same order)
+        and, per op, weak references to the Deferreds standing for its outputs (None: none)."""
+        self.ops.extend(ops)
+        self.outputs.extend([ref or _gone for ref in refs] for refs in outputs)
+
     def ref(self, value) -> tuple:
         """Where an op's input comes from: an earlier op's output, an array or a scalar."""
         if type(value) is Deferred:
@@ -177,8 +216,16 @@ class _Recording:
         return ("scalar", slot)
 
 
+def _gone() -> None:
+    """An output no Deferred stands for (a weak reference whose object is gone)."""
+    return None
+
+
 _lock = threading.RLock()
 _recording = _Recording()
+# How many times the signature numbering started again (`record`): numbers of one generation
+# mean nothing in another.
+_generation = [0]
 _programs: dict[tuple, Callable] = {}
 _last_key: list[tuple] = []
 _compiled = [0]
@@ -198,6 +245,8 @@ def record(
     """Record `fn(inputs, rng_key)` (see `_Op`) and return its outputs as Deferreds, one per
     leaf of its result in `out_avals`. `inputs` are Deferreds, arrays or traced scalars; `rng`
     makes the op's key (random ops only)."""
+    if interrupt[0] is not None:
+        interrupt[0]()
     with _lock:
         recording = _recording
         ref = recording.ref
@@ -206,6 +255,7 @@ def record(
         if signature is None:
             if len(_described) >= _MAX_SIGNATURES:  # numbers are reused: programs go too
                 _signatures.clear(), _described.clear(), _programs.clear(), _last_key.clear()
+                _generation[0] += 1
             signature = _signatures[(key, refs)] = len(_described)
             _described.append((key, refs))
         op = _Op(signature, fn, refs, rng is not None)
@@ -254,6 +304,16 @@ def place(value: Deferred, sharding) -> None:
             _recording.placed[value._position[1:]] = sharding
 
 
+def current_recording() -> _Recording:
+    """The recording ops are being recorded into (`zerojax.train.step_replay` traces it)."""
+    return _recording
+
+
+def signature_generation() -> int:
+    """Changes when recorded ops' signature numbers are reused (a trace of them is stale)."""
+    return _generation[0]
+
+
 def programs_compiled() -> int:
     """How many distinct recordings have been compiled in this process."""
     return _compiled[0]
@@ -268,6 +328,8 @@ def flush() -> None:
     """Run what has been recorded, as one program; resolve every Deferred still referenced and
     hand pending writes to the engine. Nothing to do without recorded ops or writes."""
     global _recording
+    if interrupt[0] is not None:
+        interrupt[0]()
     if not (_recording.ops or _recording.writes or _running[0]):
         _recording.entries.clear()  # notes of reads no op took in (a host read's)
         return

@@ -49,7 +49,7 @@ from zerojax.train import deferred
 from zerojax.train.deferred import Deferred
 from zerojax.train.fused_optimizer_ops import FUSED_OPTIMIZER_OPS, run_fused_step
 
-__all__ = ["LiveTensor", "Owned", "to_host"]
+__all__ = ["LiveTensor", "Owned", "flatten_arguments", "run_op", "to_host"]
 
 aten = torch.ops.aten
 
@@ -64,21 +64,29 @@ class Owned:
     recording that computes it runs). With a `sharding` (an optimizer's state on its ZeRO
     shards), every value written is kept there: a recorded one leaves its program there."""
 
-    __slots__ = ("array", "sharding")
+    __slots__ = ("__weakref__", "array", "sharding")
 
     def __init__(self, array: jax.Array | Deferred, sharding=None):
         self.array, self.sharding = array, sharding
 
     def value(self) -> jax.Array | Deferred:
+        if deferred.interrupt[0] is not None:
+            deferred.interrupt[0]()
         return self.array
 
     def read(self) -> jax.Array:
+        if deferred.interrupt[0] is not None:
+            deferred.interrupt[0]()
         array = self.array
         if isinstance(array, Deferred):
             array = self.array = array.resolve()
         return array
 
     def write(self, value: jax.Array | Deferred) -> None:
+        if deferred.interrupt[0] is not None:
+            deferred.interrupt[0]()
+        if deferred.write_hook[0] is not None:
+            deferred.write_hook[0](self, value)
         if self.sharding is not None:
             if isinstance(value, Deferred) and value.computed is None:
                 deferred.place(value, self.sharding)
@@ -133,6 +141,9 @@ class LiveTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        hook = dispatch_hook[0]
+        if hook is not None:  # an optimizer's step traced or replayed (`step_replay`)
+            return hook(func, args, kwargs or {})
         return run_op(func, args, kwargs or {})
 
     # --- where torch semantics want host values ------------------------------------------
@@ -162,6 +173,10 @@ class LiveTensor(torch.Tensor):
         memo[id(self)] = copied
         return copied
 
+
+# While an optimizer's step is traced or replayed (`zerojax.train.step_replay`): what every
+# ATen call on live tensors goes to instead of `run_op`.
+dispatch_hook: list[Callable[[Any, tuple, dict], Any] | None] = [None]
 
 # `watching_host_reads`' callback, per thread.
 _host_reads = threading.local()
@@ -312,7 +327,7 @@ def _functional(func, args: tuple, kwargs: dict, mutated: list, view: bool, wrap
         if decomposition is not None:
             return decomposition(*args, **kwargs)
         return _on_host(func, args, kwargs, mutated)
-    leaves, spec, spec_key = _flatten(args, kwargs)
+    leaves, spec, spec_key = flatten_arguments(args, kwargs)
     for x in leaves:
         if isinstance(x, torch.Tensor) and x.dtype in _WIDE:
             return _on_host(func, args, kwargs, mutated)
@@ -444,7 +459,7 @@ def _set_elements_op(arrays: list, rng):
     return flat.reshape(base.shape), None
 
 
-def _flatten(args: tuple, kwargs: dict):
+def flatten_arguments(args: tuple, kwargs: dict):
     """(leaves, tree spec, its cache key) of an op's arguments. Arguments without containers
     (most calls: `add_(g, alpha=-lr)`) and arguments with flat lists or tuples of leaves
     (`index_put_`'s indices: Rprop's masks, per parameter per step) skip the pytree walk, and
@@ -477,7 +492,7 @@ def _flatten(args: tuple, kwargs: dict):
 
 @functools.cache
 def _flat_spec(key: tuple):
-    """The spec of arguments shaped as `key` says (`_flatten`): leaves, or flat lists or
+    """The spec of arguments shaped as `key` says (`flatten_arguments`): leaves, or flat lists or
     tuples of them."""
     count, names = key[0], key[1]
     shapes = key[2] if len(key) > 2 else (None,) * (count + len(names))
@@ -630,7 +645,7 @@ class _ForeachPlan:
         origin += [("arg", j) for j in range(len(args)) if kwarg_only[j]]
         sources = []
         for (positional, keywords), call in zip(elements, calls, strict=True):
-            if _flatten(tuple(positional), keywords)[2] is None:  # containers: no plan
+            if flatten_arguments(tuple(positional), keywords)[2] is None:  # containers: no plan
                 return None
             sources.append(tuple(origin[i] for i in call.dynamic))
         plan = cls()
@@ -691,7 +706,7 @@ def _foreach_recorded(per_tensor, elements: list, written: bool) -> tuple | None
     for positional, keywords in elements:
         if in_place and not isinstance(positional[0], LiveTensor):
             return None
-        leaves, spec, spec_key = _flatten(tuple(positional), keywords)
+        leaves, spec, spec_key = flatten_arguments(tuple(positional), keywords)
         if any(isinstance(x, torch.Tensor) and x.dtype in _WIDE for x in leaves):
             return None
         try:

@@ -123,6 +123,8 @@ class EngineEntry:
     def value(self) -> jax.Array | Deferred:
         """The entry's value, or what recorded ops have written into it and not yet run
         (`zerojax.train.deferred`)."""
+        if deferred.interrupt[0] is not None:
+            deferred.interrupt[0]()
         pending = deferred.pending_write(self.writer, self.name)
         if pending is not None:
             return pending
@@ -139,6 +141,10 @@ class EngineEntry:
         return deferred.resolve(self.value())
 
     def write(self, value: jax.Array | Deferred) -> None:
+        if deferred.interrupt[0] is not None:
+            deferred.interrupt[0]()
+        if deferred.write_hook[0] is not None:
+            deferred.write_hook[0](self, value)
         if isinstance(value, Deferred) and value.computed is not None:
             value = value.computed  # computed already: written as any array is
         if isinstance(value, Deferred) or deferred.pending_write(self.writer, self.name):

@@ -1,0 +1,671 @@
+"""A torch optimizer's step on live tensors, traced once and replayed without its op-by-op work.
+
+An optimizer that runs its own `step()` on live tensors (`zerojax.train.optimizer_shim`'s live
+path) has its ATen ops recorded and run as one program per step (`zerojax.train.deferred`).
+Recording is Python work per op and per list element: for each op the dispatch finds its
+lowering, binds and keys its arguments, and notes where each input comes from, every step,
+although the ops, their inputs and their program are those of the step before.
+
+Here the first step is *traced*: every ATen call the step makes on live tensors (a
+"dispatch") is noted with its arguments, described by what they are, not by their values:
+
+- a live tensor over state that outlives the step (a parameter, its gradient, an optimizer
+  state tensor: the same source object every step), or a result of an earlier dispatch of
+  this step;
+- a Python float the recorded program takes as an input (a learning rate, a bias correction:
+  their values may change every step), or a constant the program was specialized on;
+
+with what the dispatch returned, which sources it wrote with which recorded result, and
+the recorded ops it added. A later step is *replayed*: torch's own Python runs unchanged
+(its host step counts advance, its branches are taken), and each dispatch is checked
+against the trace -- the same op, the same argument structure, the same tensors, constants
+equal -- and answered at once: its floats are collected as the program's scalar inputs, and
+its results are live tensors over values the recorded program will compute. When the step
+returns, the recording is rebuilt from the trace (its ops, their inputs read from the same
+sources, the new scalars, the writes), and runs as it would have: the same program, found by
+its key, with no new compile.
+
+The check is the guard. A replay is exactly the recording the dispatches would have made:
+the ops of a dispatch are a function of its op, its arguments' structure, shapes, dtypes and
+constants, and of where its tensors' values come from, all checked; its traced floats are
+inputs, not part of the program. What the guard does not see cannot change the result:
+what happens on the host (step counts, Python attributes) runs for real. A dispatch that
+differs -- a new state key, another param-group structure, a changed constant or dtype, a
+float where the trace has another kind -- and anything else that would read or record live
+values during a replay (a host read, a recorded op outside a dispatch, another thread's op)
+turns the replayed part into the recording it stands for, and the step goes on recording;
+its trace replaces the old one.
+
+Not traced (recorded every step, as before): a step that reads values on the host, draws
+random numbers, writes a live tensor with a value the step did not record, or takes in a
+host tensor or a view. Decompositions (an op without lowering, run as the ops torch
+decomposes it into) are traced with their floats as constants: their Python may branch on
+the values.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+
+from zerojax.train import deferred, live_tensor
+from zerojax.train.deferred import Deferred
+from zerojax.train.live_tensor import LiveTensor, Owned, run_op
+from zerojax.train.parameters import EngineEntry
+
+__all__ = ["StepReplay", "replays", "traces"]
+
+log = logging.getLogger(__name__)
+
+# What a dispatch's argument leaf is (see `_Entry.leaves`).
+_SOURCE, _RESULT, _SLOT, _CONST = range(4)
+# What a dispatch returned besides new live tensors.
+_NONE, _FIRST, _ALIAS = "none", "first", "alias"
+# Leaf types a trace keeps as constants (compared by type and value).
+_CONSTANTS = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+_counts = {"traces": 0, "replays": 0}
+
+
+def traces() -> int:
+    """How many optimizer steps were traced (a first step, or one that differed from its
+    trace) in this process."""
+    return _counts["traces"]
+
+
+def replays() -> int:
+    """How many optimizer steps were replayed from a trace in this process."""
+    return _counts["replays"]
+
+
+class _NotTraceable(Exception):
+    """The step does something a replay cannot stand for (the message says what)."""
+
+
+class _Entry:
+    """One dispatch of a traced step.
+
+    `leaves`: per argument leaf (`live_tensor.flatten_arguments`' order), `(_SOURCE, source)` a live
+    tensor over a source outside the step, `(_RESULT, (entry, k))` the k-th live tensor entry
+    `entry` returned, `(_SLOT, slot)` a float the program takes as scalar input `slot`,
+    `(_CONST, type, value)` a constant. `returns`: `_NONE`, `_FIRST` (its first argument),
+    `_ALIAS` (a new live tensor over its first argument's source), or `(container type,
+    [(position, shape, JAX dtype, torch dtype)])` of new live tensors over recorded results
+    (container type None: one tensor). `writes`: `(target, position, shape, JAX dtype)`, the
+    target a leaf-like `(_SOURCE, source)` or `(_RESULT, (entry, k))`. `ops`, `arrays`,
+    `scalars`: the recording's sizes after it."""
+
+    __slots__ = ("arrays", "func", "leaves", "ops", "returns", "scalars", "spec", "writes")
+
+
+class _Trace:
+    __slots__ = (
+        "array_sources",
+        "entries",
+        "final_writes",
+        "generation",
+        "ops",
+        "scalars",
+        "superseded_writes",
+    )
+
+
+class StepReplay:
+    """Traces and replays one optimizer's step (see the module docstring)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._trace: _Trace | None = None
+        self._untraceable_said = False
+
+    def run(self, step: Callable[[], Any]) -> None:
+        """Run `step()` (the optimizer's own step), replayed from its trace where it matches,
+        traced otherwise; what it recorded has run when this returns."""
+        deferred.flush()  # the step's program holds the step alone
+        if jax.process_count() > 1:  # ops run one by one there (`deferred.record`)
+            step()
+            return
+        trace = self._trace
+        if trace is not None and trace.generation != deferred.signature_generation():
+            trace = self._trace = None
+        recorder = _Recorder() if trace is None else None
+        replayer = None if trace is None else _Replayer(trace)
+        session = _Session(recorder, replayer)
+        session.install()
+        try:
+            step()
+        except BaseException:
+            session.abandon()
+            self._trace = None
+            raise
+        self._trace, why = session.finish()
+        if session.replayed:
+            _counts["replays"] += 1
+        else:
+            _counts["traces"] += 1
+            if self._trace is None and not self._untraceable_said:
+                self._untraceable_said = True
+                log.info("zerojax: %s.step is recorded at every step: %s", self._name, why)
+            elif self._trace is not None:
+                log.info(
+                    "zerojax: traced %s.step (%d dispatches) for replay%s",
+                    self._name,
+                    len(self._trace.entries),
+                    "" if why is None else f"; the last trace no longer matched: {why}",
+                )
+        deferred.flush()
+
+
+class _Session:
+    """One step's trace or replay: the hooks on live tensors' dispatch, values and writes."""
+
+    def __init__(self, recorder: _Recorder | None, replayer: _Replayer | None):
+        self.recorder, self.replayer = recorder, replayer
+        self.thread = threading.get_ident()
+        self.replayed = replayer is not None
+        self.diverged: str | None = None
+
+    def install(self) -> None:
+        live_tensor.dispatch_hook[0] = self.dispatch
+        deferred.write_hook[0] = self.on_write
+        if self.replayer is not None:
+            deferred.interrupt[0] = self.interrupt
+        else:
+            self.recorder.begin()
+
+    def dispatch(self, func, args: tuple, kwargs: dict):
+        if threading.get_ident() != self.thread:
+            self.interrupt("a live-tensor op on another thread")
+            return run_op(func, args, kwargs)
+        if self.replayer is not None:
+            answer = self.replayer.dispatch(func, args, kwargs)
+            if answer is not _DIVERGED:
+                return answer
+            self.interrupt(self.replayer.diverged)
+        return self.recorder.dispatch(func, args, kwargs)
+
+    def on_write(self, source, value) -> None:
+        if self.recorder is not None and threading.get_ident() == self.thread:
+            self.recorder.on_write(source, value)
+
+    def interrupt(self, why: str = "a live value read or recorded outside the step's ops"):
+        """Turn the replayed dispatches into their recording; the step goes on recording."""
+        replayer = self.replayer
+        if replayer is None:
+            return
+        deferred.interrupt[0] = None
+        self.replayer, self.replayed, self.diverged = None, False, why
+        self.recorder = replayer.materialize()
+
+    def abandon(self) -> None:
+        """The step raised: what was replayed becomes its recording (the ops before the error
+        run, as recorded ops would), and the hooks come off."""
+        try:
+            self.interrupt("the step raised")
+        finally:
+            self._uninstall()
+
+    def finish(self) -> tuple[_Trace | None, str | None]:
+        """End the step: a replay becomes its recording (`deferred.flush` then runs the
+        program recorded before); returns the trace for the next step and why the last one
+        did not match (or why there is none)."""
+        replayer = self.replayer
+        try:
+            if replayer is not None:
+                if replayer.next == len(replayer.trace.entries):
+                    deferred.interrupt[0] = None  # materializing reads the sources
+                    replayer.materialize(goes_on=False)
+                    return replayer.trace, None
+                self.interrupt(f"{len(replayer.trace.entries) - replayer.next} fewer dispatches")
+            trace, why = self.recorder.end()
+            return trace, self.diverged if trace is not None else why
+        finally:
+            self._uninstall()
+
+    def _uninstall(self) -> None:
+        live_tensor.dispatch_hook[0] = None
+        deferred.write_hook[0] = None
+        deferred.interrupt[0] = None
+
+
+_DIVERGED = object()
+
+
+class _Recorder:
+    """Records a step as usual and traces its dispatches (`_Entry`)."""
+
+    def __init__(self):
+        self.entries: list[_Entry] = []
+        # id(source) -> (weakref to it, (entry, k)) for live tensors the step's dispatches
+        # returned: one of them met as an argument is that result, not outside state.
+        self.results: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
+        # id(array) -> (the array, its source): outside sources' values when first met (the
+        # recording takes them in as arrays).
+        self.first_values: dict[int, tuple[jax.Array, Any]] = {}
+        self.seen: set[int] = set()
+        self.depth = 0
+        self.nested = False
+        self.writes: list | None = None
+        self.untraceable: str | None = None
+        self.recording = None
+
+    def begin(self, entries=(), results=None, first_values=None) -> None:
+        self.entries = list(entries)
+        self.results = dict(results or {})
+        self.first_values = dict(first_values or {})
+        self.seen = {id(v[1]) for v in self.first_values.values()}
+        self.recording = deferred.current_recording()
+
+    def fail(self, why: str) -> None:
+        if self.untraceable is None:
+            self.untraceable = why
+
+    def dispatch(self, func, args: tuple, kwargs: dict):
+        if self.depth or self.untraceable is not None:
+            self.nested = True
+            return run_op(func, args, kwargs)
+        recording = deferred.current_recording()
+        if recording is not self.recording:
+            self.fail("its recording ran before the step ended (a host read)")
+            return run_op(func, args, kwargs)
+        ops_before = len(recording.ops)
+        if self.entries and ops_before != self.entries[-1].ops:
+            self.fail("it records ops outside torch's dispatch")
+        elif not self.entries and ops_before:
+            self.fail("it records ops outside torch's dispatch")
+        leaves, spec, spec_key = live_tensor.flatten_arguments(args, kwargs)
+        for x in leaves:
+            if type(x) is LiveTensor:
+                self._note_source(x._source)
+        self.depth, self.nested, self.writes = 1, False, []
+        try:
+            result = run_op(func, args, kwargs)
+        finally:
+            self.depth = 0
+        if self.untraceable is None:
+            try:
+                structure = spec if spec_key is None else spec_key
+                self._trace_entry(func, args, leaves, structure, result, recording, ops_before)
+            except _NotTraceable as why:
+                self.fail(str(why))
+        self.writes = None
+        return result
+
+    def _note_source(self, source) -> None:
+        """Remember an outside source's value before the step changes it (the array a
+        recording takes in for it)."""
+        if id(source) in self.seen:
+            return
+        known = self.results.get(id(source))
+        if known is not None and known[0]() is source:
+            return
+        self.seen.add(id(source))
+        if type(source) not in (Owned, EngineEntry):
+            self.fail(f"it reads a live tensor over a {type(source).__name__}")
+            return
+        value = source.value()
+        if type(value) is Deferred:
+            value = value.computed
+        if value is not None:
+            self.first_values.setdefault(id(value), (value, source))
+
+    def on_write(self, source, value) -> None:
+        if self.writes is None:
+            self.fail("it writes a live tensor outside torch's dispatch")
+            return
+        self.writes.append((source, value))
+
+    def _leaf(self, x, traced: set, scalar_slots: dict):
+        if isinstance(x, torch.Tensor):
+            if type(x) is not LiveTensor:
+                raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
+            return self._tensor_leaf(x._source)
+        if type(x) is float and not self.nested:
+            slot = scalar_slots.get(id(x))
+            if slot in traced:
+                return (_SLOT, slot)
+        if not isinstance(x, _CONSTANTS):
+            raise _NotTraceable(f"it passes a {type(x).__name__} to an op")
+        return (_CONST, type(x), x)
+
+    def _tensor_leaf(self, source):
+        known = self.results.get(id(source))
+        if known is not None and known[0]() is source:
+            return (_RESULT, known[1])
+        if type(source) not in (Owned, EngineEntry):
+            raise _NotTraceable(f"it uses a live tensor over a {type(source).__name__}")
+        return (_SOURCE, source)
+
+    def _trace_entry(self, func, args, leaves, spec, result, recording, ops_before) -> None:
+        ops = recording.ops
+        traced = {ref[1] for op in ops[ops_before:] for ref in op.refs if ref[0] == "scalar"}
+        entry = _Entry()
+        entry.func, entry.spec = func, spec
+        entry.leaves = tuple(self._leaf(x, traced, recording.scalar_slots) for x in leaves)
+        entry.returns = self._returns(result, args, len(self.entries))
+        entry.writes = [
+            (self._tensor_leaf(source), *_pending(value, "writes")) for source, value in self.writes
+        ]
+        if recording.rngs:
+            raise _NotTraceable("it draws random numbers")
+        entry.ops, entry.arrays = len(ops), len(recording.arrays)
+        entry.scalars = len(recording.scalars)
+        self.entries.append(entry)
+
+    def _returns(self, result, args: tuple, index: int):
+        if result is None:
+            return _NONE
+        first = args[0] if args else None
+        if result is first:
+            return _FIRST
+        if type(result) is LiveTensor:
+            if type(first) is LiveTensor and result._source is first._source:
+                return _ALIAS
+            return (None, [self._new_result(result, index, 0)])
+        if type(result) in (list, tuple) and all(type(t) is LiveTensor for t in result):
+            return (type(result), [self._new_result(t, index, k) for k, t in enumerate(result)])
+        raise _NotTraceable(f"an op returns {type(result).__name__}")
+
+    def _new_result(self, tensor: LiveTensor, index: int, k: int):
+        source = tensor._source
+        if type(source) is not Owned:
+            raise _NotTraceable(f"an op returns a live tensor over a {type(source).__name__}")
+        self.results[id(source)] = (weakref.ref(source), (index, k))
+        return (*_pending(source.array, "returns"), tensor.dtype)
+
+    def end(self) -> tuple[_Trace | None, str | None]:
+        """The trace of the step just recorded (None, and why, where it cannot be replayed)."""
+        recording = deferred.current_recording()
+        # The values noted are the recording's inputs: held here, the program could not reuse
+        # their buffers (`deferred._unheld`).
+        first_values, self.first_values = self.first_values, {}
+        if self.untraceable is None:
+            if recording is not self.recording:
+                self.fail("its recording ran before the step ended (a host read)")
+            elif not self.entries or len(recording.ops) != self.entries[-1].ops:
+                self.fail("it records ops outside torch's dispatch")
+        if self.untraceable is not None:
+            return None, self.untraceable
+        sources = []
+        for array in recording.arrays:
+            known = first_values.get(id(array))
+            if known is None or known[0] is not array:
+                return None, "an op's input is no live tensor's value at the step's start"
+            sources.append(known[1])
+        if any(type(s) is not float for s in recording.scalars):
+            return None, "an op takes a host tensor's values"
+        trace = _Trace()
+        trace.entries, trace.array_sources = _pin_shared_slots(self.entries, recording), sources
+        trace.ops, trace.scalars = list(recording.ops), list(recording.scalars)
+        trace.generation = deferred.signature_generation()
+        trace.final_writes, trace.superseded_writes = _last_writes(trace.entries)
+        return trace, None
+
+
+def _pin_shared_slots(entries: list[_Entry], recording) -> list[_Entry]:
+    """`entries` with a float kept constant where its scalar input is also taken by ops of
+    a dispatch that does not pass it as a traced leaf (a decomposition's, which may have
+    branched on it): a new value there would not reach what that dispatch computed."""
+    pinned, start = set(), 0
+    for entry in entries:
+        taken = {
+            ref[1]
+            for op in recording.ops[start : entry.ops]
+            for ref in op.refs
+            if ref[0] == "scalar"
+        }
+        pinned |= taken - {leaf[1] for leaf in entry.leaves if leaf[0] is _SLOT}
+        start = entry.ops
+    if not pinned:
+        return entries
+    values = recording.scalars
+    for entry in entries:
+        entry.leaves = tuple(
+            (_CONST, float, values[leaf[1]]) if leaf[0] is _SLOT and leaf[1] in pinned else leaf
+            for leaf in entry.leaves
+        )
+    return entries
+
+
+def _pending(value, what: str) -> tuple:
+    """(position, shape, JAX dtype) of a value the recording will compute."""
+    if type(value) is not Deferred or value.computed is not None or value._error is not None:
+        raise _NotTraceable(f"it {what} a value the step did not record")
+    return value._position, value.shape, value.dtype
+
+
+class _Replayer:
+    """Answers a step's dispatches from its trace, then rebuilds the recording they stand for."""
+
+    def __init__(self, trace: _Trace):
+        self.trace = trace
+        self.next = 0
+        self.scalars = list(trace.scalars)
+        self.assigned = [False] * len(trace.scalars)
+        # (entry, k) -> weakref to the source of a live tensor the replay returned.
+        self.results: dict[tuple[int, int], weakref.ref] = {}
+        # position -> weakref to the Deferred standing for it.
+        self.made: dict[tuple, weakref.ref] = {}
+        self.diverged = ""
+
+    def dispatch(self, func, args: tuple, kwargs: dict):
+        entries = self.trace.entries
+        index = self.next
+        if index >= len(entries):
+            self.diverged = f"a dispatch beyond the {len(entries)} traced ({func})"
+            return _DIVERGED
+        entry = entries[index]
+        if func is not entry.func:
+            self.diverged = f"dispatch {index} is {func}, traced {entry.func}"
+            return _DIVERGED
+        leaves, spec, spec_key = live_tensor.flatten_arguments(args, kwargs)
+        if (spec if spec_key is None else spec_key) != entry.spec or len(leaves) != len(
+            entry.leaves
+        ):
+            self.diverged = f"dispatch {index} ({func}) has other arguments"
+            return _DIVERGED
+        results, scalars, assigned = self.results, self.scalars, self.assigned
+        for x, want in zip(leaves, entry.leaves, strict=True):
+            kind = want[0]
+            if kind is _SOURCE:
+                if type(x) is LiveTensor and x._source is want[1]:
+                    continue
+            elif kind is _SLOT:
+                if type(x) is float:
+                    slot = want[1]
+                    if not assigned[slot]:
+                        scalars[slot], assigned[slot] = x, True
+                        continue
+                    if x is scalars[slot] or x == scalars[slot]:
+                        continue
+            elif kind is _RESULT:
+                source = results.get(want[1])
+                if type(x) is LiveTensor and source is not None and x._source is source():
+                    continue
+            elif type(x) is want[1] and (x is want[2] or x == want[2]):
+                continue
+            self.diverged = f"dispatch {index} ({func}): an argument differs from the trace"
+            return _DIVERGED
+        self.next = index + 1
+        returns = entry.returns
+        if returns is _NONE:
+            return None
+        if returns is _FIRST:
+            return args[0]
+        if returns is _ALIAS:
+            return args[0].aliased()
+        container, items = returns
+        made = [self._result(index, k, *item) for k, item in enumerate(items)]
+        return made[0] if container is None else container(made)
+
+    def _result(self, index: int, k: int, position, shape, dtype, torch_dtype) -> LiveTensor:
+        value = self._deferred(position, shape, dtype)
+        tensor = LiveTensor.owning(value, torch_dtype)
+        self.results[(index, k)] = weakref.ref(tensor._source)
+        return tensor
+
+    def _deferred(self, position, shape, dtype) -> Deferred:
+        known = self.made.get(position)
+        value = None if known is None else known()
+        if value is None:
+            value = Deferred(shape, dtype, position)
+            self.made[position] = weakref.ref(value)
+        return value
+
+    def materialize(self, goes_on: bool = True) -> _Recorder | None:
+        """Make the recording the replayed dispatches stand for the current one; with
+        `goes_on`, return a recorder that goes on from there (the step diverged)."""
+        trace, done = self.trace, self.next
+        entries = trace.entries
+        last = entries[done - 1] if done else None
+        recording = deferred.current_recording()
+        # The step began with nothing recorded, and nothing was recorded since (the hooks).
+        assert not recording.ops and not recording.writes, "a replay met a recording"
+        values = [
+            _value_before(source) for source in trace.array_sources[: last.arrays if last else 0]
+        ]
+        recording.take_arrays(values)
+        for value in self.scalars[: last.scalars if last else 0]:
+            recording.take_scalar(value)
+        ops = trace.ops[: last.ops if last else 0]
+        if done == len(entries):
+            final, superseded = trace.final_writes, trace.superseded_writes
+        else:
+            final, superseded = _last_writes(entries[:done])
+        placed, writes = recording.placed, recording.writes
+        # A value written and then written over was still placed where its target keeps its
+        # values (`Owned.write`): the program's results are placed as when recorded.
+        for target, position in superseded:
+            sharding = target.sharding
+            if sharding is not None:
+                placed[position[1:]] = sharding
+        kept: list[Deferred] = []  # the writes' values live on in their targets
+        for target, position, shape, dtype in final:
+            source = target[1] if target[0] is _SOURCE else self._result_source(target[1])
+            if source is None:  # a result of the step nothing holds any more
+                continue
+            value = self._deferred(position, shape, dtype)
+            kept.append(value)
+            # `Owned.write` / `EngineEntry.write` of a value the recording computes.
+            if type(source) is Owned:
+                source.array = value
+                if source.sharding is not None:
+                    placed[position[1:]] = source.sharding
+            else:
+                writes[(source.writer, source.name)] = (value, source.sharding)
+        outputs: list[list] = [[] for _ in ops]
+        for (_, index, k), known in self.made.items():
+            slots = outputs[index]
+            if len(slots) <= k:
+                slots.extend([None] * (k + 1 - len(slots)))
+            slots[k] = known
+        recording.take_ops(ops, outputs)
+        del kept
+        if not goes_on:
+            return None
+        recorder = _Recorder()
+        results = {}
+        for where, known in self.results.items():
+            source = known()
+            if source is not None:
+                results[id(source)] = (known, where)
+        first_values = {
+            id(value): (value, source)
+            for value, source in zip(values, trace.array_sources, strict=False)
+        }
+        recorder.begin(entries[:done], results, first_values)
+        return recorder
+
+    def _result_source(self, where: tuple[int, int]):
+        known = self.results.get(where)
+        return None if known is None else known()
+
+
+def _value_before(source) -> jax.Array:
+    """A source's value at the step's start, as the recording took it in (`Owned.value`,
+    `EngineEntry.value` with nothing written yet, noting the engine entry read)."""
+    if type(source) is Owned:
+        value = source.array
+        return value.resolve() if type(value) is Deferred else value
+    value = source.reader(source.name, source.dtype)
+    if value is None:
+        return source.value()  # raises: the gradient was cleared
+    deferred.read_entry(value, source.writer, source.name)
+    return value
+
+
+def _last_writes(entries: list[_Entry]) -> tuple[list, list]:
+    """(The last write into each target, the earlier writes into outside `Owned` sources as
+    (source, position)) of `entries`, in order."""
+    last: dict = {}
+    for entry in entries:
+        for write in entry.writes:
+            target = write[0]
+            key = id(target[1]) if target[0] is _SOURCE else target[1]
+            last.pop(key, None)
+            last[key] = write
+    final = list(last.values())
+    chosen = {id(w) for w in final}
+    superseded = [
+        (write[0][1], write[1])
+        for entry in entries
+        for write in entry.writes
+        if id(write) not in chosen and write[0][0] is _SOURCE and type(write[0][1]) is Owned
+    ]
+    return final, superseded
+
+
+def _value_before(source) -> jax.Array:
+    """A source's value at the step's start, as the recording took it in (`Owned.value`,
+    `EngineEntry.value` with nothing written yet, noting the engine entry read)."""
+    if type(source) is Owned:
+        value = source.array
+        return value.resolve() if type(value) is Deferred else value
+    value = source.reader(source.name, source.dtype)
+    if value is None:
+        return source.value()  # raises: the gradient was cleared
+    deferred.read_entry(value, source.writer, source.name)
+    return value
+
+
+def _last_writes(entries: list[_Entry]) -> tuple[list, list]:
+    """(The last write into each target, the earlier writes into outside `Owned` sources as
+    (source, position)) of `entries`, in order."""
+    last: dict = {}
+    for entry in entries:
+        for write in entry.writes:
+            target = write[0]
+            key = id(target[1]) if target[0] is _SOURCE else target[1]
+            last.pop(key, None)
+            last[key] = write
+    final = list(last.values())
+    chosen = {id(w) for w in final}
+    superseded = [
+        (write[0][1], write[1])
+        for entry in entries
+        for write in entry.writes
+        if id(write) not in chosen and write[0][0] is _SOURCE and type(write[0][1]) is Owned
+    ]
+    return final, superseded
+
+    def _target(self, target):
+        if target[0] is _SOURCE:
+            return target[1]
+        known = self.results.get(target[1])
+        return None if known is None else known()
