@@ -97,6 +97,7 @@ from zerojax.ckpt.errors import (
 )
 from zerojax.ckpt.manifest import read_manifest, verify_manifest
 from zerojax.ckpt.snapshot import Method, snapshot
+from zerojax.runtime import gc_pause
 from zerojax.runtime.effective_time import LEDGER
 
 __all__ = ["Checkpointer", "RestoredState", "restore_checkpoint", "save_checkpoint"]
@@ -282,6 +283,21 @@ def _small_arrays_whole(items: dict) -> dict:
         return leaf
 
     return jax.tree.map(whole, items)
+
+
+def _save_gc_paused():
+    """Python's cyclic GC paused while one process's background save runs (`gc_pause`).
+
+    Why: a save builds tens of thousands of Python objects (Orbax's per-array handlers, args,
+    futures, TensorStore specs) that live until its commit. With the collector on, the
+    collections that run meanwhile promote them to the oldest generation, and every few saves
+    that growth starts a full collection of the whole process (650k objects for the bench
+    GPT-2: 0.4-1.0 s at load 4, holding the GIL, so the training thread stops for it too; 2 in
+    6 saves, each followed by a step), and paused, none in 6 (BENCHMARKS.md): the objects die
+    by reference count at the commit without ever being promoted. The pause ends with the
+    save: a write that takes long (a slow disk) keeps the collector off that long, while the
+    training loop's cyclic garbage waits, as it does during a program's trace."""
+    return gc_pause.collection_paused()
 
 
 def _await_snapshot(enqueued: threading.Event, step: int) -> None:
@@ -514,21 +530,24 @@ class Checkpointer:
     def _snapshot_and_write(
         self, manager: ocp.CheckpointManager, step: int, items: dict, meta: dict, enqueued
     ) -> None:
-        try:
-            items = snapshot(items, method=self._snapshot_method)
-        finally:
-            # From here the update may donate the arrays: the snapshot's reads come first (or,
-            # if it failed, this save fails and training goes on).
-            enqueued.set()
-        # Orbax's whole save (its per-shard copies to host: ~3,000 for the bench's state,
-        # directories, metadata, thread starts) runs off the loop's time, on the writer thread
-        # at background priority, so the training steps meanwhile get the cores first.
-        if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="zerojax-write", initializer=priority.lower_this_thread
-            )
-        args = _save_args(_small_arrays_whole(items), meta)
-        self._writer.submit(self._background_write, manager, step, args).result()
+        # Python's cyclic GC is paused from the snapshot to the commit (`_save_gc_paused`).
+        with _save_gc_paused():
+            try:
+                items = snapshot(items, method=self._snapshot_method)
+            finally:
+                # From here the update may donate the arrays: the snapshot's reads come first
+                # (or, if it failed, this save fails and training goes on).
+                enqueued.set()
+            # Orbax's whole save (its per-shard copies to host: ~3,000 for the bench's state,
+            # directories, metadata, thread starts) runs off the loop's time, on the writer
+            # thread at background priority, so the training steps meanwhile get the cores
+            # first.
+            if self._writer is None:
+                self._writer = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="zerojax-write", initializer=priority.lower_this_thread
+                )
+            args = _save_args(_small_arrays_whole(items), meta)
+            self._writer.submit(self._background_write, manager, step, args).result()
 
     def _background_write(
         self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite
