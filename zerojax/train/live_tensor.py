@@ -756,9 +756,10 @@ def _run_elements(calls: tuple, sizes: tuple, arrays: list, rng):
 
 # Foreach overload -> the per-tensor overloads it applies, best first.
 _PER_TENSOR_OVERLOADS = {
-    "Scalar": ("Scalar", "default"),
-    "ScalarList": ("Scalar", "default"),
-    "List": ("Tensor", "default"),
+    # pow names its forms by operand kinds: `pow.Scalar` is a scalar raised to a tensor.
+    "Scalar": ("Tensor_Scalar", "Scalar", "default"),
+    "ScalarList": ("Tensor_Scalar", "Scalar", "default"),
+    "List": ("Tensor", "Tensor_Tensor", "default"),
     "Tensor": ("Tensor", "default"),
     "ScalarAndTensor": ("Scalar", "default"),
     "default": ("default",),

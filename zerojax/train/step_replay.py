@@ -154,15 +154,17 @@ class StepReplay:
             session.abandon()
             self._trace = None
             raise
-        self._trace, why = session.finish()
+        trace, why = session.finish()
+        if trace is not None:  # a step that cannot be traced leaves the last trace as it is
+            self._trace = trace
         if session.replayed:
             _counts["replays"] += 1
         else:
             _counts["traces"] += 1
-            if self._trace is None and not self._untraceable_said:
+            if trace is None and not self._untraceable_said:
                 self._untraceable_said = True
-                log.info("zerojax: %s.step is recorded at every step: %s", self._name, why)
-            elif self._trace is not None:
+                log.info("zerojax: a %s.step was recorded, not traced: %s", self._name, why)
+            elif trace is not None:
                 log.info(
                     "zerojax: traced %s.step (%d dispatches) for replay%s",
                     self._name,
@@ -285,9 +287,7 @@ class _Recorder:
             self.fail("its recording ran before the step ended (a host read)")
             return run_op(func, args, kwargs)
         ops_before = len(recording.ops)
-        if self.entries and ops_before != self.entries[-1].ops:
-            self.fail("it records ops outside torch's dispatch")
-        elif not self.entries and ops_before:
+        if ops_before != (self.entries[-1].ops if self.entries else 0):
             self.fail("it records ops outside torch's dispatch")
         leaves, spec, spec_key = live_tensor.flatten_arguments(args, kwargs)
         for x in leaves:

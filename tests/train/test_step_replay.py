@@ -1,0 +1,218 @@
+"""A live optimizer's step traced once and replayed (zerojax.train.step_replay).
+
+Run: .venv/bin/python -m pytest -q tests/train/test_step_replay.py -p no:cacheprovider
+Why: the replay answers torch's ATen calls from a trace instead of recording them, so every
+test here trains beside a plain-torch twin and checks the numbers, and counts traces and
+replays to show which path ran. Tolerances are test_torch_optimizers' (see its docstring: two
+float32 runs of one loop, reordered sums, amplified over the steps by the running statistics
+the updates divide by): losses 1e-5 relative, parameters 1e-4 relative normwise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerojax
+from bench.architectures import MLP
+from tests.train.test_torch_optimizers import SignMomentum, relative_errors
+from zerojax.train import deferred, step_replay
+
+pytestmark = pytest.mark.multidevice
+
+ZERO3 = {"mesh": {"data": -1}, "zero_stage": 3}
+BATCH = 8
+
+
+class PowerMomentum(torch.optim.Optimizer):
+    """A user's optimizer whose update raises a buffer to a power that is a hyperparameter:
+    `pow`'s exponent is a constant of its program (its lowering needs the value), unlike the
+    floats of add/mul/addcdiv, which are program inputs."""
+
+    def __init__(self, params, lr=1e-2, power=2.0):
+        super().__init__(params, {"lr": lr, "power": power})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            bufs = []
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["buf"] = torch.zeros_like(p)
+                bufs.append(state["buf"])
+            torch._foreach_mul_(bufs, 0.5)
+            torch._foreach_add_(bufs, torch._foreach_abs(grads))
+            powered = torch._foreach_pow(bufs, group["power"])
+            torch._foreach_add_(powered, 1.0)
+            torch._foreach_addcdiv_(params, grads, powered, value=-group["lr"])
+
+
+class NormEveryThirdStep(torch.optim.Optimizer):
+    """A user's SGD that, every third step, reads the updated parameters' norm on the host and
+    shrinks them by it: a host read after the step's first op, in some steps only."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+        self.count = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
+            if self.count % 3 == 0:
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params)))
+                torch._foreach_mul_(params, 1.0 / (1.0 + 1e-3 * float(norm)))
+
+
+def train(make, steps: int, schedule=None, each_step=None, config=ZERO3):
+    """`steps` steps wrapped and as a plain-torch twin on the same batches, an LR scheduler
+    made by `schedule(optimizer)` on each; `each_step(step, optimizers)` runs before each
+    step. Returns (model, twin, losses, compiled-program counts after each step)."""
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(module, make(module.parameters()), config)
+    twin_optimizer = make(twin.parameters())
+    pairs = [(model, optimizer), (twin, twin_optimizer)]
+    schedulers = [schedule(o) for _, o in pairs] if schedule else []
+    losses, compiled = [], []
+    for step in range(steps):
+        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+        if each_step is not None:
+            each_step(step, [optimizer, twin_optimizer])
+        pair = []
+        for m, opt in pairs:
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        for scheduler in schedulers:
+            scheduler.step()
+        losses.append(pair)
+        compiled.append(deferred.programs_compiled())
+    return model, twin, np.array(losses), compiled
+
+
+def assert_trains_like_torch(model, twin, losses) -> None:
+    np.testing.assert_allclose(losses[:, 0], losses[:, 1], rtol=1e-5)
+    errors = relative_errors(model, twin)
+    assert max(errors.values()) <= 1e-4, errors
+
+
+def counts() -> tuple[int, int]:
+    return step_replay.traces(), step_replay.replays()
+
+
+OPTIMIZERS = {
+    # Bias corrections computed on the host from step counts: new floats every step.
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2, decoupled_weight_decay=True),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2, weight_decay=0.01),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, weight_decay=0.01),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, lr_decay=0.01),
+    "SignMomentum (user-defined)": lambda p: SignMomentum(p),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_replayed_steps_train_like_torch_under_a_cosine_schedule(name):
+    """Two steps are traced (the first creates the state, the second is the steady step);
+    every later one is replayed with its new learning rate and bias corrections, and no
+    program is compiled after the second step."""
+    before = counts()
+    model, twin, losses, compiled = train(
+        OPTIMIZERS[name],
+        12,
+        schedule=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=12),
+    )
+    assert_trains_like_torch(model, twin, losses)
+    traced, replayed = (now - then for now, then in zip(counts(), before, strict=True))
+    assert traced <= 2 and replayed == 12 - traced, (traced, replayed)
+    assert compiled[-1] == compiled[1], compiled
+
+
+def test_a_changed_group_structure_is_traced_again_and_trains_like_torch():
+    """RMSprop without weight decay, then with it from step 5 (torch's step then issues
+    another op): the replay of step 5 meets a call its trace does not have, turns what it
+    replayed into its recording, and traces the new step; later steps replay the new trace."""
+
+    def weight_decay_from_step_5(step, optimizers):
+        if step == 5:
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["weight_decay"] = 0.01
+
+    before = counts()
+    model, twin, losses, _ = train(
+        lambda p: torch.optim.RMSprop(p, lr=1e-3), 10, each_step=weight_decay_from_step_5
+    )
+    assert_trains_like_torch(model, twin, losses)
+    traced, replayed = (now - then for now, then in zip(counts(), before, strict=True))
+    # Steps 0 (state made), 1 (the steady step) and 5 (weight decay) are traced.
+    assert traced == 3 and replayed == 7, (traced, replayed)
+
+
+def test_a_changed_constant_is_traced_again_and_trains_like_torch():
+    """`pow`'s exponent is part of the program: a new value does not replay the old program
+    (which would compute the old power) but is traced, and a schedule of it still trains
+    as torch does."""
+
+    def power_schedule(step, optimizers):
+        for optimizer in optimizers:
+            optimizer.param_groups[0]["power"] = 2.0 if step < 4 else 1.5
+
+    before = counts()
+    model, twin, losses, _ = train(PowerMomentum, 8, each_step=power_schedule)
+    assert_trains_like_torch(model, twin, losses)
+    traced, replayed = (now - then for now, then in zip(counts(), before, strict=True))
+    assert traced == 3 and replayed == 5, (traced, replayed)
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. NormEveryThirdStep.step reads tensor values")
+def test_a_host_read_in_a_replayed_step_ends_the_replay_with_the_same_numbers():
+    """Every third step reads a norm on the host after its first op: the replay of such a
+    step meets a call its trace does not have, turns the replayed op into its recording, and
+    the read sees the parameters that op updates. A step with a host read is never traced."""
+    before = counts()
+    model, twin, losses, _ = train(NormEveryThirdStep, 9)
+    assert_trains_like_torch(model, twin, losses)
+    traced, replayed = (now - then for now, then in zip(counts(), before, strict=True))
+    # Step 1 is traced and every step without a read replays it; steps 3, 6 and 9 diverge
+    # at their read and are recorded, leaving the trace as it was.
+    assert traced == 4 and replayed == 5, (traced, replayed)
+
+
+def test_a_step_after_load_state_dict_is_traced_again():
+    """`load_state_dict` puts new state tensors in: the trace's tensors are not the step's,
+    so the step is traced again and continues torch's run exactly."""
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(
+        module, torch.optim.RMSprop(module.parameters(), lr=1e-3), ZERO3
+    )
+    twin_optimizer = torch.optim.RMSprop(twin.parameters(), lr=1e-3)
+    losses = []
+    for step in range(8):
+        if step == 4:
+            saved = copy.deepcopy(twin_optimizer.state_dict())
+            optimizer.load_state_dict(saved)
+        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+        pair = []
+        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    assert_trains_like_torch(model, twin, np.array(losses))
