@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 
 # What a dispatch's argument leaf is (see `_Entry.leaves`).
 _SOURCE, _RESULT, _SLOT, _CONST = range(4)
+# How an argument is checked (see `_argument_groups`).
+_LEAF, _SOURCES, _RESULTS, _LEAVES = range(4)
 # What a dispatch returned besides new live tensors.
 _NONE, _FIRST, _ALIAS = "none", "first", "alias"
 # Leaf types a trace keeps as constants (compared by type and value).
@@ -111,7 +113,17 @@ class _Entry:
     target a leaf-like `(_SOURCE, source)` or `(_RESULT, (entry, k))`. `ops`, `arrays`,
     `scalars`: the recording's sizes after it."""
 
-    __slots__ = ("arrays", "func", "leaves", "ops", "returns", "scalars", "spec", "writes")
+    __slots__ = (
+        "arrays",
+        "func",
+        "groups",
+        "leaves",
+        "ops",
+        "returns",
+        "scalars",
+        "spec",
+        "writes",
+    )
 
 
 class _Trace:
@@ -364,6 +376,7 @@ class _Recorder:
         ]
         if recording.rngs:
             raise _NotTraceable("it draws random numbers")
+        entry.groups = _argument_groups(entry)
         entry.ops, entry.arrays = len(ops), len(recording.arrays)
         entry.scalars = len(recording.scalars)
         self.entries.append(entry)
@@ -418,6 +431,34 @@ class _Recorder:
         return trace, None
 
 
+def _argument_groups(entry: _Entry) -> list | None:
+    """Per argument (positional, then keyword) of a dispatch whose arguments are leaves or
+    flat lists of them (`flatten_arguments`' `spec_key`), how a replay checks it:
+    `(_LEAF, leaf)`; for a list, `(kind, type, length, what)`: `_SOURCES` with the sources of
+    its live tensors (outside the step), `_RESULTS` with the entry that returned it whole, or
+    `_LEAVES` with its leaves. None for other arguments (checked leaf by leaf)."""
+    if not isinstance(entry.spec, tuple):
+        return None
+    count = entry.spec[0] + len(entry.spec[1])
+    structure = entry.spec[2] if len(entry.spec) > 2 else (None,) * count
+    groups, leaves = [], iter(entry.leaves)
+    for shape in structure:
+        if shape is None:
+            groups.append((_LEAF, next(leaves)))
+            continue
+        kind, length = shape
+        items = [next(leaves) for _ in range(length)]
+        if items and all(leaf[0] is _SOURCE for leaf in items):
+            groups.append((_SOURCES, kind, length, [leaf[1] for leaf in items]))
+        elif items and all(
+            leaf[0] is _RESULT and leaf[1] == (items[0][1][0], k) for k, leaf in enumerate(items)
+        ):
+            groups.append((_RESULTS, kind, length, items[0][1][0]))
+        else:
+            groups.append((_LEAVES, kind, length, items))
+    return groups
+
+
 def _pin_shared_slots(entries: list[_Entry], recording) -> list[_Entry]:
     """`entries` with a float kept constant where its scalar input is also taken by ops of
     a dispatch that does not pass it as a traced leaf (a decomposition's, which may have
@@ -440,6 +481,7 @@ def _pin_shared_slots(entries: list[_Entry], recording) -> list[_Entry]:
             (_CONST, float, values[leaf[1]]) if leaf[0] is _SLOT and leaf[1] in pinned else leaf
             for leaf in entry.leaves
         )
+        entry.groups = _argument_groups(entry)
     return entries
 
 
@@ -462,6 +504,8 @@ class _Replayer:
         self.results: dict[tuple[int, int], weakref.ref] = {}
         # position -> weakref to the Deferred standing for it.
         self.made: dict[tuple, weakref.ref] = {}
+        # entry -> weakrefs to the sources of the list of live tensors it returned.
+        self.result_lists: dict[int, list[weakref.ref]] = {}
         self.diverged = ""
 
     def dispatch(self, func, args: tuple, kwargs: dict):
@@ -474,33 +518,8 @@ class _Replayer:
         if func is not entry.func:
             self.diverged = f"dispatch {index} is {func}, traced {entry.func}"
             return _DIVERGED
-        leaves, spec, spec_key = live_tensor.flatten_arguments(args, kwargs)
-        if (spec if spec_key is None else spec_key) != entry.spec or len(leaves) != len(
-            entry.leaves
-        ):
-            self.diverged = f"dispatch {index} ({func}) has other arguments"
-            return _DIVERGED
-        results, scalars, assigned = self.results, self.scalars, self.assigned
-        for x, want in zip(leaves, entry.leaves, strict=True):
-            kind = want[0]
-            if kind is _SOURCE:
-                if type(x) is LiveTensor and x._source is want[1]:
-                    continue
-            elif kind is _SLOT:
-                if type(x) is float:
-                    slot = want[1]
-                    if not assigned[slot]:
-                        scalars[slot], assigned[slot] = x, True
-                        continue
-                    if x is scalars[slot] or x == scalars[slot]:
-                        continue
-            elif kind is _RESULT:
-                source = results.get(want[1])
-                if type(x) is LiveTensor and source is not None and x._source is source():
-                    continue
-            elif type(x) is want[1] and (x is want[2] or x == want[2]):
-                continue
-            self.diverged = f"dispatch {index} ({func}): an argument differs from the trace"
+        if not self._arguments_match(entry, args, kwargs):
+            self.diverged = f"dispatch {index} ({func}): its arguments differ from the trace"
             return _DIVERGED
         self.next = index + 1
         returns = entry.returns
@@ -512,7 +531,64 @@ class _Replayer:
             return args[0].aliased()
         container, items = returns
         made = [self._result(index, k, *item) for k, item in enumerate(items)]
-        return made[0] if container is None else container(made)
+        if container is None:
+            return made[0]
+        self.result_lists[index] = [weakref.ref(t._source) for t in made]
+        return container(made)
+
+    def _arguments_match(self, entry: _Entry, args: tuple, kwargs: dict) -> bool:
+        groups = entry.groups
+        if groups is None:  # containers in containers: compared leaf by leaf
+            leaves, spec, _ = live_tensor.flatten_arguments(args, kwargs)
+            return (
+                spec == entry.spec
+                and len(leaves) == len(entry.leaves)
+                and all(map(self._leaf_matches, leaves, entry.leaves))
+            )
+        if len(args) != entry.spec[0] or (tuple(kwargs) if kwargs else ()) != entry.spec[1]:
+            return False
+        for argument, group in zip((*args, *kwargs.values()), groups, strict=True):
+            kind = group[0]
+            if kind is _LEAF:
+                if not self._leaf_matches(argument, group[1]):
+                    return False
+                continue
+            if type(argument) is not group[1] or len(argument) != group[2]:
+                return False
+            if kind is _SOURCES or kind is _RESULTS:
+                if kind is _SOURCES:
+                    expected = group[3]
+                else:
+                    refs = self.result_lists.get(group[3])
+                    if refs is None:
+                        return False
+                    expected = [ref() for ref in refs]
+                try:  # a list of the same live tensors' sources, compared by identity
+                    if [x._source for x in argument] != expected:
+                        return False
+                except AttributeError:  # not a live tensor
+                    return False
+            elif not all(map(self._leaf_matches, argument, group[3])):
+                return False
+        return True
+
+    def _leaf_matches(self, x, want) -> bool:
+        kind = want[0]
+        if kind is _SOURCE:
+            return type(x) is LiveTensor and x._source is want[1]
+        if kind is _SLOT:
+            if type(x) is not float:
+                return False
+            slot, scalars = want[1], self.scalars
+            if not self.assigned[slot]:
+                scalars[slot] = x
+                self.assigned[slot] = True
+                return True
+            return x is scalars[slot] or x == scalars[slot]
+        if kind is _RESULT:
+            source = self.results.get(want[1])
+            return type(x) is LiveTensor and source is not None and x._source is source()
+        return type(x) is want[1] and (x is want[2] or x == want[2])
 
     def _result(self, index: int, k: int, position, shape, dtype, torch_dtype) -> LiveTensor:
         value = self._deferred(position, shape, dtype)
