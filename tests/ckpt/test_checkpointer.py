@@ -265,6 +265,9 @@ def test_fp16_loss_scale_round_trip(tmp_path):
     assert other_opt.loss_scale == 512.0 and other_opt.skipped_steps == 3
     assert int(other.engine.loss_scale["good_steps"]) == 7
     assert int(other.engine.loss_scale["hysteresis"]) == 1
+    # Replicated over the mesh, as the current policy keeps it (the direct read places it).
+    for value in other.engine.loss_scale.values():
+        assert value.sharding.is_fully_replicated and len(value.sharding.device_set) == 8
     assert_state_equal(host(other), host(model))
 
 

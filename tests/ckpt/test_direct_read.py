@@ -76,7 +76,9 @@ def data_files(step_dir: Path, item: str) -> set[Path]:
 
 def test_restore_reads_each_data_file_once_and_restores_every_array(tmp_path, monkeypatch):
     _, _, saved, step_dir = saved_checkpoint(tmp_path)
-    files = data_files(step_dir, layout.MODEL) | data_files(step_dir, layout.OPTIMIZER)
+    files = set().union(
+        *(data_files(step_dir, i) for i in (layout.MODEL, layout.OPTIMIZER, layout.TRAIN_STATE))
+    )
     assert files, "the shards should be stored out of line"
     other, other_opt = make(hidden=HIDDEN, seed=5)
     assert not np.array_equal(host(other)["params"]["fc1.weight"], saved["params"]["fc1.weight"])
@@ -92,18 +94,22 @@ def test_restore_reads_each_data_file_once_and_restores_every_array(tmp_path, mo
 
     assert Checkpointer(tmp_path, other, other_opt).restore().step == 3
 
-    # Both items' files in one pass (one item after the other, the optimizer's largest file
+    # Every item's files in one pass (one item after the other, the optimizer's largest file
     # ended the restore alone).
-    assert passes == [sorted([layout.MODEL, layout.OPTIMIZER])]
+    assert passes == [sorted([layout.MODEL, layout.OPTIMIZER, layout.TRAIN_STATE])]
 
     assert_state_equal(host(other), saved)
-    # Orbax read the small items only; the arrays came from the direct read, whose files the
-    # manifest pass did not hash a second time (it hashed every other file).
-    assert layout.MODEL not in orbax_items and layout.OPTIMIZER not in orbax_items
+    # Nothing went through Orbax's read: the arrays and the train_state (rng) came from the
+    # direct read, whose files the manifest pass did not hash a second time (it hashed every
+    # other file), and `meta` was read as the JSON file it is.
+    assert orbax_items == []
     assert not files & set(hashed)
     listed = {step_dir / rel for rel in manifest.read_manifest(step_dir)}
     assert set(hashed) == listed - files
     engine = other.engine
+    # The rng as Orbax's read left it: uncommitted on the default device (a committed one
+    # would give every program taking it another cache key).
+    assert not engine.state.rng.committed
     for name, array in engine.params.items():
         assert array.sharding == engine.plan.params[name], name
     for name, array in engine.opt_state["exp_avg"].items():
