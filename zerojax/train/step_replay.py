@@ -194,6 +194,9 @@ class _Session:
         self.thread = threading.get_ident()
         self.replayed = replayer is not None
         self.diverged: str | None = None
+        # Another thread's live-tensor op or read ends a replay while this thread may be
+        # answering a dispatch: the two never interleave.
+        self.lock = threading.RLock()
 
     def install(self) -> None:
         live_tensor.dispatch_hook[0] = self.dispatch
@@ -207,11 +210,13 @@ class _Session:
         if threading.get_ident() != self.thread:
             self.interrupt("a live-tensor op on another thread")
             return run_op(func, args, kwargs)
-        if self.replayer is not None:
-            answer = self.replayer.dispatch(func, args, kwargs)
-            if answer is not _DIVERGED:
-                return answer
-            self.interrupt(self.replayer.diverged)
+        with self.lock:
+            replayer = self.replayer
+            if replayer is not None:
+                answer = replayer.dispatch(func, args, kwargs)
+                if answer is not _DIVERGED:
+                    return answer
+                self.interrupt(replayer.diverged)
         return self.recorder.dispatch(func, args, kwargs)
 
     def on_write(self, source, value) -> None:
@@ -220,12 +225,13 @@ class _Session:
 
     def interrupt(self, why: str = "a live value read or recorded outside the step's ops"):
         """Turn the replayed dispatches into their recording; the step goes on recording."""
-        replayer = self.replayer
-        if replayer is None:
-            return
-        deferred.interrupt[0] = None
-        self.replayer, self.replayed, self.diverged = None, False, why
-        self.recorder = replayer.materialize()
+        with self.lock:
+            replayer = self.replayer
+            if replayer is None:
+                return
+            deferred.interrupt[0] = None
+            self.replayer, self.replayed, self.diverged = None, False, why
+            self.recorder = replayer.materialize()
 
     def abandon(self) -> None:
         """The step raised: what was replayed becomes its recording (the ops before the error
