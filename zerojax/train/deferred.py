@@ -86,6 +86,9 @@ _MAX_SIGNATURES = 1_000_000
 interrupt: list[Callable[[], None] | None] = [None]
 # While a step is traced: called with (source, value) at each write of a live tensor's source.
 write_hook: list[Callable[[Any, Any], None] | None] = [None]
+# Called by `flush` before it runs a recording: its trace ends, or its replay is made a
+# recording (`zerojax.train.step_replay`).
+segment_end: list[Callable[[], None] | None] = [None]
 
 
 class Deferred:
@@ -328,8 +331,8 @@ def flush() -> None:
     """Run what has been recorded, as one program; resolve every Deferred still referenced and
     hand pending writes to the engine. Nothing to do without recorded ops or writes."""
     global _recording
-    if interrupt[0] is not None:
-        interrupt[0]()
+    if segment_end[0] is not None:
+        segment_end[0]()
     if not (_recording.ops or _recording.writes or _running[0]):
         _recording.entries.clear()  # notes of reads no op took in (a host read's)
         return

@@ -46,7 +46,6 @@ from zerojax.train import optimizers
 from zerojax.train.engine import Engine
 from zerojax.train.live_optimizer_state import unhooked_step
 from zerojax.train.live_tensor import LiveTensor, Owned, watching_host_reads
-from zerojax.train.step_replay import StepReplay
 
 # Refused on the live path, with why.
 _REFUSED = {
@@ -107,7 +106,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.attach_optimizer(optimizer)
         else:  # the state torch's step keeps (live tensors): `optimizer.state[p]` reads it
             self.state = optimizer.state
-            self._replay = StepReplay(type(optimizer).__name__)
             engine.adopt_live_optimizer(optimizer, self._param_names)
 
     @property
@@ -170,7 +168,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # state is brought in for the step.
             self._place_state(on_device=True)
             with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
-                self._replay.run(unhooked_step(self._optimizer))
+                unhooked_step(self._optimizer)()
             self._place_state()
         if self._reports_steps:
             engine.count_update()

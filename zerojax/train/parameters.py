@@ -112,7 +112,7 @@ class EngineEntry:
     `writer({name: value})` (engine methods that know the entry's dtype, sharding and scaling;
     a recording's writes reach them together, `zerojax.train.deferred`)."""
 
-    __slots__ = ("dtype", "name", "reader", "sharding", "writer")
+    __slots__ = ("__weakref__", "dtype", "name", "reader", "sharding", "writer")
 
     def __init__(self, reader, writer, name: str, dtype: torch.dtype, sharding=None):
         self.reader, self.writer = reader, writer

@@ -45,10 +45,11 @@ the values.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections import OrderedDict
 from typing import Any
 
 import jax
@@ -59,7 +60,7 @@ from zerojax.train.deferred import Deferred
 from zerojax.train.live_tensor import LiveTensor, Owned, run_op
 from zerojax.train.parameters import EngineEntry
 
-__all__ = ["StepReplay", "replays", "traces"]
+__all__ = ["install", "replays", "traces"]
 
 log = logging.getLogger(__name__)
 
@@ -138,68 +139,115 @@ class _Trace:
     )
 
 
-class StepReplay:
-    """Traces and replays one optimizer's step (see the module docstring)."""
+# Traces by the first call of their recording (`_segment_key`), keys least recently used
+# first, each key's traces most recent first. Recordings that open alike and go on
+# differently (a step that reads a norm every few steps) keep a trace each: those traced from
+# another's replay share its first calls, and a replay passes from one to the other where
+# they part (`_Replayer.switch`).
+_traces: OrderedDict[tuple, list[_Trace]] = OrderedDict()
+_MAX_TRACES = 64
+_MAX_TRACES_PER_KEY = 4
+# The recording now being traced or replayed.
+_active: list[_Session | None] = [None]
 
-    def __init__(self, name: str):
-        self._name = name
-        self._trace: _Trace | None = None
-        self._untraceable_said = False
 
-    def run(self, step: Callable[[], Any]) -> None:
-        """Run `step()` (the optimizer's own step), replayed from its trace where it matches,
-        traced otherwise; what it recorded has run when this returns."""
-        deferred.flush()  # the step's program holds the step alone
-        if jax.process_count() > 1:  # ops run one by one there (`deferred.record`)
-            step()
+def install() -> None:
+    """Trace and replay the recorded work on live tensors from now on (idempotent)."""
+    live_tensor.dispatch_hook[0] = _dispatch
+    deferred.segment_end[0] = _end_segment
+
+
+def _dispatch(func, args: tuple, kwargs: dict):
+    """Every ATen call on live tensors: into the recording being traced or replayed, or the
+    first of a new one."""
+    session = _active[0]
+    if session is None:
+        session = _begin(func, args)
+        if session is None:
+            return run_op(func, args, kwargs)
+    return session.dispatch(func, args, kwargs)
+
+
+def _begin(func, args: tuple) -> _Session | None:
+    """Start tracing or replaying at a call that opens a recording (None: a recording holds
+    ops already, or arrays span several processes, where each op runs as it comes)."""
+    recording = deferred.current_recording()
+    if recording.ops or recording.writes or _multiprocess():
+        return None
+    key = _segment_key(func, args)
+    traces = _traces.get(key)
+    if traces is not None and traces[0].generation != deferred.signature_generation():
+        del _traces[key]
+        traces = None
+    if traces is not None:
+        _traces.move_to_end(key)
+    session = _Session(key, None if traces is None else _Replayer(traces))
+    _active[0] = session
+    session.install()
+    return session
+
+
+@functools.cache
+def _multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def _segment_key(func, args: tuple) -> tuple:
+    """A recording's first call and the source of its first live tensor: what its trace is
+    found by (a trace that does not match is replaced; a changed source never matches)."""
+    first = args[0] if args else None
+    if type(first) in (list, tuple) and first:
+        first = first[0]
+    return (func, id(first._source) if type(first) is LiveTensor else None)
+
+
+def _end_segment() -> None:
+    """`deferred.flush`, before it runs the recording: a replay becomes the recording it
+    stands for, a trace is kept for the recordings to come."""
+    session = _active[0]
+    if session is None:
+        return
+    with session.lock:
+        if _active[0] is not session:
             return
-        trace = self._trace
-        if trace is not None and trace.generation != deferred.signature_generation():
-            trace = self._trace = None
-        recorder = _Recorder() if trace is None else None
-        replayer = None if trace is None else _Replayer(trace)
-        session = _Session(recorder, replayer)
-        session.install()
-        try:
-            step()
-        except BaseException:
-            session.abandon()
-            self._trace = None
-            raise
+        _active[0] = None
         trace, why = session.finish()
-        if trace is not None:  # a step that cannot be traced leaves the last trace as it is
-            self._trace = trace
-        if session.replayed:
-            _counts["replays"] += 1
-        else:
-            _counts["traces"] += 1
-            if trace is None and not self._untraceable_said:
-                self._untraceable_said = True
-                log.info("zerojax: a %s.step was recorded, not traced: %s", self._name, why)
-            elif trace is not None:
-                log.info(
-                    "zerojax: traced %s.step (%d dispatches) for replay%s",
-                    self._name,
-                    len(self._trace.entries),
-                    "" if why is None else f"; the last trace no longer matched: {why}",
-                )
-        deferred.flush()
+    if trace is not None:
+        kept = [t for t in _traces.pop(session.key, []) if t is not trace]
+        _traces[session.key] = [trace, *kept[: _MAX_TRACES_PER_KEY - 1]]
+        if len(_traces) > _MAX_TRACES:
+            _traces.popitem(last=False)
+    if session.replayed:
+        _counts["replays"] += 1
+        return
+    _counts["traces"] += 1
+    if trace is None:
+        log.debug("zerojax: recorded live-tensor ops not traced: %s", why)
+    else:
+        log.debug(
+            "zerojax: traced %d live-tensor calls for replay%s",
+            len(trace.entries),
+            "" if why is None else f"; the trace before no longer matched: {why}",
+        )
 
 
 class _Session:
-    """One step's trace or replay: the hooks on live tensors' dispatch, values and writes."""
+    """One recording traced or replayed: the hooks on live tensors' values and writes."""
 
-    def __init__(self, recorder: _Recorder | None, replayer: _Replayer | None):
-        self.recorder, self.replayer = recorder, replayer
+    def __init__(self, key: tuple, replayer: _Replayer | None):
+        self.key = key
+        self.replayer = replayer
+        self.recorder = _Recorder() if replayer is None else None
         self.thread = threading.get_ident()
         self.replayed = replayer is not None
         self.diverged: str | None = None
-        # Another thread's live-tensor op or read ends a replay while this thread may be
-        # answering a dispatch: the two never interleave.
+        # The trace replayed to its end before a call it does not have (`interrupt`).
+        self.replayed_whole: _Trace | None = None
+        # Another thread's live-tensor op, read or flush ends a replay or a trace while this
+        # thread may be answering a call: the two never interleave.
         self.lock = threading.RLock()
 
     def install(self) -> None:
-        live_tensor.dispatch_hook[0] = self.dispatch
         deferred.write_hook[0] = self.on_write
         if self.replayer is not None:
             deferred.interrupt[0] = self.interrupt
@@ -209,15 +257,20 @@ class _Session:
     def dispatch(self, func, args: tuple, kwargs: dict):
         if threading.get_ident() != self.thread:
             self.interrupt("a live-tensor op on another thread")
+            with self.lock:
+                if self.recorder is not None:
+                    self.recorder.fail("another thread's ops went into its recording")
             return run_op(func, args, kwargs)
         with self.lock:
             replayer = self.replayer
             if replayer is not None:
                 answer = replayer.dispatch(func, args, kwargs)
+                if answer is _DIVERGED and replayer.switch(func):
+                    answer = replayer.dispatch(func, args, kwargs)
                 if answer is not _DIVERGED:
                     return answer
                 self.interrupt(replayer.diverged)
-        return self.recorder.dispatch(func, args, kwargs)
+            return self.recorder.dispatch(func, args, kwargs)
 
     def on_write(self, source, value) -> None:
         if self.recorder is not None and threading.get_ident() == self.thread:
@@ -232,34 +285,34 @@ class _Session:
             deferred.interrupt[0] = None
             self.replayer, self.replayed, self.diverged = None, False, why
             self.recorder = replayer.materialize()
-
-    def abandon(self) -> None:
-        """The step raised: what was replayed becomes its recording (the ops before the error
-        run, as recorded ops would), and the hooks come off."""
-        try:
-            self.interrupt("the step raised")
-        finally:
-            self._uninstall()
+            self.replayed_whole = (
+                replayer.trace if replayer.next == len(replayer.trace.entries) else None
+            )
 
     def finish(self) -> tuple[_Trace | None, str | None]:
-        """End the step: a replay becomes its recording (`deferred.flush` then runs the
-        program recorded before); returns the trace for the next step and why the last one
-        did not match (or why there is none)."""
+        """End the recording: a replay becomes the recording it stands for (`deferred.flush`
+        then runs the program recorded before); returns the trace for the recordings to come
+        and why the last one did not match (or why there is none)."""
         replayer = self.replayer
         try:
             if replayer is not None:
-                if replayer.next == len(replayer.trace.entries):
+                if replayer.next == len(replayer.trace.entries) or replayer.switch(None):
                     deferred.interrupt[0] = None  # materializing reads the sources
                     replayer.materialize(goes_on=False)
                     return replayer.trace, None
                 self.interrupt(f"{len(replayer.trace.entries) - replayer.next} fewer dispatches")
             trace, why = self.recorder.end()
+            whole = self.replayed_whole
+            if trace is not None and whole is not None and len(trace.entries) == len(whole.entries):
+                # Every call was replayed, and what came after was no call (a host read's op
+                # running the recording): the replay was the recording.
+                self.replayed = True
+                return whole, None
             return trace, self.diverged if trace is not None else why
         finally:
             self._uninstall()
 
     def _uninstall(self) -> None:
-        live_tensor.dispatch_hook[0] = None
         deferred.write_hook[0] = None
         deferred.interrupt[0] = None
 
@@ -368,7 +421,8 @@ class _Recorder:
             return (_RESULT, known[1])
         if type(source) not in (Owned, EngineEntry):
             raise _NotTraceable(f"it uses a live tensor over a {type(source).__name__}")
-        return (_SOURCE, source)
+        # Held weakly: a trace must not keep a value alive (a model's output it began with).
+        return (_SOURCE, weakref.ref(source))
 
     def _trace_entry(self, func, args, leaves, spec, result, recording, ops_before) -> None:
         ops = recording.ops
@@ -426,7 +480,7 @@ class _Recorder:
             known = first_values.get(id(array))
             if known is None or known[0] is not array:
                 return None, "an op's input is no live tensor's value at the step's start"
-            sources.append(known[1])
+            sources.append(weakref.ref(known[1]))
         if any(type(s) is not float for s in recording.scalars):
             return None, "an op takes a host tensor's values"
         trace = _Trace()
@@ -501,15 +555,19 @@ def _pending(value, what: str) -> tuple:
 class _Replayer:
     """Answers a step's dispatches from its trace, then rebuilds the recording they stand for."""
 
-    def __init__(self, trace: _Trace):
-        self.trace = trace
+    def __init__(self, traces: list[_Trace]):
+        self.traces = traces
+        self.trace = traces[0]
         self.next = 0
-        self.scalars = list(trace.scalars)
-        self.assigned = [False] * len(trace.scalars)
+        self.scalars = list(self.trace.scalars)
+        self.assigned = [False] * len(self.scalars)
         # (entry, k) -> weakref to the source of a live tensor the replay returned.
         self.results: dict[tuple[int, int], weakref.ref] = {}
         # position -> weakref to the Deferred standing for it.
         self.made: dict[tuple, weakref.ref] = {}
+        # The sources the replayed calls took in (the trace holds them weakly): the recording
+        # reads their values when it is rebuilt.
+        self.held: list = []
         # entry -> weakrefs to the sources of the list of live tensors it returned.
         self.result_lists: dict[int, list[weakref.ref]] = {}
         self.diverged = ""
@@ -542,6 +600,37 @@ class _Replayer:
         self.result_lists[index] = [weakref.ref(t._source) for t in made]
         return container(made)
 
+    def switch(self, func) -> bool:
+        """Go on with another trace of this key that shares the calls replayed so far and
+        has `func` as its next call (None: ends there); False where none does."""
+        done, current = self.next, self.trace
+        for trace in self.traces:
+            entries = trace.entries
+            if (
+                trace is current
+                or trace.generation != current.generation
+                or (
+                    done
+                    and (len(entries) < done or entries[done - 1] is not current.entries[done - 1])
+                )
+                or (
+                    len(entries) != done
+                    if func is None
+                    else len(entries) <= done or entries[done].func is not func
+                )
+            ):
+                continue
+            # The same calls so far are the same ops, inputs and scalar slots: what was
+            # collected carries over.
+            shared = entries[done - 1].scalars if done else 0
+            scalars = list(trace.scalars)
+            scalars[:shared] = self.scalars[:shared]
+            assigned = [False] * len(scalars)
+            assigned[:shared] = self.assigned[:shared]
+            self.trace, self.scalars, self.assigned = trace, scalars, assigned
+            return True
+        return False
+
     def _arguments_match(self, entry: _Entry, args: tuple, kwargs: dict) -> bool:
         groups = entry.groups
         if groups is None:  # containers in containers: compared leaf by leaf
@@ -563,7 +652,8 @@ class _Replayer:
                 return False
             if kind is _SOURCES or kind is _RESULTS:
                 if kind is _SOURCES:
-                    expected = group[3]
+                    expected = [ref() for ref in group[3]]
+                    self.held.append(expected)  # their values are read when it runs
                 else:
                     refs = self.result_lists.get(group[3])
                     if refs is None:
@@ -581,7 +671,10 @@ class _Replayer:
     def _leaf_matches(self, x, want) -> bool:
         kind = want[0]
         if kind is _SOURCE:
-            return type(x) is LiveTensor and x._source is want[1]
+            if type(x) is LiveTensor and x._source is want[1]():
+                self.held.append(x._source)  # its value is read when it runs
+                return True
+            return False
         if kind is _SLOT:
             if type(x) is not float:
                 return False
@@ -619,9 +712,8 @@ class _Replayer:
         recording = deferred.current_recording()
         # The step began with nothing recorded, and nothing was recorded since (the hooks).
         assert not recording.ops and not recording.writes, "a replay met a recording"
-        values = [
-            _value_before(source) for source in trace.array_sources[: last.arrays if last else 0]
-        ]
+        sources = [ref() for ref in trace.array_sources[: last.arrays if last else 0]]
+        values = [_value_before(source) for source in sources]
         recording.take_arrays(values)
         for value in self.scalars[: last.scalars if last else 0]:
             recording.take_scalar(value)
@@ -634,12 +726,12 @@ class _Replayer:
         # A value written and then written over was still placed where its target keeps its
         # values (`Owned.write`): the program's results are placed as when recorded.
         for target, position in superseded:
-            sharding = target.sharding
+            sharding = getattr(target(), "sharding", None)
             if sharding is not None:
                 placed[position[1:]] = sharding
         kept: list[Deferred] = []  # the writes' values live on in their targets
         for target, position, shape, dtype in final:
-            source = target[1] if target[0] is _SOURCE else self._result_source(target[1])
+            source = target[1]() if target[0] is _SOURCE else self._result_source(target[1])
             if source is None:  # a result of the step nothing holds any more
                 continue
             value = self._deferred(position, shape, dtype)
@@ -668,8 +760,7 @@ class _Replayer:
             if source is not None:
                 results[id(source)] = (known, where)
         first_values = {
-            id(value): (value, source)
-            for value, source in zip(values, trace.array_sources, strict=False)
+            id(value): (value, source) for value, source in zip(values, sources, strict=True)
         }
         recorder.begin(entries[:done], results, first_values)
         return recorder
@@ -699,7 +790,7 @@ def _last_writes(entries: list[_Entry]) -> tuple[list, list]:
     for entry in entries:
         for write in entry.writes:
             target = write[0]
-            key = id(target[1]) if target[0] is _SOURCE else target[1]
+            key = target[1]  # a weak reference (one per source) or a result's place
             last.pop(key, None)
             last[key] = write
     final = list(last.values())
@@ -708,46 +799,6 @@ def _last_writes(entries: list[_Entry]) -> tuple[list, list]:
         (write[0][1], write[1])
         for entry in entries
         for write in entry.writes
-        if id(write) not in chosen and write[0][0] is _SOURCE and type(write[0][1]) is Owned
+        if id(write) not in chosen and write[0][0] is _SOURCE and type(write[0][1]()) is Owned
     ]
     return final, superseded
-
-
-def _value_before(source) -> jax.Array:
-    """A source's value at the step's start, as the recording took it in (`Owned.value`,
-    `EngineEntry.value` with nothing written yet, noting the engine entry read)."""
-    if type(source) is Owned:
-        value = source.array
-        return value.resolve() if type(value) is Deferred else value
-    value = source.reader(source.name, source.dtype)
-    if value is None:
-        return source.value()  # raises: the gradient was cleared
-    deferred.read_entry(value, source.writer, source.name)
-    return value
-
-
-def _last_writes(entries: list[_Entry]) -> tuple[list, list]:
-    """(The last write into each target, the earlier writes into outside `Owned` sources as
-    (source, position)) of `entries`, in order."""
-    last: dict = {}
-    for entry in entries:
-        for write in entry.writes:
-            target = write[0]
-            key = id(target[1]) if target[0] is _SOURCE else target[1]
-            last.pop(key, None)
-            last[key] = write
-    final = list(last.values())
-    chosen = {id(w) for w in final}
-    superseded = [
-        (write[0][1], write[1])
-        for entry in entries
-        for write in entry.writes
-        if id(write) not in chosen and write[0][0] is _SOURCE and type(write[0][1]) is Owned
-    ]
-    return final, superseded
-
-    def _target(self, target):
-        if target[0] is _SOURCE:
-            return target[1]
-        known = self.results.get(target[1])
-        return None if known is None else known()
