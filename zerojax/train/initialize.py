@@ -12,7 +12,7 @@ from zerojax.integrations import accelerate as accelerate_integration
 from zerojax.integrations import hf_trainer as hf_trainer_integration
 from zerojax.runtime import effective_time, worker_processes
 from zerojax.runtime.compilation_cache import enable_compilation_cache
-from zerojax.train import foreach_default, recorded_adafactor, recorded_adam, step_replay
+from zerojax.train import foreach_default, recorded_adafactor, recorded_adam, replay
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule, zero_module
 from zerojax.train.optimizer_config import build_optimizer, check_optimizer_matches_config
@@ -72,7 +72,7 @@ def initialize(
     # wrap around the model from here on; objects `accelerator.prepare` made are unwrapped.
     accelerate_integration.install_prepare_hook()
     foreach_default.install()  # torch.optim picks its foreach steps for live parameters
-    step_replay.install()  # recorded live-tensor work traced once, then replayed
+    replay.install()  # recorded live-tensor work traced once, then replayed
     recorded_adam.install()  # ... and its foreach Adam/AdamW step is one recorded op
     recorded_adafactor.install()  # ... and Adafactor's step too, without its host reads
     prepared = accelerate_integration.unwrap_prepared(model, optimizer)

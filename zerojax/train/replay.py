@@ -1,46 +1,47 @@
-"""A torch optimizer's step on live tensors, traced once and replayed without its op-by-op work.
+"""Recorded work on live tensors, traced once and replayed without its op-by-op Python.
 
-An optimizer that runs its own `step()` on live tensors (`zerojax.train.optimizer_shim`'s live
-path) has its ATen ops recorded and run as one program per step (`zerojax.train.deferred`).
-Recording is Python work per op and per list element: for each op the dispatch finds its
-lowering, binds and keys its arguments, and notes where each input comes from, every step,
-although the ops, their inputs and their program are those of the step before.
+Ops on live tensors are recorded and run as one program when a value is needed
+(`zerojax.train.deferred`): torch's clip, an optimizer's own `step()`, a hand-written
+`p.data.add_(p.grad, alpha=-lr)` loop. Recording is Python work per op and per list
+element: the dispatch finds the op's lowering, binds and keys its arguments, and notes where
+each input comes from -- every step, although the ops, their inputs and their program are
+those of the step before. So a recording, from its first call to the flush that runs it, is
+*traced*, and the next recording that opens with the same call is *replayed*.
 
-Here the first step is *traced*: every ATen call the step makes on live tensors (a
-"dispatch") is noted with its arguments, described by what they are, not by their values:
+Tracing notes every ATen call on live tensors (a "call") with its arguments described by
+what they are, not by their values:
 
-- a live tensor over state that outlives the step (a parameter, its gradient, an optimizer
-  state tensor: the same source object every step), or a result of an earlier dispatch of
-  this step;
-- a Python float the recorded program takes as an input (a learning rate, a bias correction:
-  their values may change every step), or a constant the program was specialized on;
+- a live tensor over something outside the recording (a parameter, its gradient, an
+  optimizer's state tensor: the same source object every step), or a result of an earlier
+  call of the recording;
+- a Python float the program takes as an input (a learning rate, a bias correction: new
+  values every step), or a constant the program was specialized on;
 
-with what the dispatch returned, which sources it wrote with which recorded result, and
-the recorded ops it added. A later step is *replayed*: torch's own Python runs unchanged
-(its host step counts advance, its branches are taken), and each dispatch is checked
-against the trace -- the same op, the same argument structure, the same tensors, constants
-equal -- and answered at once: its floats are collected as the program's scalar inputs, and
-its results are live tensors over values the recorded program will compute. When the step
-returns, the recording is rebuilt from the trace (its ops, their inputs read from the same
-sources, the new scalars, the writes), and runs as it would have: the same program, found by
-its key, with no new compile.
+with what the call returned, which sources it wrote with which result, and the ops it
+recorded. A replay lets the Python run unchanged (torch's host step counts advance, its
+branches are taken); each call is checked against the trace -- the same op, argument
+structure, tensors and constants -- and answered at once: its floats are the program's
+scalar inputs, its results live tensors over values the program will compute. When the
+recording is flushed, it is rebuilt from the trace (its ops, their inputs read from the same
+sources, the new scalars, the writes) and runs as it would have: the same program, found by
+its key, not compiled again.
 
-The check is the guard. A replay is exactly the recording the dispatches would have made:
-the ops of a dispatch are a function of its op, its arguments' structure, shapes, dtypes and
-constants, and of where its tensors' values come from, all checked; its traced floats are
-inputs, not part of the program. What the guard does not see cannot change the result:
-what happens on the host (step counts, Python attributes) runs for real. A dispatch that
-differs -- a new state key, another param-group structure, a changed constant or dtype, a
-float where the trace has another kind -- and anything else that would read or record live
-values during a replay (a host read, a recorded op outside a dispatch, another thread's op)
-turns the replayed part into the recording it stands for, and the step goes on recording;
-its trace replaces the old one.
+The check is the guard. A replay is the recording the calls would have made: a call's ops
+are a function of its op, its arguments' structure, shapes, dtypes and constants, and of
+where its tensors' values come from, all checked; its traced floats are inputs, not part of
+the program. What happens on the host runs for real. A call that differs (a new state key,
+another param-group structure, a changed constant or dtype) -- or anything else that would
+read, write or record live values meanwhile (a host read, an op recorded outside a call,
+another thread's op) -- turns what was replayed into the recording it stands for, and the
+rest is recorded and traced. Recordings that open alike and go on differently keep a trace
+each, and a replay passes from one to another that shares the calls made so far.
 
-Not traced (recorded every step, as before): a step that reads values on the host, draws
-random numbers, writes a live tensor with a value the step did not record, or takes in a
-host tensor or a view. Decompositions (an op without lowering, run as the ops torch
-decomposes it into) are traced with their floats as constants: their Python may branch on
-the values.
+Not traced (recorded as before): a recording that draws random numbers, writes a live
+tensor with a value it did not record, takes in a host tensor or a view, or records ops
+outside a call (Adam's and Adafactor's steps recorded as one op). Decompositions (an op
+without lowering, run as the ops torch decomposes it into) are traced with their floats as
+constants: their Python may branch on the values. A trace holds the tensors it began with
+weakly: it keeps no value alive.
 """
 
 from __future__ import annotations
@@ -87,22 +88,22 @@ _counts = {"traces": 0, "replays": 0}
 
 
 def traces() -> int:
-    """How many optimizer steps were traced (a first step, or one that differed from its
-    trace) in this process."""
+    """How many recordings were recorded, not replayed (traced, or not traceable), in this
+    process."""
     return _counts["traces"]
 
 
 def replays() -> int:
-    """How many optimizer steps were replayed from a trace in this process."""
+    """How many recordings were replayed from a trace in this process."""
     return _counts["replays"]
 
 
 class _NotTraceable(Exception):
-    """The step does something a replay cannot stand for (the message says what)."""
+    """The recording does something a replay cannot stand for (the message says what)."""
 
 
 class _Entry:
-    """One dispatch of a traced step.
+    """One call of a traced recording.
 
     `leaves`: per argument leaf (`live_tensor.flatten_arguments`' order), `(_SOURCE, source)` a live
     tensor over a source outside the step, `(_RESULT, (entry, k))` the k-th live tensor entry

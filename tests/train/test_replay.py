@@ -1,6 +1,6 @@
-"""A live optimizer's step traced once and replayed (zerojax.train.step_replay).
+"""A live optimizer's step traced once and replayed (zerojax.train.replay).
 
-Run: .venv/bin/python -m pytest -q tests/train/test_step_replay.py -p no:cacheprovider
+Run: .venv/bin/python -m pytest -q tests/train/test_replay.py -p no:cacheprovider
 Why: the replay answers torch's ATen calls from a trace instead of recording them, so every
 test here trains beside a plain-torch twin and checks the numbers, and counts traces and
 replays to show which path ran. Tolerances are test_torch_optimizers' (see its docstring: two
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import zerojax
 from bench.architectures import MLP
 from tests.train.test_torch_optimizers import SignMomentum, relative_errors
-from zerojax.train import deferred, step_replay
+from zerojax.train import deferred, replay
 
 pytestmark = pytest.mark.multidevice
 
@@ -112,7 +112,7 @@ def assert_trains_like_torch(model, twin, losses) -> None:
 
 
 def counts() -> tuple[int, int]:
-    return step_replay.traces(), step_replay.replays()
+    return replay.traces(), replay.replays()
 
 
 OPTIMIZERS = {
