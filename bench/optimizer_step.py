@@ -13,7 +13,9 @@ optimizer within 1.2x of it):
   a plain torch optimizer on live tensors, recorded the same way;
 - a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
   against `torch.optim.SGD` handed to initialize (target: within 1.1x);
-- plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale.
+- plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale;
+- the hand-written loop and RMSprop recorded at every step, not replayed
+  (zerojax.train.replay switched off around them): what the replay saves.
 
 A zerojax timing ends when the updated parameters are ready (`engine.state` runs what was
 recorded; `jax.block_until_ready` waits for it). Gradients stay in place between steps (no
@@ -44,6 +46,7 @@ import zerojax
 from bench.architectures import gpt2_bench_model
 from bench.timing import interleaved_times_ms, paired_ratio
 from tests.train.test_torch_optimizers import SignMomentum
+from zerojax.train import live_tensor
 
 # name -> (make(parameters) -> optimizer or list of them, also time plain torch)
 OPTIMIZERS = {
@@ -78,6 +81,17 @@ def _zerojax_step(step, model):
     def run():
         step()
         jax.block_until_ready(model.engine.params)
+
+    return run
+
+
+def _not_replayed(step):
+    def run():
+        hook, live_tensor.dispatch_hook[0] = live_tensor.dispatch_hook[0], None
+        try:
+            step()
+        finally:
+            live_tensor.dispatch_hook[0] = hook
 
     return run
 
@@ -138,6 +152,13 @@ def main() -> None:
 
     contenders["zerojax hand-written p.data.add_ loop"] = _zerojax_step(by_hand, model)
 
+    # The same two recorded every time, not replayed (zerojax.train.replay switched off
+    # around them): what the replay saves.
+    contenders["zerojax hand-written loop, not replayed"] = _not_replayed(
+        contenders["zerojax hand-written p.data.add_ loop"]
+    )
+    contenders["zerojax RMSprop, not replayed"] = _not_replayed(contenders["zerojax RMSprop"])
+
     times = interleaved_times_ms(contenders, args.repeats, rotate=True)  # warm-up: compile
     print(
         f"GPT-2 bench model (52 parameters, 3.49M elements), one CPU device; median of "
@@ -151,6 +172,12 @@ def main() -> None:
         times, "zerojax hand-written p.data.add_ loop", "zerojax SGD (compiled)"
     )
     print(f"  hand-written loop / SGD (compiled): {ratio:.2f}x [{low:.2f}-{high:.2f}]")
+    for name, unreplayed in (
+        ("zerojax hand-written p.data.add_ loop", "zerojax hand-written loop, not replayed"),
+        ("zerojax RMSprop", "zerojax RMSprop, not replayed"),
+    ):
+        ratio, low, high = paired_ratio(times, name, unreplayed)
+        print(f"  {name} / not replayed: {ratio:.2f}x [{low:.2f}-{high:.2f}]")
 
 
 if __name__ == "__main__":

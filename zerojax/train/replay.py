@@ -106,7 +106,7 @@ class _Entry:
     """One call of a traced recording.
 
     `leaves`: per argument leaf (`live_tensor.flatten_arguments`' order), `(_SOURCE, source)` a live
-    tensor over a source outside the step, `(_RESULT, (entry, k))` the k-th live tensor entry
+    tensor over a source outside the recording, `(_RESULT, (entry, k))` the k-th live tensor entry
     `entry` returned, `(_SLOT, slot)` a float the program takes as scalar input `slot`,
     `(_CONST, type, value)` a constant. `returns`: `_NONE`, `_FIRST` (its first argument),
     `_ALIAS` (a new live tensor over its first argument's source), or `(container type,
@@ -277,8 +277,8 @@ class _Session:
         if self.recorder is not None and threading.get_ident() == self.thread:
             self.recorder.on_write(source, value)
 
-    def interrupt(self, why: str = "a live value read or recorded outside the step's ops"):
-        """Turn the replayed dispatches into their recording; the step goes on recording."""
+    def interrupt(self, why: str = "a live value read, written or recorded outside a call"):
+        """Turn the replayed calls into their recording; the rest is recorded and traced."""
         with self.lock:
             replayer = self.replayer
             if replayer is None:
@@ -322,11 +322,11 @@ _DIVERGED = object()
 
 
 class _Recorder:
-    """Records a step as usual and traces its dispatches (`_Entry`)."""
+    """Records as usual and traces each call (`_Entry`)."""
 
     def __init__(self):
         self.entries: list[_Entry] = []
-        # id(source) -> (weakref to it, (entry, k)) for live tensors the step's dispatches
+        # id(source) -> (weakref to it, (entry, k)) for live tensors the recording's calls
         # returned: one of them met as an argument is that result, not outside state.
         self.results: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
         # id(array) -> (the array, its source): outside sources' values when first met (the
@@ -356,7 +356,7 @@ class _Recorder:
             return run_op(func, args, kwargs)
         recording = deferred.current_recording()
         if recording is not self.recording:
-            self.fail("its recording ran before the step ended (a host read)")
+            self.fail("its recording ran before its calls ended")
             return run_op(func, args, kwargs)
         ops_before = len(recording.ops)
         if ops_before != (self.entries[-1].ops if self.entries else 0):
@@ -380,7 +380,7 @@ class _Recorder:
         return result
 
     def _note_source(self, source) -> None:
-        """Remember an outside source's value before the step changes it (the array a
+        """Remember an outside source's value before the recording changes it (the array a
         recording takes in for it)."""
         if id(source) in self.seen:
             return
@@ -464,14 +464,15 @@ class _Recorder:
         return (*_pending(source.array, "returns"), tensor.dtype)
 
     def end(self) -> tuple[_Trace | None, str | None]:
-        """The trace of the step just recorded (None, and why, where it cannot be replayed)."""
+        """The trace of the recording about to run (None, and why, where it cannot be
+        replayed)."""
         recording = deferred.current_recording()
         # The values noted are the recording's inputs: held here, the program could not reuse
         # their buffers (`deferred._unheld`).
         first_values, self.first_values = self.first_values, {}
         if self.untraceable is None:
             if recording is not self.recording:
-                self.fail("its recording ran before the step ended (a host read)")
+                self.fail("its recording ran before its calls ended")
             elif not self.entries or len(recording.ops) != self.entries[-1].ops:
                 self.fail("it records ops outside torch's dispatch")
         if self.untraceable is not None:
@@ -480,7 +481,7 @@ class _Recorder:
         for array in recording.arrays:
             known = first_values.get(id(array))
             if known is None or known[0] is not array:
-                return None, "an op's input is no live tensor's value at the step's start"
+                return None, "an op's input is no live tensor's value before the recording"
             sources.append(weakref.ref(known[1]))
         if any(type(s) is not float for s in recording.scalars):
             return None, "an op takes a host tensor's values"
@@ -496,7 +497,7 @@ def _argument_groups(entry: _Entry) -> list | None:
     """Per argument (positional, then keyword) of a dispatch whose arguments are leaves or
     flat lists of them (`flatten_arguments`' `spec_key`), how a replay checks it:
     `(_LEAF, leaf)`; for a list, `(kind, type, length, what)`: `_SOURCES` with the sources of
-    its live tensors (outside the step), `_RESULTS` with the entry that returned it whole, or
+    its live tensors (outside the recording), `_RESULTS` with the entry that returned it whole, or
     `_LEAVES` with its leaves. None for other arguments (checked leaf by leaf)."""
     if not isinstance(entry.spec, tuple):
         return None
@@ -549,12 +550,13 @@ def _pin_shared_slots(entries: list[_Entry], recording) -> list[_Entry]:
 def _pending(value, what: str) -> tuple:
     """(position, shape, JAX dtype) of a value the recording will compute."""
     if type(value) is not Deferred or value.computed is not None or value._error is not None:
-        raise _NotTraceable(f"it {what} a value the step did not record")
+        raise _NotTraceable(f"it {what} a value it did not record")
     return value._position, value.shape, value.dtype
 
 
 class _Replayer:
-    """Answers a step's dispatches from its trace, then rebuilds the recording they stand for."""
+    """Answers a recording's calls from its trace, then rebuilds the recording they stand
+    for."""
 
     def __init__(self, traces: list[_Trace]):
         self.traces = traces
@@ -706,12 +708,12 @@ class _Replayer:
 
     def materialize(self, goes_on: bool = True) -> _Recorder | None:
         """Make the recording the replayed dispatches stand for the current one; with
-        `goes_on`, return a recorder that goes on from there (the step diverged)."""
+        `goes_on`, return a recorder that goes on from there (a call differed)."""
         trace, done = self.trace, self.next
         entries = trace.entries
         last = entries[done - 1] if done else None
         recording = deferred.current_recording()
-        # The step began with nothing recorded, and nothing was recorded since (the hooks).
+        # The replay began with nothing recorded, and nothing was recorded since (the hooks).
         assert not recording.ops and not recording.writes, "a replay met a recording"
         sources = [ref() for ref in trace.array_sources[: last.arrays if last else 0]]
         values = [_value_before(source) for source in sources]
@@ -733,7 +735,7 @@ class _Replayer:
         kept: list[Deferred] = []  # the writes' values live on in their targets
         for target, position, shape, dtype in final:
             source = target[1]() if target[0] is _SOURCE else self._result_source(target[1])
-            if source is None:  # a result of the step nothing holds any more
+            if source is None:  # a result nothing holds any more
                 continue
             value = self._deferred(position, shape, dtype)
             kept.append(value)
@@ -772,7 +774,7 @@ class _Replayer:
 
 
 def _value_before(source) -> jax.Array:
-    """A source's value at the step's start, as the recording took it in (`Owned.value`,
+    """A source's value before the recording, as the recording took it in (`Owned.value`,
     `EngineEntry.value` with nothing written yet, noting the engine entry read)."""
     if type(source) is Owned:
         value = source.array
