@@ -431,7 +431,7 @@ class _Recorder:
         entry = _Entry()
         entry.func, entry.spec = func, spec
         entry.leaves = tuple(self._leaf(x, traced, recording.scalar_slots) for x in leaves)
-        entry.returns = self._returns(result, args, len(self.entries))
+        entry.returns = self._returns(result, args, leaves, len(self.entries))
         entry.writes = [
             (self._tensor_leaf(source), *_pending(value, "writes")) for source, value in self.writes
         ]
@@ -442,12 +442,16 @@ class _Recorder:
         entry.scalars = len(recording.scalars)
         self.entries.append(entry)
 
-    def _returns(self, result, args: tuple, index: int):
+    def _returns(self, result, args: tuple, leaves: list, index: int):
         if result is None:
             return _NONE
         first = args[0] if args else None
         if result is first:
             return _FIRST
+        returned = result if type(result) in (list, tuple) else (result,)
+        if any(r is leaf for r in returned for leaf in leaves):
+            # An `out=` tensor given back: a replay's new tensor would not be that object.
+            raise _NotTraceable("an op returns one of its other arguments")
         if type(result) is LiveTensor:
             if type(first) is LiveTensor and result._source is first._source:
                 return _ALIAS
@@ -686,7 +690,9 @@ class _Replayer:
                 scalars[slot] = x
                 self.assigned[slot] = True
                 return True
-            return x is scalars[slot] or x == scalars[slot]
+            # The same object, as when traced (one program input for both): an equal value
+            # could still differ in sign (0.0, -0.0).
+            return x is scalars[slot]
         if kind is _RESULT:
             source = self.results.get(want[1])
             return type(x) is LiveTensor and source is not None and x._source is source()
