@@ -276,3 +276,20 @@ def test_small_arrays_are_written_whole_and_restore_onto_their_shards(tmp_path):
     assert_state_equal(host(other), saved)
     engine = other.engine
     assert engine.params["fc1.bias"].sharding == engine.plan.params["fc1.bias"]
+
+
+def test_shards_restored_onto_the_saving_mesh_are_one_block_without_copies(tmp_path):
+    """Each device's shard of a ZeRO-3 array is a stored chunk: the chunks are read into one
+    aligned allocation per array, consecutive, and each device's array is that memory (XLA's
+    CPU client aliases an aligned host buffer), not a copy of it."""
+    _, _, saved, _ = saved_checkpoint(tmp_path)
+    other, other_opt = make(hidden=HIDDEN, seed=5)
+    Checkpointer(tmp_path, other, other_opt).restore()
+    assert_state_equal(host(other), saved)
+    array = other.engine.params["fc1.weight"]  # (1024, 8) fp32 over 8 devices: 4 KiB a shard
+    shards = sorted(array.addressable_shards, key=lambda s: s.index[0].start)
+    pointers = [s.data.unsafe_buffer_pointer() for s in shards]
+    shard_bytes = shards[0].data.nbytes
+    assert shard_bytes == 4096 and len(shards) == 8
+    assert pointers == [pointers[0] + k * shard_bytes for k in range(8)]
+    assert pointers[0] % 64 == 0
