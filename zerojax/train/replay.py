@@ -134,6 +134,7 @@ class _Trace:
         "entries",
         "final_writes",
         "generation",
+        "opener",
         "ops",
         "scalars",
         "superseded_writes",
@@ -175,17 +176,25 @@ def _begin(func, args: tuple) -> _Session | None:
     recording = deferred.current_recording()
     if recording.ops or recording.writes or _multiprocess():
         return None
-    key = _segment_key(func, args)
+    key, opener = _segment_key(func, args)
     traces = _traces.get(key)
-    if traces is not None and traces[0].generation != deferred.signature_generation():
+    if traces is not None and (
+        traces[0].generation != deferred.signature_generation()
+        or traces[0].opener() is not opener  # the id of a source gone, taken by another
+    ):
         del _traces[key]
         traces = None
     if traces is not None:
         _traces.move_to_end(key)
-    session = _Session(key, None if traces is None else _Replayer(traces))
+    session = _Session(key, opener, None if traces is None else _Replayer(traces))
     _active[0] = session
     session.install()
     return session
+
+
+def _no_source() -> None:
+    """A trace's opener when its first call has no live tensor first."""
+    return None
 
 
 @functools.cache
@@ -193,13 +202,14 @@ def _multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def _segment_key(func, args: tuple) -> tuple:
-    """A recording's first call and the source of its first live tensor: what its trace is
-    found by (a trace that does not match is replaced; a changed source never matches)."""
+def _segment_key(func, args: tuple) -> tuple[tuple, Any]:
+    """(What a recording's trace is found by: its first call and the identity of the source
+    of its first live tensor; that source, or None)."""
     first = args[0] if args else None
     if type(first) in (list, tuple) and first:
         first = first[0]
-    return (func, id(first._source) if type(first) is LiveTensor else None)
+    source = first._source if type(first) is LiveTensor else None
+    return (func, id(source)), source
 
 
 def _end_segment() -> None:
@@ -214,6 +224,7 @@ def _end_segment() -> None:
         _active[0] = None
         trace, why = session.finish()
     if trace is not None:
+        trace.opener = _no_source if session.opener is None else weakref.ref(session.opener)
         kept = [t for t in _traces.pop(session.key, []) if t is not trace]
         _traces[session.key] = [trace, *kept[: _MAX_TRACES_PER_KEY - 1]]
         if len(_traces) > _MAX_TRACES:
@@ -235,8 +246,8 @@ def _end_segment() -> None:
 class _Session:
     """One recording traced or replayed: the hooks on live tensors' values and writes."""
 
-    def __init__(self, key: tuple, replayer: _Replayer | None):
-        self.key = key
+    def __init__(self, key: tuple, opener, replayer: _Replayer | None):
+        self.key, self.opener = key, opener
         self.replayer = replayer
         self.recorder = _Recorder() if replayer is None else None
         self.thread = threading.get_ident()
