@@ -14,14 +14,14 @@ optimizer within 1.2x of it):
 - a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
   against `torch.optim.SGD` handed to initialize (target: within 1.1x);
 - plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale;
-- the hand-written loop and RMSprop recorded at every step, not replayed
+- the hand-written loop, RMSprop, NAdam and SignMomentum recorded at every step, not replayed
   (zerojax.train.replay switched off around them): what the replay saves.
 
 A zerojax timing ends when the updated parameters are ready (`engine.state` runs what was
 recorded; `jax.block_until_ready` waits for it). Gradients stay in place between steps (no
 zero_grad), so every step updates every parameter.
 
-Run: .venv/bin/python bench/optimizer_step.py [--repeats N]
+Run: .venv/bin/python bench/optimizer_step.py [--repeats N] [--skip-muon] [--skip-torch]
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ OPTIMIZERS = {
     "SGD (compiled)": (lambda p: torch.optim.SGD(p, lr=1e-4), False),
 }
 REFERENCE = "zerojax AdamW (compiled)"
+# Also timed recorded at every step, not replayed.
+REPLAY_COMPARED = ("RMSprop", "NAdam", "SignMomentum (user-defined)")
 
 
 def _bench_model():
@@ -85,6 +87,29 @@ def _zerojax_step(step, model):
     return run
 
 
+def _add_muon(contenders: dict, with_torch: bool) -> None:
+    """Muon for the matrices beside AdamW for the rest (torch's docs): both handed over."""
+    module, tokens, targets = _bench_model()
+    matrices = [p for p in module.parameters() if p.ndim == 2]
+    rest = [p for p in module.parameters() if p.ndim != 2]
+    model, (muon, adamw) = zerojax.initialize(
+        module,
+        [torch.optim.Muon(matrices, lr=1e-4), torch.optim.AdamW(rest, lr=1e-4)],
+        {"mesh": {"data": 1}},
+    )
+    _backward(model, tokens, targets)
+    contenders["zerojax Muon + AdamW"] = _zerojax_step(lambda: (muon.step(), adamw.step()), model)
+    if not with_torch:
+        return
+    # Muon's Newton-Schulz matmuls (bfloat16) are most of its step, in torch as here: its
+    # scale is torch's own Muon step, not the element-wise AdamW update.
+    twin, _, _ = _bench_model()
+    twin_muon = torch.optim.Muon([p for p in twin.parameters() if p.ndim == 2], lr=1e-4)
+    twin_adamw = torch.optim.AdamW([p for p in twin.parameters() if p.ndim != 2], lr=1e-4)
+    _backward(twin, tokens, targets)
+    contenders["torch Muon + AdamW"] = lambda: (twin_muon.step(), twin_adamw.step())
+
+
 def _not_replayed(step):
     def run():
         hook, live_tensor.dispatch_hook[0] = live_tensor.dispatch_hook[0], None
@@ -99,6 +124,10 @@ def _not_replayed(step):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--skip-muon", action="store_true", help="no Muon + AdamW (its ~100 ms step dominates)"
+    )
+    parser.add_argument("--skip-torch", action="store_true", help="no plain-torch twins")
     args = parser.parse_args()
     contenders = {}
     for name, (make, with_torch) in OPTIMIZERS.items():
@@ -109,29 +138,13 @@ def main() -> None:
         )
         _backward(model, tokens, targets)
         contenders[f"zerojax {name}"] = _zerojax_step(optimizer.step, model)
-        if with_torch:
+        if with_torch and not args.skip_torch:
             twin_optimizer = make(twin.parameters())
             _backward(twin, tokens, targets)
             contenders[f"torch {name.split(' ')[0]}"] = twin_optimizer.step
 
-    # Muon for the matrices beside AdamW for the rest (torch's docs): both handed over.
-    module, tokens, targets = _bench_model()
-    matrices = [p for p in module.parameters() if p.ndim == 2]
-    rest = [p for p in module.parameters() if p.ndim != 2]
-    model, (muon, adamw) = zerojax.initialize(
-        module,
-        [torch.optim.Muon(matrices, lr=1e-4), torch.optim.AdamW(rest, lr=1e-4)],
-        {"mesh": {"data": 1}},
-    )
-    _backward(model, tokens, targets)
-    contenders["zerojax Muon + AdamW"] = _zerojax_step(lambda: (muon.step(), adamw.step()), model)
-    # Muon's Newton-Schulz matmuls (bfloat16) are most of its step, in torch as here: its
-    # scale is torch's own Muon step, not the element-wise AdamW update.
-    twin, _, _ = _bench_model()
-    twin_muon = torch.optim.Muon([p for p in twin.parameters() if p.ndim == 2], lr=1e-4)
-    twin_adamw = torch.optim.AdamW([p for p in twin.parameters() if p.ndim != 2], lr=1e-4)
-    _backward(twin, tokens, targets)
-    contenders["torch Muon + AdamW"] = lambda: (twin_muon.step(), twin_adamw.step())
+    if not args.skip_muon:
+        _add_muon(contenders, with_torch=not args.skip_torch)
 
     # AdamW built after initialize on the model's parameters (minGPT, the HF Trainer).
     module, tokens, targets = _bench_model()
@@ -157,7 +170,8 @@ def main() -> None:
     contenders["zerojax hand-written loop, not replayed"] = _not_replayed(
         contenders["zerojax hand-written p.data.add_ loop"]
     )
-    contenders["zerojax RMSprop, not replayed"] = _not_replayed(contenders["zerojax RMSprop"])
+    for name in REPLAY_COMPARED:
+        contenders[f"zerojax {name}, not replayed"] = _not_replayed(contenders[f"zerojax {name}"])
 
     times = interleaved_times_ms(contenders, args.repeats, rotate=True)  # warm-up: compile
     print(
@@ -172,10 +186,9 @@ def main() -> None:
         times, "zerojax hand-written p.data.add_ loop", "zerojax SGD (compiled)"
     )
     print(f"  hand-written loop / SGD (compiled): {ratio:.2f}x [{low:.2f}-{high:.2f}]")
-    for name, unreplayed in (
-        ("zerojax hand-written p.data.add_ loop", "zerojax hand-written loop, not replayed"),
-        ("zerojax RMSprop", "zerojax RMSprop, not replayed"),
-    ):
+    pairs = [("zerojax hand-written p.data.add_ loop", "zerojax hand-written loop, not replayed")]
+    pairs += [(f"zerojax {n}", f"zerojax {n}, not replayed") for n in REPLAY_COMPARED]
+    for name, unreplayed in pairs:
         ratio, low, high = paired_ratio(times, name, unreplayed)
         print(f"  {name} / not replayed: {ratio:.2f}x [{low:.2f}-{high:.2f}]")
 

@@ -80,14 +80,15 @@ _MAX_PROGRAMS = 256
 # Distinct recorded-op signatures numbered before the numbering starts again.
 _MAX_SIGNATURES = 1_000_000
 
-# While an optimizer's step is replayed (`zerojax.train.step_replay`): called before anything
-# reads, writes or records live values outside the replay, to turn the replayed ops into the
-# recording they stand for first.
+# While a recording is replayed (`zerojax.train.replay`): called before anything reads,
+# writes or records live values outside the replayed calls, to turn them into the recording
+# they stand for first.
 interrupt: list[Callable[[], None] | None] = [None]
-# While a step is traced: called with (source, value) at each write of a live tensor's source.
+# While a recording is traced or replayed: called with (source, value) at each write of a
+# live tensor's source.
 write_hook: list[Callable[[Any, Any], None] | None] = [None]
 # Called by `flush` before it runs a recording: its trace ends, or its replay is made a
-# recording (`zerojax.train.step_replay`).
+# recording (`zerojax.train.replay`).
 segment_end: list[Callable[[], None] | None] = [None]
 
 
@@ -308,7 +309,7 @@ def place(value: Deferred, sharding) -> None:
 
 
 def current_recording() -> _Recording:
-    """The recording ops are being recorded into (`zerojax.train.step_replay` traces it)."""
+    """The recording ops are being recorded into (`zerojax.train.replay` traces it)."""
     return _recording
 
 

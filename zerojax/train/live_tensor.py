@@ -142,7 +142,7 @@ class LiveTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         hook = dispatch_hook[0]
-        if hook is not None:  # an optimizer's step traced or replayed (`step_replay`)
+        if hook is not None:  # recordings traced and replayed (`zerojax.train.replay`)
             return hook(func, args, kwargs or {})
         return run_op(func, args, kwargs or {})
 
@@ -174,8 +174,8 @@ class LiveTensor(torch.Tensor):
         return copied
 
 
-# While an optimizer's step is traced or replayed (`zerojax.train.step_replay`): what every
-# ATen call on live tensors goes to instead of `run_op`.
+# Where every ATen call on live tensors goes instead of `run_op` once recordings are traced
+# and replayed (`zerojax.train.replay.install`).
 dispatch_hook: list[Callable[[Any, tuple, dict], Any] | None] = [None]
 
 # `watching_host_reads`' callback, per thread.
