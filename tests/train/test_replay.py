@@ -75,10 +75,11 @@ class NormEveryThirdStep(torch.optim.Optimizer):
                 torch._foreach_mul_(params, 1.0 / (1.0 + 1e-3 * float(norm)))
 
 
-def train(make, steps: int, schedule=None, each_step=None, config=ZERO3):
+def train(make, steps: int, schedule=None, each_step=None, config=ZERO3, per_step=None):
     """`steps` steps wrapped and as a plain-torch twin on the same batches, an LR scheduler
     made by `schedule(optimizer)` on each; `each_step(step, optimizers)` runs before each
-    step. Returns (model, twin, losses, compiled-program counts after each step)."""
+    step; `per_step`, a list, gets each wrapped step's (traces, replays). Returns (model,
+    twin, losses, compiled-program counts after each step)."""
     torch.manual_seed(0)
     module = MLP()
     twin = copy.deepcopy(module)
@@ -95,8 +96,11 @@ def train(make, steps: int, schedule=None, each_step=None, config=ZERO3):
         for m, opt in pairs:
             loss = F.cross_entropy(m(x), y)
             loss.backward()
+            before = counts()
             opt.step()
             opt.zero_grad()
+            if per_step is not None and m is model:
+                per_step.append(tuple(a - b for a, b in zip(counts(), before, strict=True)))
             pair.append(float(loss.detach()))
         for scheduler in schedulers:
             scheduler.step()
@@ -127,18 +131,21 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_replayed_steps_train_like_torch_under_a_cosine_schedule(name):
-    """Two steps are traced (the first creates the state, the second is the steady step);
-    every later one is replayed with its new learning rate and bias corrections, and no
-    program is compiled after the second step."""
-    before = counts()
+    """The first two steps are traced (the first creates the state, the second is the steady
+    step); every later one is one recording, replayed with its new learning rate and bias
+    corrections, and no program is compiled after the second step. (The first steps are not
+    counted exactly: a flush from elsewhere -- a finalizer the garbage collector runs for an
+    earlier test's objects, another thread -- cuts a recording where it is, and the step goes
+    on in a second one.)"""
+    per_step: list = []
     model, twin, losses, compiled = train(
         OPTIMIZERS[name],
         12,
         schedule=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=12),
+        per_step=per_step,
     )
     assert_trains_like_torch(model, twin, losses)
-    traced, replayed = (now - then for now, then in zip(counts(), before, strict=True))
-    assert traced <= 2 and replayed == 12 - traced, (traced, replayed)
+    assert per_step[2:] == [(0, 1)] * 10, per_step
     assert compiled[-1] == compiled[1], compiled
 
 
