@@ -25,6 +25,9 @@ pitfalls kept out:
   recording never spans a step; a recording that reaches `_MAX_OPS` runs at once.
 - **Processes in step.** Over arrays that span several processes (a multi-process job) each
   op runs as it is recorded: where a recording is cut must not depend on one process alone.
+- **Recorded once.** A recording like one before it (the next step's) is not recorded call
+  by call again: `zerojax.train.replay` traces it and answers the next one's calls from the
+  trace, rebuilding the recording they stand for before it runs here.
 
 Only results still referenced when the recording runs leave the program (a Python temporary's
 value never reaches memory), which CPython's reference counting decides deterministically.
@@ -183,7 +186,7 @@ class _Recording:
             self.spans_devices |= devices
 
     def take_scalar(self, value) -> None:
-        """Take `value` as the next scalar input (see `take_array`)."""
+        """Take `value` as the next scalar input (see `take_arrays`)."""
         self.scalar_slots.setdefault(id(value), len(self.scalars))
         self.scalars.append(value)
 
