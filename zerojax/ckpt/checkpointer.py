@@ -306,21 +306,6 @@ def _small_arrays_whole(items: dict) -> dict:
     return jax.tree.map(whole, items)
 
 
-def _save_gc_paused():
-    """Python's cyclic GC paused while one process's background save runs (`gc_pause`).
-
-    Why: a save builds tens of thousands of Python objects (Orbax's per-array handlers, args,
-    futures, TensorStore specs) that live until its commit. With the collector on, the
-    collections that run meanwhile promote them to the oldest generation, and every few saves
-    that growth starts a full collection of the whole process (650k objects for the bench
-    GPT-2: 0.4-1.0 s at load 4, holding the GIL, so the training thread stops for it too; 2 in
-    6 saves, each followed by a step), and paused, none in 6 (BENCHMARKS.md): the objects die
-    by reference count at the commit without ever being promoted. The pause ends with the
-    save: a write that takes long (a slow disk) keeps the collector off that long, while the
-    training loop's cyclic garbage waits, as it does during a program's trace."""
-    return gc_pause.collection_paused()
-
-
 def _await_snapshot(enqueued: threading.Event, step: int) -> None:
     """Before an update donates the state: the snapshot of save(step) must be enqueued."""
     if not enqueued.is_set():
@@ -551,8 +536,15 @@ class Checkpointer:
     def _snapshot_and_write(
         self, manager: ocp.CheckpointManager, step: int, items: dict, meta: dict, enqueued
     ) -> None:
-        # Python's cyclic GC is paused from the snapshot to the commit (`_save_gc_paused`).
-        with _save_gc_paused():
+        # Python's cyclic GC is paused from the snapshot to the commit. A save builds tens of
+        # thousands of Python objects (Orbax's per-array handlers, args, futures, TensorStore
+        # specs) that live until its commit; with the collector on, the collections meanwhile
+        # promote them to the oldest generation, and every few saves that growth starts a full
+        # collection of the whole process (650k objects for the bench GPT-2: 0.4-1.0 s at
+        # load 4, holding the GIL, so the training thread stops too; 2 in 6 saves, none
+        # paused: BENCHMARKS.md). Paused, they die by reference count at the commit. A slow
+        # write keeps the collector off that long, as a program's trace does.
+        with gc_pause.collection_paused():
             try:
                 items = snapshot(items, method=self._snapshot_method)
             finally:

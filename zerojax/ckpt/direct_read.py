@@ -373,9 +373,10 @@ class DirectRead:
 
         Where each device's shard is exactly one stored chunk (a restore onto the mesh that
         saved), the chunk is read straight into its piece of one aligned allocation per array
-        (`_shard_buffers`), which becomes the device's array without a copy (`jax.device_put` of an aligned numpy array on a CPU device
-        aliases it; elsewhere it is one transfer); otherwise the array is assembled whole in
-        host memory and `jax.make_array_from_callback` slices it onto its devices.
+        (`_shard_buffers`), which becomes the device's array without a copy (`jax.device_put`
+        of an aligned numpy array on a CPU device aliases it; elsewhere it is one transfer);
+        otherwise the array is assembled whole in host memory and
+        `jax.make_array_from_callback` slices it onto its devices.
 
         Reading and placing overlap: an array is placed on its devices, on this thread, as
         soon as every file holding one of its chunks has been read and checked, while the
