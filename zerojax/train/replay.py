@@ -132,12 +132,10 @@ class _Trace:
     __slots__ = (
         "array_sources",
         "entries",
-        "final_writes",
         "generation",
         "opener",
         "ops",
         "scalars",
-        "superseded_writes",
     )
 
 
@@ -504,7 +502,6 @@ class _Recorder:
         trace.entries, trace.array_sources = _pin_shared_slots(self.entries, recording), sources
         trace.ops, trace.scalars = list(recording.ops), list(recording.scalars)
         trace.generation = deferred.signature_generation()
-        trace.final_writes, trace.superseded_writes = _last_writes(trace.entries)
         return trace, None
 
 
@@ -733,36 +730,17 @@ class _Replayer:
         # The replay began with nothing recorded, and nothing was recorded since (the hooks).
         assert not recording.ops and not recording.writes, "a replay met a recording"
         sources = [ref() for ref in trace.array_sources[: last.arrays if last else 0]]
-        values = [_value_before(source) for source in sources]
+        # The values before the recording (nothing is written yet), as it took them in.
+        values = [deferred.resolve(source.value()) for source in sources]
         recording.take_arrays(values)
         for value in self.scalars[: last.scalars if last else 0]:
             recording.take_scalar(value)
         ops = trace.ops[: last.ops if last else 0]
-        if done == len(entries):
-            final, superseded = trace.final_writes, trace.superseded_writes
-        else:
-            final, superseded = _last_writes(entries[:done])
-        placed, writes = recording.placed, recording.writes
-        # A value written and then written over was still placed where its target keeps its
-        # values (`Owned.write`): the program's results are placed as when recorded.
-        for target, position in superseded:
-            sharding = getattr(target(), "sharding", None)
-            if sharding is not None:
-                placed[position[1:]] = sharding
-        kept: list[Deferred] = []  # the writes' values live on in their targets
-        for target, position, shape, dtype in final:
-            source = target[1]() if target[0] is _SOURCE else self._result_source(target[1])
-            if source is None:  # a result nothing holds any more
-                continue
-            value = self._deferred(position, shape, dtype)
-            kept.append(value)
-            # `Owned.write` / `EngineEntry.write` of a value the recording computes.
-            if type(source) is Owned:
-                source.array = value
-                if source.sharding is not None:
-                    placed[position[1:]] = source.sharding
-            else:
-                writes[(source.writer, source.name)] = (value, source.sharding)
+        for entry in entries[:done]:
+            for target, position, shape, dtype in entry.writes:
+                source = target[1]() if target[0] is _SOURCE else self._result_source(target[1])
+                if source is not None:  # else a result nothing holds any more
+                    source.write(self._deferred(position, shape, dtype))
         outputs: list[list] = [[] for _ in ops]
         for (_, index, k), known in self.made.items():
             slots = outputs[index]
@@ -770,7 +748,6 @@ class _Replayer:
                 slots.extend([None] * (k + 1 - len(slots)))
             slots[k] = known
         recording.take_ops(ops, outputs)
-        del kept
         if not goes_on:
             return None
         recorder = _Recorder()
@@ -788,37 +765,3 @@ class _Replayer:
     def _result_source(self, where: tuple[int, int]):
         known = self.results.get(where)
         return None if known is None else known()
-
-
-def _value_before(source) -> jax.Array:
-    """A source's value before the recording, as the recording took it in (`Owned.value`,
-    `EngineEntry.value` with nothing written yet, noting the engine entry read)."""
-    if type(source) is Owned:
-        value = source.array
-        return value.resolve() if type(value) is Deferred else value
-    value = source.reader(source.name, source.dtype)
-    if value is None:
-        return source.value()  # raises: the gradient was cleared
-    deferred.read_entry(value, source.writer, source.name)
-    return value
-
-
-def _last_writes(entries: list[_Entry]) -> tuple[list, list]:
-    """(The last write into each target, the earlier writes into outside `Owned` sources as
-    (source, position)) of `entries`, in order."""
-    last: dict = {}
-    for entry in entries:
-        for write in entry.writes:
-            target = write[0]
-            key = target[1]  # a weak reference (one per source) or a result's place
-            last.pop(key, None)
-            last[key] = write
-    final = list(last.values())
-    chosen = {id(w) for w in final}
-    superseded = [
-        (write[0][1], write[1])
-        for entry in entries
-        for write in entry.writes
-        if id(write) not in chosen and write[0][0] is _SOURCE and type(write[0][1]()) is Owned
-    ]
-    return final, superseded
