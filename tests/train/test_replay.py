@@ -79,7 +79,7 @@ def train(make, steps: int, schedule=None, each_step=None, config=ZERO3, per_ste
     """`steps` steps wrapped and as a plain-torch twin on the same batches, an LR scheduler
     made by `schedule(optimizer)` on each; `each_step(step, optimizers)` runs before each
     step; `per_step`, a list, gets each wrapped step's (traces, replays). Returns (model,
-    twin, losses, compiled-program counts after each step)."""
+    twin, losses, compiled-program counts after each step, (optimizer, twin's optimizer))."""
     torch.manual_seed(0)
     module = MLP()
     twin = copy.deepcopy(module)
@@ -106,13 +106,26 @@ def train(make, steps: int, schedule=None, each_step=None, config=ZERO3, per_ste
             scheduler.step()
         losses.append(pair)
         compiled.append(deferred.programs_compiled())
-    return model, twin, np.array(losses), compiled
+    return model, twin, np.array(losses), compiled, (optimizer, twin_optimizer)
 
 
 def assert_trains_like_torch(model, twin, losses) -> None:
     np.testing.assert_allclose(losses[:, 0], losses[:, 1], rtol=1e-5)
     errors = relative_errors(model, twin)
     assert max(errors.values()) <= 1e-4, errors
+
+
+def assert_state_like_torch(optimizer, twin_optimizer) -> None:
+    """The optimizers' state, tensor by tensor, within the parameters' tolerance (ASGD's
+    average `ax` reaches no parameter: only this sees it)."""
+    ours, theirs = optimizer.state_dict()["state"], twin_optimizer.state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for index, state in theirs.items():
+        assert ours[index].keys() == state.keys(), index
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point() and value.norm() > 0:
+                error = (ours[index][key].double() - value.double()).norm() / value.double().norm()
+                assert error <= 1e-4, (index, key, float(error))
 
 
 def counts() -> tuple[int, int]:
@@ -130,6 +143,10 @@ OPTIMIZERS = {
     "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2, weight_decay=0.01),
     "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, weight_decay=0.01),
     "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, lr_decay=0.01),
+    # Host tensors in the calls: Rprop's step-size factors (0-d CPU tensors torch makes per
+    # call), ASGD's `eta` and `mu` (CPU state tensors it rewrites on the host every step).
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-3),
+    "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=3),
     "SignMomentum (user-defined)": lambda p: SignMomentum(p),
 }
 
@@ -142,13 +159,14 @@ def test_replayed_steps_train_like_torch_under_a_cosine_schedule(name):
     not counted: in one full-suite run a flush from elsewhere in the test process, its source
     not found, cut step 0's recording in two. Numbers stay the same; the count does not.)"""
     per_step: list = []
-    model, twin, losses, compiled = train(
+    model, twin, losses, compiled, optimizers = train(
         OPTIMIZERS[name],
         12,
         schedule=lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=12),
         per_step=per_step,
     )
     assert_trains_like_torch(model, twin, losses)
+    assert_state_like_torch(optimizers[0], optimizers[1])
     assert per_step[2:] == [REPLAYED] * 10, per_step
     assert compiled[-1] == compiled[1], compiled
 
@@ -165,7 +183,7 @@ def test_a_changed_group_structure_is_traced_again_and_trains_like_torch():
                     group["weight_decay"] = 0.01
 
     per_step: list = []
-    model, twin, losses, _ = train(
+    model, twin, losses, *_ = train(
         lambda p: torch.optim.RMSprop(p, lr=1e-3),
         10,
         each_step=weight_decay_from_step_5,
@@ -186,7 +204,7 @@ def test_a_changed_constant_is_traced_again_and_trains_like_torch():
             optimizer.param_groups[0]["power"] = 2.0 if step < 4 else 1.5
 
     per_step: list = []
-    model, twin, losses, _ = train(PowerMomentum, 8, each_step=power_schedule, per_step=per_step)
+    model, twin, losses, *_ = train(PowerMomentum, 8, each_step=power_schedule, per_step=per_step)
     assert_trains_like_torch(model, twin, losses)
     # Steps 0 (state made), 1 (the steady step) and 4 (the new power) are traced.
     assert per_step == [TRACED, TRACED] + [REPLAYED] * 2 + [TRACED] + [REPLAYED] * 3, per_step
@@ -199,7 +217,7 @@ def test_a_host_read_in_a_replayed_step_ends_the_replay_with_the_same_numbers():
     the read sees the parameters that op updates. The recording a read runs is traced too,
     and replayed in the steps after."""
     per_step: list = []
-    model, twin, losses, _ = train(NormEveryThirdStep, 9, per_step=per_step)
+    model, twin, losses, *_ = train(NormEveryThirdStep, 9, per_step=per_step)
     assert_trains_like_torch(model, twin, losses)
     # Each step's calls are one recording; a step with a read is two (the read runs the
     # first). Traced: step 1's, step 3's up to its read, and step 3's after it. Step 3's

@@ -16,6 +16,9 @@ what they are, not by their values:
   call of the recording;
 - a Python float the program takes as an input (a learning rate, a bias correction: new
   values every step), or a constant the program was specialized on;
+- a host tensor whose values the program takes as an input (Rprop's step-size factors,
+  ASGD's `eta` and `mu`: torch passes them as 0-d CPU tensors), copied at the call as when
+  recorded;
 
 with what the call returned, which sources it wrote with which result, and the ops it
 recorded. A replay lets the Python run unchanged (torch's host step counts advance, its
@@ -37,7 +40,7 @@ rest is recorded and traced. Recordings that open alike and go on differently ke
 each, and a replay passes from one to another that shares the calls made so far.
 
 Not traced (recorded as before): a recording that draws random numbers, writes a live
-tensor with a value it did not record, takes in a host tensor or a view, or records ops
+tensor with a value it did not record, takes in a view, or records ops
 outside a call (Adam's and Adafactor's steps recorded as one op). Decompositions (an op
 without lowering, run as the ops torch decomposes it into) are traced with their floats as
 constants: their Python may branch on the values. A trace holds the tensors it began with
@@ -54,8 +57,10 @@ from collections import OrderedDict
 from typing import Any
 
 import jax
+import numpy as np
 import torch
 
+from zerojax.bridge.dtypes import host_array, to_jax_dtype
 from zerojax.train import deferred, live_tensor
 from zerojax.train.deferred import Deferred
 from zerojax.train.live_tensor import LiveTensor, Owned, run_op
@@ -66,7 +71,7 @@ __all__ = ["install", "replays", "traces"]
 log = logging.getLogger(__name__)
 
 # What a dispatch's argument leaf is (see `_Entry.leaves`).
-_SOURCE, _RESULT, _SLOT, _CONST = range(4)
+_SOURCE, _RESULT, _SLOT, _CONST, _HOST = range(5)
 # How an argument is checked (see `_argument_groups`).
 _LEAF, _SOURCES, _RESULTS, _LEAVES = range(4)
 # What a dispatch returned besides new live tensors.
@@ -108,7 +113,8 @@ class _Entry:
     `leaves`: per argument leaf (`live_tensor.flatten_arguments`' order), `(_SOURCE, source)` a live
     tensor over a source outside the recording, `(_RESULT, (entry, k))` the k-th live tensor entry
     `entry` returned, `(_SLOT, slot)` a float the program takes as scalar input `slot`,
-    `(_CONST, type, value)` a constant. `returns`: `_NONE`, `_FIRST` (its first argument),
+    `(_HOST, slot, shape, dtype)` a host tensor whose values (copied at the call) the program
+    takes as scalar input `slot`, `(_CONST, type, value)` a constant. `returns`: `_NONE`, `_FIRST` (its first argument),
     `_ALIAS` (a new live tensor over its first argument's source), or `(container type,
     [(position, shape, JAX dtype, torch dtype)])` of new live tensors over recorded results
     (container type None: one tensor). `writes`: `(target, position, shape, JAX dtype)`, the
@@ -367,7 +373,7 @@ class _Recorder:
         if recording is not self.recording:
             self.fail("its recording ran before its calls ended")
             return run_op(func, args, kwargs)
-        ops_before = len(recording.ops)
+        ops_before, scalars_before = len(recording.ops), len(recording.scalars)
         if ops_before != (self.entries[-1].ops if self.entries else 0):
             self.fail("it records ops outside torch's dispatch")
         leaves, spec, spec_key = live_tensor.flatten_arguments(args, kwargs)
@@ -382,7 +388,9 @@ class _Recorder:
         if self.untraceable is None:
             try:
                 structure = spec if spec_key is None else spec_key
-                self._trace_entry(func, args, leaves, structure, result, recording, ops_before)
+                self._trace_entry(
+                    func, args, leaves, structure, result, recording, ops_before, scalars_before
+                )
             except _NotTraceable as why:
                 self.fail(str(why))
         self.writes = None
@@ -412,10 +420,10 @@ class _Recorder:
             return
         self.writes.append((source, value))
 
-    def _leaf(self, x, traced: set, scalar_slots: dict):
+    def _leaf(self, x, traced: set, scalar_slots: dict, host_slots: list, scalars: list):
         if isinstance(x, torch.Tensor):
             if type(x) is not LiveTensor:
-                raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
+                return self._host_leaf(x, host_slots, scalars)
             return self._tensor_leaf(x._source)
         if type(x) is float and not self.nested:
             slot = scalar_slots.get(id(x))
@@ -424,6 +432,17 @@ class _Recorder:
         if not isinstance(x, _CONSTANTS):
             raise _NotTraceable(f"it passes a {type(x).__name__} to an op")
         return (_CONST, type(x), x)
+
+    def _host_leaf(self, x: torch.Tensor, host_slots: list, scalars: list):
+        """A host tensor passed to an op: the op took its values in as its next scalar input
+        that is no float (`live_tensor._input_of`, one copy per tensor, in argument order)."""
+        if type(x) is not torch.Tensor or x.device.type != "cpu" or self.nested or not host_slots:
+            raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
+        slot = host_slots.pop(0)
+        copy = scalars[slot]
+        if copy.shape != tuple(x.shape) or copy.dtype != to_jax_dtype(x.dtype):
+            raise _NotTraceable("an op takes a host tensor's values in another form")
+        return (_HOST, slot, copy.shape, x.dtype)
 
     def _tensor_leaf(self, source):
         known = self.results.get(id(source))
@@ -434,12 +453,23 @@ class _Recorder:
         # Held weakly: a trace must not keep a value alive (a model's output it began with).
         return (_SOURCE, weakref.ref(source))
 
-    def _trace_entry(self, func, args, leaves, spec, result, recording, ops_before) -> None:
-        ops = recording.ops
+    def _trace_entry(
+        self, func, args, leaves, spec, result, recording, ops_before, scalars_before
+    ) -> None:
+        ops, scalars = recording.ops, recording.scalars
         traced = {ref[1] for op in ops[ops_before:] for ref in op.refs if ref[0] == "scalar"}
+        host_slots = [
+            slot
+            for slot in range(scalars_before, len(scalars))
+            if type(scalars[slot]) is np.ndarray and slot in traced
+        ]
         entry = _Entry()
         entry.func, entry.spec = func, spec
-        entry.leaves = tuple(self._leaf(x, traced, recording.scalar_slots) for x in leaves)
+        entry.leaves = tuple(
+            self._leaf(x, traced, recording.scalar_slots, host_slots, scalars) for x in leaves
+        )
+        if host_slots:
+            raise _NotTraceable("an op takes values no argument of its call holds")
         entry.returns = self._returns(result, args, leaves, len(self.entries))
         entry.writes = [
             (self._tensor_leaf(source), *_pending(value, "writes")) for source, value in self.writes
@@ -496,8 +526,9 @@ class _Recorder:
             if known is None or known[0] is not array:
                 return None, "an op's input is no live tensor's value before the recording"
             sources.append(weakref.ref(known[1]))
-        if any(type(s) is not float for s in recording.scalars):
-            return None, "an op takes a host tensor's values"
+        host = {leaf[1] for entry in self.entries for leaf in entry.leaves if leaf[0] is _HOST}
+        if any(type(s) is not float and i not in host for i, s in enumerate(recording.scalars)):
+            return None, "an op takes a host tensor's values outside its call's arguments"
         trace = _Trace()
         trace.entries, trace.array_sources = _pin_shared_slots(self.entries, recording), sources
         trace.ops, trace.scalars = list(recording.ops), list(recording.scalars)
@@ -524,9 +555,9 @@ def _argument_groups(entry: _Entry) -> list | None:
         items = [next(leaves) for _ in range(length)]
         if items and all(leaf[0] is _SOURCE for leaf in items):
             groups.append((_SOURCES, kind, length, [leaf[1] for leaf in items]))
-        elif items and all(
+        elif length > 1 and all(
             leaf[0] is _RESULT and leaf[1] == (items[0][1][0], k) for k, leaf in enumerate(items)
-        ):
+        ):  # (one item could be a call's single tensor, not a list it returned: a leaf)
             groups.append((_RESULTS, kind, length, items[0][1][0]))
         else:
             groups.append((_LEAVES, kind, length, items))
@@ -545,7 +576,7 @@ def _pin_shared_slots(entries: list[_Entry], recording) -> list[_Entry]:
             for ref in op.refs
             if ref[0] == "scalar"
         }
-        pinned |= taken - {leaf[1] for leaf in entry.leaves if leaf[0] is _SLOT}
+        pinned |= taken - {leaf[1] for leaf in entry.leaves if leaf[0] is _SLOT or leaf[0] is _HOST}
         start = entry.ops
     if not pinned:
         return entries
@@ -704,6 +735,16 @@ class _Replayer:
         if kind is _RESULT:
             source = self.results.get(want[1])
             return type(x) is LiveTensor and source is not None and x._source is source()
+        if kind is _HOST:
+            if type(x) is not torch.Tensor or x.device.type != "cpu" or x.dtype != want[3]:
+                return False
+            if tuple(x.shape) != want[2]:
+                return False
+            # Copied now, as the recording copies it at the call: torch changes such tensors
+            # in place afterwards (ASGD's `eta`).
+            self.scalars[want[1]] = host_array(x)
+            self.assigned[want[1]] = True
+            return True
         return type(x) is want[1] and (x is want[2] or x == want[2])
 
     def _result(self, index: int, k: int, position, shape, dtype, torch_dtype) -> LiveTensor:
