@@ -14,8 +14,8 @@ optimizer within 1.2x of it):
 - a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
   against `torch.optim.SGD` handed to initialize (target: within 1.1x);
 - plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale;
-- the hand-written loop, RMSprop, NAdam and SignMomentum recorded at every step, not replayed
-  (zerojax.train.replay switched off around them): what the replay saves.
+- the hand-written loop, RMSprop, NAdam, Rprop, ASGD and SignMomentum recorded at every step,
+  not replayed (zerojax.train.replay switched off around them): what the replay saves.
 
 A zerojax timing ends when the updated parameters are ready (`engine.state` runs what was
 recorded; `jax.block_until_ready` waits for it). Gradients stay in place between steps (no
@@ -65,7 +65,7 @@ OPTIMIZERS = {
 }
 REFERENCE = "zerojax AdamW (compiled)"
 # Also timed recorded at every step, not replayed.
-REPLAY_COMPARED = ("RMSprop", "NAdam", "SignMomentum (user-defined)")
+REPLAY_COMPARED = ("RMSprop", "NAdam", "Rprop", "ASGD", "SignMomentum (user-defined)")
 
 
 def _bench_model():
@@ -165,7 +165,7 @@ def main() -> None:
 
     contenders["zerojax hand-written p.data.add_ loop"] = _zerojax_step(by_hand, model)
 
-    # The same two recorded every time, not replayed (zerojax.train.replay switched off
+    # The same recorded every time, not replayed (zerojax.train.replay switched off
     # around them): what the replay saves.
     contenders["zerojax hand-written loop, not replayed"] = _not_replayed(
         contenders["zerojax hand-written p.data.add_ loop"]
