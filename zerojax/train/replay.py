@@ -110,14 +110,14 @@ class _NotTraceable(Exception):
 class _Entry:
     """One call of a traced recording.
 
-    `leaves`: per argument leaf (`live_tensor.flatten_arguments`' order), `(_SOURCE, source)` a live
-    tensor over a source outside the recording, `(_RESULT, (entry, k))` the k-th live tensor entry
-    `entry` returned, `(_SLOT, slot)` a float the program takes as scalar input `slot`,
-    `(_HOST, slot, shape, dtype)` a host tensor whose values (copied at the call) the program
-    takes as scalar input `slot`, `(_CONST, type, value)` a constant. `returns`: `_NONE`, `_FIRST` (its first argument),
-    `_ALIAS` (a new live tensor over its first argument's source), or `(container type,
-    [(position, shape, JAX dtype, torch dtype)])` of new live tensors over recorded results
-    (container type None: one tensor). `writes`: `(target, position, shape, JAX dtype)`, the
+    `leaves`: per argument leaf (`live_tensor.flatten_arguments`' order), `(_SOURCE, source)` a
+    live tensor over a source outside the recording, `(_RESULT, (entry, k))` the k-th live
+    tensor entry `entry` returned, `(_SLOT, slot)` a float the program takes as scalar input
+    `slot`, `(_HOST, slot, shape, dtype)` a host tensor whose values (copied at the call) the
+    program takes as scalar input `slot`, `(_CONST, type, value)` a constant. `returns`:
+    `_NONE`, `_FIRST` (its first argument), `_ALIAS` (a new live tensor over its first
+    argument's source), or `(container type, [(position, shape, JAX dtype, torch dtype)])` of
+    new live tensors over recorded results (container type None: one tensor). `writes`: `(target, position, shape, JAX dtype)`, the
     target a leaf-like `(_SOURCE, source)` or `(_RESULT, (entry, k))`. `ops`, `arrays`,
     `scalars`: the recording's sizes after it."""
 
@@ -530,7 +530,10 @@ class _Recorder:
         if any(type(s) is not float and i not in host for i, s in enumerate(recording.scalars)):
             return None, "an op takes a host tensor's values outside its call's arguments"
         trace = _Trace()
-        trace.entries, trace.array_sources = _pin_shared_slots(self.entries, recording), sources
+        # A copy: where the recording runs inside a call (an op run on the host reads its
+        # inputs), that call's entry comes after this, and is not the trace's.
+        entries = _pin_shared_slots(list(self.entries), recording)
+        trace.entries, trace.array_sources = entries, sources
         trace.ops, trace.scalars = list(recording.ops), list(recording.scalars)
         trace.generation = deferred.signature_generation()
         return trace, None
