@@ -161,8 +161,8 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_replayed_steps_train_like_torch_under_a_cosine_schedule(name):
     """The first two steps are traced (the first creates the state, the second is the steady
-    step: Adagrad's first); every later one is one recording, replayed with its new learning rate and bias
-    corrections, and no program is compiled after the second step."""
+    step: Adagrad's first); every later one is one recording, replayed with its new learning
+    rate and bias corrections, and no program is compiled after the second step."""
     per_step: list = []
     model, twin, losses, compiled, optimizers = train(
         OPTIMIZERS[name],

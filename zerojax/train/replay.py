@@ -117,9 +117,9 @@ class _Entry:
     program takes as scalar input `slot`, `(_CONST, type, value)` a constant. `returns`:
     `_NONE`, `_FIRST` (its first argument), `_ALIAS` (a new live tensor over its first
     argument's source), or `(container type, [(position, shape, JAX dtype, torch dtype)])` of
-    new live tensors over recorded results (container type None: one tensor). `writes`: `(target, position, shape, JAX dtype)`, the
-    target a leaf-like `(_SOURCE, source)` or `(_RESULT, (entry, k))`. `ops`, `arrays`,
-    `scalars`: the recording's sizes after it."""
+    new live tensors over recorded results (container type None: one tensor). `writes`:
+    `(target, position, shape, JAX dtype)`, the target a leaf-like `(_SOURCE, source)` or
+    `(_RESULT, (entry, k))`. `ops`, `arrays`, `scalars`: the recording's sizes after it."""
 
     __slots__ = (
         "arrays",
