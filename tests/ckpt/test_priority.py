@@ -17,6 +17,7 @@ import gc
 import os
 import sys
 import threading
+import time
 
 import pytest
 
@@ -49,7 +50,7 @@ def tensorstore_threads() -> list[int]:
 
 def test_the_background_write_runs_at_background_priority(tmp_path, monkeypatch):
     seen = {}
-    write, snapshot_and_write = Checkpointer._write, Checkpointer._snapshot_and_write
+    write, snapshot_and_write = Checkpointer._background_write, Checkpointer._snapshot_and_write
 
     def recording_write(self, *args):
         seen["write"] = nice(threading.get_native_id())
@@ -60,7 +61,7 @@ def test_the_background_write_runs_at_background_priority(tmp_path, monkeypatch)
         seen["snapshot"] = nice(threading.get_native_id())
         snapshot_and_write(self, *args)
 
-    monkeypatch.setattr(Checkpointer, "_write", recording_write)
+    monkeypatch.setattr(Checkpointer, "_background_write", recording_write)
     monkeypatch.setattr(Checkpointer, "_snapshot_and_write", recording_snapshot_and_write)
     main_before = nice(threading.get_native_id())
     model, opt = make()
@@ -129,3 +130,34 @@ def test_a_collector_the_process_turned_off_stays_off(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_tensorstore_workers_started_during_the_write_are_lowered_as_they_appear():
+    """TensorStore starts pool workers while a save runs, at the priority of whichever thread
+    started its overseer (nice 0 after a restore through TensorStore on the main thread):
+    each is lowered soon after it appears, not only those there before the save. A thread
+    started here at normal priority and named as TensorStore names its workers stands for
+    one."""
+    named, release = threading.Event(), threading.Event()
+    tid = []
+
+    def worker() -> None:
+        tid.append(threading.get_native_id())
+        with open(f"/proc/self/task/{tid[0]}/comm", "w") as f:
+            f.write("ts_pool_worker")
+        named.set()
+        release.wait(10)
+
+    with priority.tensorstore_threads_lowered():
+        started = threading.Thread(target=worker)
+        started.start()
+        try:
+            assert named.wait(10)
+            assert nice(tid[0]) == nice(threading.get_native_id())  # started at ours
+            deadline = time.monotonic() + 10 * priority._WATCH_S + 5
+            while nice(tid[0]) < priority.BACKGROUND_NICE and time.monotonic() < deadline:
+                time.sleep(priority._WATCH_S / 5)
+            assert nice(tid[0]) >= priority.BACKGROUND_NICE
+        finally:
+            release.set()
+            started.join()

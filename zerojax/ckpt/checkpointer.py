@@ -565,8 +565,8 @@ class Checkpointer:
     def _background_write(
         self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite
     ) -> None:
-        priority.lower_tensorstore_threads()  # its pool does the chunk copies and file writes
-        self._write(manager, step, args)
+        with priority.tensorstore_threads_lowered():  # its pool does the copies and writes
+            self._write(manager, step, args)
 
     def _write(self, manager: ocp.CheckpointManager, step: int, args: ocp.args.Composite) -> None:
         self._start_write(manager, step, args)
