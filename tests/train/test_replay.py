@@ -292,6 +292,42 @@ def test_a_hand_written_update_loop_is_replayed_and_trains_like_torch():
     assert per_step == [(0, 0), TRACED] + [REPLAYED] * 6, per_step
 
 
+def test_recordings_that_are_not_traceable_are_traced_less_and_less_often():
+    """The HF Trainer's step after `initialize` alone: torch's clip, then the fused AdamW the
+    Trainer builds on the live parameters (recorded as one op outside torch's dispatch: not
+    traceable). After n failures in a row the next 2**(n-1) - 1 such recordings are recorded
+    without tracing: the per-call tracing work would buy nothing. The numbers are torch's."""
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, _ = zerojax.initialize(module, None, ZERO3)
+    run_what_earlier_tests_recorded()
+    pairs = [
+        (model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)),
+        (twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)),
+    ]
+    losses, per_step = [], []
+    for _ in range(12):
+        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+        pair = []
+        for m, optimizer in pairs:
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            before = counts()
+            optimizer.step()  # runs the clip's and the step's recording
+            optimizer.zero_grad()
+            if m is model:
+                per_step.append(tuple(a - b for a, b in zip(counts(), before, strict=True)))
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    assert_trains_like_torch(model, twin, np.array(losses))
+    untraced = (0, 0)
+    # Failures 1 and 2 skip none and one; failure 3 three, failure 4 seven.
+    expected = [TRACED, TRACED, untraced, TRACED] + [untraced] * 3 + [TRACED] + [untraced] * 4
+    assert per_step == expected, per_step
+
+
 def test_a_trace_does_not_keep_the_tensors_it_began_with():
     """A trace finds its tensors by identity but holds them weakly: a value a recording took
     in (here an op's result the user dropped) is freed with its tensor."""

@@ -93,8 +93,8 @@ _counts = {"traces": 0, "replays": 0}
 
 
 def traces() -> int:
-    """How many recordings were recorded, not replayed (traced, or not traceable), in this
-    process."""
+    """How many recordings were recorded, not replayed, and traced (or found not traceable)
+    in this process; not those recorded without tracing after failures (`_backoff`)."""
     return _counts["traces"]
 
 
@@ -153,8 +153,18 @@ class _Trace:
 _traces: OrderedDict[tuple, list[_Trace]] = OrderedDict()
 _MAX_TRACES = 64
 _MAX_TRACES_PER_KEY = 4
+# Recordings that open alike and were not traceable (Adam's step recorded as one op, the HF
+# Trainer's every step) are traced again less and less often: after n failures in a row the
+# next 2**(n-1) - 1 are recorded without tracing (at most 63), since tracing is Python work
+# per call that, for them, buys nothing. A trace made ends the back-off.
+_backoff: OrderedDict[tuple, _Backoff] = OrderedDict()
+_MAX_SKIPPED = 63
 # The recording now being traced or replayed.
 _active: list[_Session | None] = [None]
+
+
+class _Backoff:
+    __slots__ = ("failures", "generation", "opener", "skip")
 
 
 def install() -> None:
@@ -181,6 +191,13 @@ def _begin(func, args: tuple) -> _Session | None:
     if recording.ops or recording.writes or _multiprocess():
         return None
     key, opener = _segment_key(func, args)
+    backoff = _backoff.get(key)
+    if backoff is not None:
+        if backoff.generation != deferred.signature_generation() or backoff.opener() is not opener:
+            del _backoff[key]
+        elif backoff.skip:
+            backoff.skip -= 1
+            return None
     traces = _traces.get(key)
     if traces is not None and (
         traces[0].generation != deferred.signature_generation()
@@ -227,8 +244,12 @@ def _end_segment() -> None:
             return
         _active[0] = None
         trace, why = session.finish()
-    if trace is not None:
-        trace.opener = _no_source if session.opener is None else weakref.ref(session.opener)
+    opener = _no_source if session.opener is None else weakref.ref(session.opener)
+    if trace is None:
+        _back_off(session.key, opener)
+    else:
+        _backoff.pop(session.key, None)
+        trace.opener = opener
         kept = [t for t in _traces.pop(session.key, []) if t is not trace]
         _traces[session.key] = [trace, *kept[: _MAX_TRACES_PER_KEY - 1]]
         if len(_traces) > _MAX_TRACES:
@@ -245,6 +266,20 @@ def _end_segment() -> None:
             len(trace.entries),
             "" if why is None else f"; the trace before no longer matched: {why}",
         )
+
+
+def _back_off(key: tuple, opener) -> None:
+    """A recording opening with `key` was not traceable: skip tracing the next ones."""
+    backoff = _backoff.pop(key, None)
+    if backoff is None:
+        backoff = _Backoff()
+        backoff.failures, backoff.opener = 0, opener
+        backoff.generation = deferred.signature_generation()
+    backoff.failures += 1
+    backoff.skip = min(2 ** (backoff.failures - 1) - 1, _MAX_SKIPPED)
+    _backoff[key] = backoff
+    if len(_backoff) > _MAX_TRACES:
+        _backoff.popitem(last=False)
 
 
 class _Session:
