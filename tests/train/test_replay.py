@@ -14,6 +14,7 @@ import copy
 import gc
 import weakref
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -326,6 +327,53 @@ def test_recordings_that_are_not_traceable_are_traced_less_and_less_often():
     # Failures 1 and 2 skip none and one; failure 3 three, failure 4 seven.
     expected = [TRACED, TRACED, untraced, TRACED] + [untraced] * 3 + [TRACED] + [untraced] * 4
     assert per_step == expected, per_step
+
+
+def _scaled(arrays: list, rng):
+    value, factor, twice = arrays
+    return value * factor * twice, None
+
+
+def test_a_value_a_call_computes_from_its_float_makes_that_float_a_constant(monkeypatch):
+    """A call whose recorded op takes one of its floats and a float it computed from it (a
+    fused optimizer step's `lr` and `lr * weight_decay`): a replay could not compute the
+    second anew, so the first is a constant of the trace, and a new value traces again
+    instead of replaying with the old product. Here `mul_` on a parameter is recorded,
+    through a stand-in for such a step, as one op taking `factor` and `2 * factor`."""
+    torch.manual_seed(0)
+    model, _ = zerojax.initialize(MLP(), None, ZERO3)
+    weight = next(model.parameters())
+    real_run_op = replay.run_op
+
+    def run_op(func, args, kwargs):
+        if func not in (torch.ops.aten.mul_.Scalar, torch.ops.aten.mul_.Tensor):
+            return real_run_op(func, args, kwargs)
+        tensor, factor = args
+        value = tensor._source.value()
+        (scaled,) = deferred.record(
+            ("scaled", value.shape, value.dtype),
+            _scaled,
+            [value, factor, 2.0 * factor],
+            [jax.ShapeDtypeStruct(value.shape, value.dtype)],
+        )
+        tensor._source.write(scaled)
+        return tensor
+
+    monkeypatch.setattr(replay, "run_op", run_op)
+    run_what_earlier_tests_recorded()
+    expected = weight.detach().clone().numpy()
+    per_step = []
+    for factor in (0.5, 0.5, 0.9, 1.1, 1.1):
+        before = counts()
+        with torch.no_grad():
+            weight.data.mul_(factor)
+        got = weight.detach().clone().numpy()  # runs the recording
+        per_step.append(tuple(a - b for a, b in zip(counts(), before, strict=True)))
+        expected = expected * np.float32(factor) * np.float32(2.0 * factor)
+        # Up to 10 float32 products on each side, each within half an ulp (6e-8) of the
+        # exact one: at most 1.2e-6 apart, however XLA orders them.
+        np.testing.assert_allclose(got, expected, rtol=1.2e-6)
+    assert per_step == [TRACED, REPLAYED, TRACED, TRACED, REPLAYED], per_step
 
 
 def test_a_trace_does_not_keep_the_tensors_it_began_with():

@@ -60,7 +60,7 @@ import jax
 import numpy as np
 import torch
 
-from zerojax.bridge.dtypes import host_array, to_jax_dtype
+from zerojax.bridge.dtypes import host_array
 from zerojax.train import deferred, live_tensor
 from zerojax.train.deferred import Deferred
 from zerojax.train.live_tensor import LiveTensor, Owned, run_op
@@ -474,9 +474,9 @@ class _Recorder:
         if type(x) is not torch.Tensor or x.device.type != "cpu" or self.nested or not host_slots:
             raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
         slot = host_slots.pop(0)
-        copy = scalars[slot]
-        if copy.shape != tuple(x.shape) or copy.dtype != to_jax_dtype(x.dtype):
-            raise _NotTraceable("an op takes a host tensor's values in another form")
+        copy, values = scalars[slot], host_array(x)
+        if copy.dtype != values.dtype or not np.array_equal(copy, values):  # shapes too
+            raise _NotTraceable("an op takes values computed from a host tensor")
         return (_HOST, slot, copy.shape, x.dtype)
 
     def _tensor_leaf(self, source):
@@ -505,6 +505,16 @@ class _Recorder:
         )
         if host_slots:
             raise _NotTraceable("an op takes values no argument of its call holds")
+        if traced - {leaf[1] for leaf in entry.leaves if leaf[0] is _SLOT or leaf[0] is _HOST}:
+            # The ops take values the call computed from its arguments (a fused optimizer
+            # step's `1 - beta`, `lr * weight_decay`): a replay could not compute them anew,
+            # so the arguments they come from are constants of the trace.
+            if any(leaf[0] is _HOST for leaf in entry.leaves):
+                raise _NotTraceable("an op takes values computed from a host tensor")
+            entry.leaves = tuple(
+                (_CONST, float, scalars[leaf[1]]) if leaf[0] is _SLOT else leaf
+                for leaf in entry.leaves
+            )
         entry.returns = self._returns(result, args, leaves, len(self.entries))
         entry.writes = [
             (self._tensor_leaf(source), *_pending(value, "writes")) for source, value in self.writes
