@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import zerojax
 from bench.architectures import MLP
 from tests.train.test_torch_optimizers import SignMomentum, relative_errors
+from zerojax.bridge.dtypes import host_array
 from zerojax.train import deferred, replay
 
 pytestmark = pytest.mark.multidevice
@@ -374,6 +375,53 @@ def test_a_value_a_call_computes_from_its_float_makes_that_float_a_constant(monk
         # exact one: at most 1.2e-6 apart, however XLA orders them.
         np.testing.assert_allclose(got, expected, rtol=1.2e-6)
     assert per_step == [TRACED, REPLAYED, TRACED, TRACED, REPLAYED], per_step
+
+
+def _added(arrays: list, rng):
+    value, count = arrays
+    return value + count, None
+
+
+def test_a_call_that_changes_a_host_tensor_is_not_replayed(monkeypatch):
+    """A call that takes a host tensor's values and advances it (a fused optimizer step's
+    host step counts): a replay does not run the call, so it is never replayed; the count
+    advances at every step and every step adds it. Here `add_` of a host count to a
+    parameter is recorded, through a stand-in for such a step, that way. (A call that
+    advances it first and then takes its values is not replayed either: it takes values no
+    argument held when it was called.)"""
+    torch.manual_seed(0)
+    model, _ = zerojax.initialize(MLP(), None, ZERO3)
+    weight = next(model.parameters())
+    real_run_op = replay.run_op
+
+    def run_op(func, args, kwargs):
+        if func is not torch.ops.aten.add_.Tensor:
+            return real_run_op(func, args, kwargs)
+        tensor, count = args
+        value = tensor._source.value()
+        (added,) = deferred.record(
+            ("added", value.shape, value.dtype),
+            _added,
+            [value, host_array(count)],
+            [jax.ShapeDtypeStruct(value.shape, value.dtype)],
+        )
+        count.add_(1.0)  # a host tensor: torch runs this at once
+        tensor._source.write(added)
+        return tensor
+
+    monkeypatch.setattr(replay, "run_op", run_op)
+    run_what_earlier_tests_recorded()
+    count = torch.zeros((), dtype=torch.float32)
+    expected = weight.detach().clone().numpy()
+    replays_before = replay.replays()
+    for step in range(5):
+        with torch.no_grad():
+            weight.data.add_(count)
+        got = weight.detach().clone().numpy()  # runs the recording
+        assert float(count) == step + 1
+        expected = expected + np.float32(step)
+        np.testing.assert_array_equal(got, expected)  # the same float32 sums
+    assert replay.replays() == replays_before
 
 
 def test_a_trace_does_not_keep_the_tensors_it_began_with():

@@ -386,6 +386,7 @@ class _Recorder:
         self.depth = 0
         self.nested = False
         self.writes: list | None = None
+        self.host_before: dict[int, np.ndarray] = {}
         self.untraceable: str | None = None
         self.recording = None
 
@@ -412,9 +413,14 @@ class _Recorder:
         if ops_before != (self.entries[-1].ops if self.entries else 0):
             self.fail("it records ops outside torch's dispatch")
         leaves, spec, spec_key = live_tensor.flatten_arguments(args, kwargs)
+        # Host tensors' values before the call: a replay does not run it, so a call that
+        # changes them (a fused optimizer step advancing its step counts) is not traced.
+        self.host_before = {}
         for x in leaves:
             if type(x) is LiveTensor:
                 self._note_source(x._source)
+            elif type(x) is torch.Tensor:
+                self.host_before[id(x)] = host_array(x)
         self.depth, self.nested, self.writes = 1, False, []
         try:
             result = run_op(func, args, kwargs)
@@ -474,8 +480,10 @@ class _Recorder:
         if type(x) is not torch.Tensor or x.device.type != "cpu" or self.nested or not host_slots:
             raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
         slot = host_slots.pop(0)
-        copy, values = scalars[slot], host_array(x)
-        if copy.dtype != values.dtype or not np.array_equal(copy, values):  # shapes too
+        copy, before, after = scalars[slot], self.host_before[id(x)], host_array(x)
+        if not (np.array_equal(before, after) and before.dtype == after.dtype):  # shapes too
+            raise _NotTraceable("an op changes a host tensor")
+        if not (np.array_equal(copy, before) and copy.dtype == before.dtype):
             raise _NotTraceable("an op takes values computed from a host tensor")
         return (_HOST, slot, copy.shape, x.dtype)
 
