@@ -40,11 +40,15 @@ rest is recorded and traced. Recordings that open alike and go on differently ke
 each, and a replay passes from one to another that shares the calls made so far.
 
 Not traced (recorded as before): a recording that draws random numbers, writes a live
-tensor with a value it did not record, takes in a view, or records ops
-outside a call (Adam's and Adafactor's steps recorded as one op). Decompositions (an op
-without lowering, run as the ops torch decomposes it into) are traced with their floats as
-constants: their Python may branch on the values. A trace holds the tensors it began with
-weakly: it keeps no value alive.
+tensor with a value it did not record, takes in a view, records ops outside a call (Adam's
+and Adafactor's steps recorded as one op), or makes a call that changes a host tensor it is
+given or takes values computed from one (a fused optimizer step's host step counts): a
+replay does not run the call. Recordings that open alike and were not traceable are traced
+less and less often (`_backoff`). Decompositions (an op without lowering, run as the ops
+torch decomposes it into), and a call whose ops take a float it computed from its own, are
+traced with their floats as constants: their Python may branch on the values, and a replay
+could not compute the derived ones anew. A trace holds the tensors it began with weakly:
+it keeps no value alive.
 """
 
 from __future__ import annotations
