@@ -157,10 +157,11 @@ class _Trace:
 _traces: OrderedDict[tuple, list[_Trace]] = OrderedDict()
 _MAX_TRACES = 64
 _MAX_TRACES_PER_KEY = 4
-# Recordings that open alike and were not traceable (Adam's step recorded as one op, the HF
-# Trainer's every step) are traced again less and less often: after n failures in a row the
-# next 2**(n-1) - 1 are recorded without tracing (at most 63), since tracing is Python work
-# per call that, for them, buys nothing. A trace made ends the back-off.
+# Recordings that open alike, were not traceable (Adam's step recorded as one op, the HF
+# Trainer's every step) and have no trace to replay are traced again less and less often:
+# after n failures in a row the next 2**(n-1) - 1 are recorded without tracing (at most 63),
+# since tracing is Python work per call that, for them, buys nothing. A trace made ends the
+# back-off.
 _backoff: OrderedDict[tuple, _Backoff] = OrderedDict()
 _MAX_SKIPPED = 63
 # The recording now being traced or replayed.
@@ -195,13 +196,6 @@ def _begin(func, args: tuple) -> _Session | None:
     if recording.ops or recording.writes or _multiprocess():
         return None
     key, opener = _segment_key(func, args)
-    backoff = _backoff.get(key)
-    if backoff is not None:
-        if backoff.generation != deferred.signature_generation() or backoff.opener() is not opener:
-            del _backoff[key]
-        elif backoff.skip:
-            backoff.skip -= 1
-            return None
     traces = _traces.get(key)
     if traces is not None and (
         traces[0].generation != deferred.signature_generation()
@@ -211,6 +205,12 @@ def _begin(func, args: tuple) -> _Session | None:
         traces = None
     if traces is not None:
         _traces.move_to_end(key)
+    elif (backoff := _backoff.get(key)) is not None:  # a trace to replay goes first
+        if backoff.generation != deferred.signature_generation() or backoff.opener() is not opener:
+            del _backoff[key]
+        elif backoff.skip:
+            backoff.skip -= 1
+            return None
     session = _Session(key, opener, None if traces is None else _Replayer(traces))
     _active[0] = session
     session.install()
