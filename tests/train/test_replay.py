@@ -58,9 +58,8 @@ class PowerMomentum(torch.optim.Optimizer):
             torch._foreach_addcdiv_(params, grads, powered, value=-group["lr"])
 
 
-class NormEveryThirdStep(torch.optim.Optimizer):
-    """A user's SGD that, every third step, reads the updated parameters' norm on the host and
-    shrinks them by it: a host read after the step's first op, in some steps only."""
+class SGDThenMore(torch.optim.Optimizer):
+    """A user's SGD that does more after its update in some steps (`after_update`)."""
 
     def __init__(self, params, lr=1e-2):
         super().__init__(params, {"lr": lr})
@@ -72,29 +71,31 @@ class NormEveryThirdStep(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
-            if self.count % 3 == 0:
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params)))
-                torch._foreach_mul_(params, 1.0 / (1.0 + 1e-3 * float(norm)))
+            self.after_update(params)
+
+    def after_update(self, params: list) -> None:
+        raise NotImplementedError
 
 
-class NoiseInTwoStepsOfFour(torch.optim.Optimizer):
-    """A user's SGD that, in steps 2 and 3 of every four, draws noise for each parameter
-    after its update (scaled by 0: the numbers stay torch's): a recording that draws random
-    numbers is not traceable, in some steps only, two in a row."""
+class NormEveryThirdStep(SGDThenMore):
+    """Every third step, reads the updated parameters' norm on the host and shrinks them by
+    it: a host read after the step's first op, in some steps only."""
 
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, {"lr": lr})
-        self.count = 0
+    def after_update(self, params: list) -> None:
+        if self.count % 3 == 0:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(params)))
+            torch._foreach_mul_(params, 1.0 / (1.0 + 1e-3 * float(norm)))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        self.count += 1
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            torch._foreach_add_(params, [p.grad for p in params], alpha=-group["lr"])
-            if self.count % 4 in (2, 3):
-                for p in params:
-                    p.add_(torch.randn_like(p), alpha=0.0)
+
+class NoiseInTwoStepsOfFour(SGDThenMore):
+    """In steps 2 and 3 of every four, draws noise for each parameter after its update
+    (scaled by 0: the numbers stay torch's): a recording that draws random numbers is not
+    traceable, in some steps only, two in a row."""
+
+    def after_update(self, params: list) -> None:
+        if self.count % 4 in (2, 3):
+            for p in params:
+                p.add_(torch.randn_like(p), alpha=0.0)
 
 
 def train(make, steps: int, schedule=None, each_step=None, config=ZERO3, per_step=None):
@@ -361,6 +362,19 @@ def test_steps_that_are_not_traceable_do_not_stop_the_replay_of_those_that_are()
     assert per_step == [TRACED] * 3 + [REPLAYED] * 2 + [TRACED] * 2 + [REPLAYED], per_step
 
 
+def record_into(tensor, fn, inputs: list) -> None:
+    """Record `fn([the live tensor's value, *inputs])` as one op and write its result into
+    the tensor: what a fused optimizer step's own recorder does."""
+    value = tensor._source.value()
+    (result,) = deferred.record(
+        (fn.__name__, value.shape, value.dtype),
+        fn,
+        [value, *inputs],
+        [jax.ShapeDtypeStruct(value.shape, value.dtype)],
+    )
+    tensor._source.write(result)
+
+
 def _scaled(arrays: list, rng):
     value, factor, twice = arrays
     return value * factor * twice, None
@@ -381,14 +395,7 @@ def test_a_value_a_call_computes_from_its_float_makes_that_float_a_constant(monk
         if func not in (torch.ops.aten.mul_.Scalar, torch.ops.aten.mul_.Tensor):
             return real_run_op(func, args, kwargs)
         tensor, factor = args
-        value = tensor._source.value()
-        (scaled,) = deferred.record(
-            ("scaled", value.shape, value.dtype),
-            _scaled,
-            [value, factor, 2.0 * factor],
-            [jax.ShapeDtypeStruct(value.shape, value.dtype)],
-        )
-        tensor._source.write(scaled)
+        record_into(tensor, _scaled, [factor, 2.0 * factor])
         return tensor
 
     monkeypatch.setattr(replay, "run_op", run_op)
@@ -429,15 +436,8 @@ def test_a_call_that_changes_a_host_tensor_is_not_replayed(monkeypatch):
         if func is not torch.ops.aten.add_.Tensor:
             return real_run_op(func, args, kwargs)
         tensor, count = args
-        value = tensor._source.value()
-        (added,) = deferred.record(
-            ("added", value.shape, value.dtype),
-            _added,
-            [value, host_array(count)],
-            [jax.ShapeDtypeStruct(value.shape, value.dtype)],
-        )
+        record_into(tensor, _added, [host_array(count)])
         count.add_(1.0)  # a host tensor: torch runs this at once
-        tensor._source.write(added)
         return tensor
 
     monkeypatch.setattr(replay, "run_op", run_op)
