@@ -59,7 +59,8 @@ class PowerMomentum(torch.optim.Optimizer):
 
 
 class SGDThenMore(torch.optim.Optimizer):
-    """A user's SGD that does more after its update in some steps (`after_update`)."""
+    """A user's SGD that can do more after its update (`after_update`; here nothing: plain
+    SGD)."""
 
     def __init__(self, params, lr=1e-2):
         super().__init__(params, {"lr": lr})
@@ -74,7 +75,7 @@ class SGDThenMore(torch.optim.Optimizer):
             self.after_update(params)
 
     def after_update(self, params: list) -> None:
-        raise NotImplementedError
+        """What a subclass does after the update, on the updated parameters."""
 
 
 class NormEveryThirdStep(SGDThenMore):
