@@ -24,7 +24,7 @@ import zerojax
 from bench.architectures import MLP
 from tests.train.test_torch_optimizers import SignMomentum, relative_errors
 from zerojax.bridge.dtypes import host_array
-from zerojax.train import deferred, replay
+from zerojax.train import deferred, recorded_adam, replay
 
 pytestmark = pytest.mark.multidevice
 
@@ -316,36 +316,94 @@ def test_a_hand_written_update_loop_is_replayed_and_trains_like_torch():
     assert per_step == [(0, 0), TRACED] + [REPLAYED] * 6, per_step
 
 
-def test_recordings_that_are_not_traceable_are_traced_less_and_less_often():
-    """The HF Trainer's step after `initialize` alone: torch's clip, then the fused AdamW the
-    Trainer builds on the live parameters (recorded as one op outside torch's dispatch: not
-    traceable). After n failures in a row the next 2**(n-1) - 1 such recordings are recorded
-    without tracing: the per-call tracing work would buy nothing. The numbers are torch's."""
+def clipped_steps_after_initialize(make, steps: int, clip_norms=None, schedule=None):
+    """The HF Trainer's step after `initialize` alone: torch's clip, then an optimizer made
+    by `make(params)` after `initialize` on the live parameters, an LR scheduler made by
+    `schedule(optimizer)`; beside a plain-torch twin. The clip norm of step k is
+    `clip_norms[k]` (default 1.0). Returns (model, twin, losses, each wrapped step's (traces,
+    replays), compiled-program counts after each step)."""
     torch.manual_seed(0)
     module = MLP()
     twin = copy.deepcopy(module)
     model, _ = zerojax.initialize(module, None, ZERO3)
     run_what_earlier_tests_recorded()
-    pairs = [
-        (model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)),
-        (twin, torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)),
-    ]
-    losses, per_step = [], []
-    for _ in range(12):
+    pairs = [(model, make(model.parameters())), (twin, make(twin.parameters()))]
+    schedulers = [schedule(o) for _, o in pairs] if schedule else []
+    losses, per_step, compiled = [], [], []
+    for step in range(steps):
         x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
         pair = []
         for m, optimizer in pairs:
             loss = F.cross_entropy(m(x), y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            norm = 1.0 if clip_norms is None else clip_norms[step]
             before = counts()
-            optimizer.step()  # runs the clip's and the step's recording
+            torch.nn.utils.clip_grad_norm_(m.parameters(), norm)
+            optimizer.step()
             optimizer.zero_grad()
+            # Run the clip's and the step's recording now (else the next forward would), so
+            # that it counts in this step.
+            deferred.flush()
             if m is model:
                 per_step.append(tuple(a - b for a, b in zip(counts(), before, strict=True)))
             pair.append(float(loss.detach()))
+        for scheduler in schedulers:
+            scheduler.step()
         losses.append(pair)
-    assert_trains_like_torch(model, twin, np.array(losses))
+        compiled.append(deferred.programs_compiled())
+    return model, twin, np.array(losses), per_step, compiled
+
+
+def test_the_hf_trainers_step_is_replayed_under_a_schedule_and_varying_clip_norms():
+    """The HF Trainer's default optimizer, `AdamW(fused=True)`, built after `initialize`:
+    its `_fused_adamw_` call records one op whose scalar inputs the call derives from its
+    floats and host step counts (`replay.derive_scalars`), so the whole step -- clip and
+    update -- is replayed with each step's learning rate, clip norm and step counts. The
+    first two steps are traced (the first makes the state); no program is compiled after
+    the second, and the numbers are torch's fused kernel's (the recorded step computes
+    torch's foreach arithmetic: the two agree to float32 rounding)."""
+    steps = 12
+    norms = [0.5 + 0.25 * (step % 4) for step in range(steps)]
+    model, twin, losses, per_step, compiled = clipped_steps_after_initialize(
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+        steps,
+        clip_norms=norms,
+        schedule=lambda o: torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, total_iters=steps),
+    )
+    assert_trains_like_torch(model, twin, losses)
+    assert per_step == [TRACED] * 2 + [REPLAYED] * (steps - 2), per_step
+    assert compiled[-1] == compiled[1], compiled
+
+
+def test_a_derivation_that_does_not_give_the_ops_scalars_is_not_replayed(monkeypatch):
+    """A trace checks a call's derived scalars against those its ops took: a derivation
+    that gives other values (here every float one ulp up) leaves the step recorded as it
+    comes, each step traced (or backed off), never replayed, and the numbers torch's."""
+    recorded_adam.install()  # as `initialize` does
+    func = torch.ops.aten._fused_adamw_.default
+    derivation = replay._derivations[func]
+
+    def off_by_an_ulp(args, kwargs):
+        key, values = derivation(args, kwargs)
+        return key, [np.nextafter(v, np.inf) if type(v) is float else v for v in values]
+
+    monkeypatch.setitem(replay._derivations, func, off_by_an_ulp)
+    model, twin, losses, per_step, _ = clipped_steps_after_initialize(
+        lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), 6
+    )
+    assert_trains_like_torch(model, twin, losses)
+    assert all(replays == 0 for _, replays in per_step), per_step
+
+
+def test_recordings_that_are_not_traceable_are_traced_less_and_less_often():
+    """minGPT's step: torch's clip, then a (foreach) AdamW built after `initialize` on the
+    live parameters, whose step is recorded as one op outside torch's dispatch (not
+    traceable). After n failures in a row the next 2**(n-1) - 1 such recordings are recorded
+    without tracing: the per-call tracing work would buy nothing. The numbers are torch's."""
+    model, twin, losses, per_step, _ = clipped_steps_after_initialize(
+        lambda p: torch.optim.AdamW(p, lr=1e-2), 12
+    )
+    assert_trains_like_torch(model, twin, losses)
     untraced = (0, 0)
     # Failures 1 and 2 skip none and one; failure 3 three, failure 4 seven.
     expected = [TRACED, TRACED, untraced, TRACED] + [untraced] * 3 + [TRACED] + [untraced] * 4

@@ -30,11 +30,27 @@ import torch
 from torch.optim import adam
 
 from zerojax.pallas_kernels.adamw.bias_correction import adam_bias_corrections
-from zerojax.train import deferred, optimizers
+from zerojax.train import deferred, optimizers, replay
 from zerojax.train.live_tensor import LiveTensor
 from zerojax.train.parameters import live_of
 
 __all__ = ["install"]
+
+aten = torch.ops.aten
+# `optimizers.group_hyper`'s keys for Adam and AdamW, in the order the recorded op takes them.
+_HYPER_KEYS = (
+    "lr",
+    "beta1",
+    "beta2",
+    "one_minus_beta1",
+    "one_minus_beta2",
+    "beta1_lo",
+    "beta2_lo",
+    "lr_lo",
+    "eps",
+    "weight_decay",
+    "decay_factor",
+)
 
 
 def install() -> None:
@@ -69,16 +85,20 @@ def install() -> None:
 
     multi_tensor_adam._zerojax_live = True  # type: ignore[attr-defined]
     adam._multi_tensor_adam = multi_tensor_adam
+    replay.derive_scalars(
+        {
+            aten._fused_adamw_.default: functools.partial(_fused_step_scalars, True),
+            aten._fused_adam_.default: functools.partial(_fused_step_scalars, False),
+        }
+    )
 
 
-def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], options) -> None:
-    # torch's host step counts, advanced as torch's own step advances them (one CPU scalar
-    # tensor, not a 1 wrapped per element)
-    torch._foreach_add_(state_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
-    counts = np.asarray([int(s.item()) for s in state_steps], np.int32)
-    name = "AdamW" if options["decoupled_weight_decay"] else "Adam"
+def _scalar_inputs(state_steps: list[torch.Tensor], options) -> list:
+    """The recorded op's scalar inputs: the step counts (advanced), then the hyperparameters
+    in `_HYPER_KEYS` order (`optimizers.group_hyper`: torch's floats and what is computed
+    from them in float64)."""
     hyper = optimizers.group_hyper(
-        name,
+        "AdamW" if options["decoupled_weight_decay"] else "Adam",
         {
             "lr": options["lr"],
             "betas": (options["beta1"], options["beta2"]),
@@ -86,6 +106,30 @@ def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], optio
             "weight_decay": options["weight_decay"],
         },
     )
+    counts = np.asarray([int(s.item()) for s in state_steps], np.int32)
+    return [counts, *(hyper[k] for k in _HYPER_KEYS)]
+
+
+def _fused_step_scalars(decoupled: bool, args: tuple, kwargs: dict):
+    """`replay.derive_scalars` for `aten._fused_adam(w)_` on live tensors
+    (`fused_optimizer_ops.run_fused_step`, then `_record`): the op key's part that comes
+    from the call's floats, and the scalar inputs `_record` gives the op; None where the call
+    runs otherwise (a gradient scaler's arguments)."""
+    if kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None:
+        return None
+    options = {k: kwargs[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")}
+    if any(type(v) is not float for v in options.values()):
+        return None
+    options["decoupled_weight_decay"] = decoupled
+    # torch has advanced the step counts before the call; the call leaves them so.
+    return options["weight_decay"] != 0, _scalar_inputs(list(args[5]), options)
+
+
+def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], options) -> None:
+    # torch's host step counts, advanced as torch's own step advances them (one CPU scalar
+    # tensor, not a 1 wrapped per element)
+    torch._foreach_add_(state_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    scalars = _scalar_inputs(state_steps, options)
     count = len(live[0])
     group = optimizers.ParamGroupSpec(
         param_names=tuple(str(i) for i in range(count)),
@@ -96,19 +140,13 @@ def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], optio
     )
     written = [live[0], *live[2:]]  # params, exp_avgs, exp_avg_sqs (, max_exp_avg_sqs)
     values = [[t.value() for t in tensors] for tensors in live]
-    keys = tuple(hyper)
     # A live tensor's value has its shape and its dtype's JAX dtype (`LiveTensor.write`).
-    key = (
-        "adam",
-        group,
-        keys,
-        tuple((v.shape, v.dtype) for vs in (values[0], *values[2:]) for v in vs),
-    )
+    key = ("adam", group, tuple((v.shape, v.dtype) for vs in (values[0], *values[2:]) for v in vs))
     outputs = deferred.record(
         key,
-        functools.partial(_adam_elements, group, count, keys),
-        [v for vs in values for v in vs] + [counts] + [hyper[k] for k in keys],
-        _avals(key[3]),
+        functools.partial(_adam_elements, group, count),
+        [v for vs in values for v in vs] + scalars,
+        _avals(key[2]),
     )
     # Each output has its tensor's shape and dtype (`_avals`): written as it is.
     for tensor, value in zip((t for tensors in written for t in tensors), outputs, strict=True):
@@ -121,7 +159,7 @@ def _avals(shapes_and_dtypes: tuple) -> list[jax.ShapeDtypeStruct]:
     return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes_and_dtypes]
 
 
-def _adam_elements(group: optimizers.ParamGroupSpec, count: int, keys: tuple, arrays: list, rng):
+def _adam_elements(group: optimizers.ParamGroupSpec, count: int, arrays: list, rng):
     """The recorded op: every parameter's Adam/AdamW update (params, moments out)."""
     f32 = jnp.float32
     per_list = [arrays[i * count : (i + 1) * count] for i in range(5 if group.amsgrad else 4)]
@@ -129,7 +167,7 @@ def _adam_elements(group: optimizers.ParamGroupSpec, count: int, keys: tuple, ar
     maxima = per_list[4] if group.amsgrad else [None] * count
     rest = arrays[len(per_list) * count :]
     counts = jnp.asarray(rest[0], jnp.int32)
-    h = {k: jnp.asarray(v, f32) for k, v in zip(keys, rest[1:], strict=True)}
+    h = {k: jnp.asarray(v, f32) for k, v in zip(_HYPER_KEYS, rest[1:], strict=True)}
     step_sizes_neg, bc2_sqrts = adam_bias_corrections(
         counts, {k: jnp.broadcast_to(v, (count,)) for k, v in h.items()}
     )

@@ -41,14 +41,16 @@ each, and a replay passes from one to another that shares the calls made so far.
 
 Not traced (recorded as before): a recording that draws random numbers, writes a live
 tensor with a value it did not record, takes in a view, records ops outside a call (Adam's
-and Adafactor's steps recorded as one op), or makes a call that changes a host tensor it is
-given or takes values computed from one (a fused optimizer step's host step counts): a
-replay does not run the call. Recordings that open alike and were not traceable are traced
-less and less often (`_backoff`). Decompositions (an op without lowering, run as the ops
-torch decomposes it into), and a call whose ops take a float it computed from its own, are
-traced with their floats as constants: their Python may branch on the values, and a replay
-could not compute the derived ones anew. A trace holds the tensors it began with weakly:
-it keeps no value alive.
+and Adafactor's steps recorded as one op outside torch's dispatch), or makes a call that
+changes a host tensor it is given or takes values computed from one: a replay does not run
+the call. Recordings that open alike and were not traceable are traced less and less often
+(`_backoff`). Decompositions (an op without lowering, run as the ops torch decomposes it
+into), and a call whose ops take a float it computed from its own, are traced with their
+floats as constants: their Python may branch on the values, and a replay could not compute
+the derived ones anew -- unless the code that records the call says how it derives them
+(`derive_scalars`: a fused Adam step, the Hugging Face Trainer's default, takes its bias
+corrections and host step counts so), when a replay derives them from each call's
+arguments. A trace holds the tensors it began with weakly: it keeps no value alive.
 """
 
 from __future__ import annotations
@@ -70,12 +72,12 @@ from zerojax.train.deferred import Deferred
 from zerojax.train.live_tensor import LiveTensor, Owned, run_op
 from zerojax.train.parameters import EngineEntry
 
-__all__ = ["install", "replays", "traces"]
+__all__ = ["derive_scalars", "install", "replays", "traces"]
 
 log = logging.getLogger(__name__)
 
 # What a dispatch's argument leaf is (see `_Entry.leaves`).
-_SOURCE, _RESULT, _SLOT, _CONST, _HOST = range(5)
+_SOURCE, _RESULT, _SLOT, _CONST, _HOST, _FREE = range(6)
 # How an argument is checked (see `_argument_groups`).
 _LEAF, _SOURCES, _RESULTS, _LEAVES = range(4)
 # What a dispatch returned besides new live tensors.
@@ -94,6 +96,25 @@ _CONSTANTS = (
     torch.memory_format,
 )
 _counts = {"traces": 0, "replays": 0}
+# Calls whose ops take scalar inputs that the call's own Python computes from its arguments
+# (`derive_scalars`): op -> derivation(args, kwargs) -> (key, values) or None.
+_derivations: dict = {}
+
+
+def derive_scalars(derivations: dict) -> None:
+    """Declare, per ATen op, how its calls on live tensors make their ops' scalar inputs.
+
+    `derivation(args, kwargs)`, before the call runs, returns `(key, values)`: the values
+    that the ops the call records take as scalar inputs, in order, and a key for what else
+    those ops depend on among the call's floats and host tensors (None where the call is
+    not recorded that way). With the ops a function of the call's op, its argument
+    structure, shapes, dtypes and constants, and of that key, a replay computes the values
+    anew from each call's arguments: the call is traced with its floats and host tensors
+    free (a fused Adam step's learning rate, its bias-correction terms, its host step
+    counts). A trace checks the values against those the call's ops took.
+    """
+    _derivations.update(derivations)
+
 
 
 def traces() -> int:
@@ -123,10 +144,14 @@ class _Entry:
     argument's source), or `(container type, [(position, shape, JAX dtype, torch dtype)])` of
     new live tensors over recorded results (container type None: one tensor). `writes`:
     `(target, position, shape, JAX dtype)`, the target a leaf-like `(_SOURCE, source)` or
-    `(_RESULT, (entry, k))`. `ops`, `arrays`, `scalars`: the recording's sizes after it."""
+    `(_RESULT, (entry, k))`. `ops`, `arrays`, `scalars`: the recording's sizes after it.
+    `derived`: for a call whose scalar inputs are derived (`derive_scalars`), `(key, first
+    slot, count)`, its float and host tensor leaves `(_FREE, float)` and `(_FREE,
+    torch.Tensor, shape, dtype)`; else None."""
 
     __slots__ = (
         "arrays",
+        "derived",
         "func",
         "groups",
         "leaves",
@@ -418,13 +443,15 @@ class _Recorder:
             self.fail("it records ops outside torch's dispatch")
         leaves, spec, spec_key = live_tensor.flatten_arguments(args, kwargs)
         # Host tensors' values before the call: a replay does not run it, so a call that
-        # changes them (a fused optimizer step advancing its step counts) is not traced.
+        # changes them is not traced.
         self.host_before = {}
         for x in leaves:
             if type(x) is LiveTensor:
                 self._note_source(x._source)
             elif type(x) is torch.Tensor:
                 self.host_before[id(x)] = host_array(x)
+        derivation = _derivations.get(func)
+        derived = None if derivation is None else derivation(args, kwargs)
         self.depth, self.nested, self.writes = 1, False, []
         try:
             result = run_op(func, args, kwargs)
@@ -434,8 +461,9 @@ class _Recorder:
             try:
                 structure = spec if spec_key is None else spec_key
                 self._trace_entry(
-                    func, args, leaves, structure, result, recording, ops_before, scalars_before
-                )
+                    func, args, leaves, structure, result, recording, ops_before, scalars_before,
+                    derived,
+                )  # fmt: skip
             except _NotTraceable as why:
                 self.fail(str(why))
         self.writes = None
@@ -491,6 +519,23 @@ class _Recorder:
             raise _NotTraceable("an op takes values computed from a host tensor")
         return (_HOST, slot, copy.shape, x.dtype)
 
+    def _free_leaf(self, x):
+        """A float or host tensor of a call whose scalar inputs are derived: any value of its
+        kind (a host tensor of its shape and dtype, which the call must leave as it was)."""
+        if type(x) is float:
+            return (_FREE, float)
+        if type(x) is torch.Tensor and x.device.type == "cpu":
+            before = self.host_before[id(x)]
+            after = host_array(x)
+            if not (np.array_equal(before, after) and before.dtype == after.dtype):
+                raise _NotTraceable("an op changes a host tensor")
+            return (_FREE, torch.Tensor, tuple(x.shape), x.dtype)
+        if isinstance(x, torch.Tensor):
+            raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
+        if not isinstance(x, _CONSTANTS):
+            raise _NotTraceable(f"it passes a {type(x).__name__} to an op")
+        return (_CONST, type(x), x)
+
     def _tensor_leaf(self, source):
         known = self.results.get(id(source))
         if known is not None and known[0]() is source:
@@ -501,17 +546,33 @@ class _Recorder:
         return (_SOURCE, weakref.ref(source))
 
     def _trace_entry(
-        self, func, args, leaves, spec, result, recording, ops_before, scalars_before
+        self, func, args, leaves, spec, result, recording, ops_before, scalars_before, derived
     ) -> None:
         ops, scalars = recording.ops, recording.scalars
         traced = {ref[1] for op in ops[ops_before:] for ref in op.refs if ref[0] == "scalar"}
+        if derived is not None:
+            key, values = derived
+            made = scalars[scalars_before:]
+            if traced != set(range(scalars_before, len(scalars))) or not (
+                len(made) == len(values) and all(map(_same_value, made, values))
+            ):
+                raise _NotTraceable(f"its ops take scalars other than {func}'s derived ones")
+            entry = _Entry()
+            entry.func, entry.spec = func, spec
+            entry.leaves = tuple(
+                self._tensor_leaf(x._source) if type(x) is LiveTensor else self._free_leaf(x)
+                for x in leaves
+            )
+            entry.derived = (key, scalars_before, len(values))
+            self._finish_entry(entry, result, args, leaves, recording)
+            return
         host_slots = [
             slot
             for slot in range(scalars_before, len(scalars))
             if type(scalars[slot]) is np.ndarray and slot in traced
         ]
         entry = _Entry()
-        entry.func, entry.spec = func, spec
+        entry.func, entry.spec, entry.derived = func, spec, None
         entry.leaves = tuple(
             self._leaf(x, traced, recording.scalar_slots, host_slots, scalars) for x in leaves
         )
@@ -527,6 +588,9 @@ class _Recorder:
                 (_CONST, float, scalars[leaf[1]]) if leaf[0] is _SLOT else leaf
                 for leaf in entry.leaves
             )
+        self._finish_entry(entry, result, args, leaves, recording)
+
+    def _finish_entry(self, entry: _Entry, result, args, leaves, recording) -> None:
         entry.returns = self._returns(result, args, leaves, len(self.entries))
         entry.writes = [
             (self._tensor_leaf(source), *_pending(value, "writes")) for source, value in self.writes
@@ -534,7 +598,7 @@ class _Recorder:
         if recording.rngs:
             raise _NotTraceable("it draws random numbers")
         entry.groups = _argument_groups(entry)
-        entry.ops, entry.arrays = len(ops), len(recording.arrays)
+        entry.ops, entry.arrays = len(recording.ops), len(recording.arrays)
         entry.scalars = len(recording.scalars)
         self.entries.append(entry)
 
@@ -584,6 +648,9 @@ class _Recorder:
                 return None, "an op's input is no live tensor's value before the recording"
             sources.append(weakref.ref(known[1]))
         host = {leaf[1] for entry in self.entries for leaf in entry.leaves if leaf[0] is _HOST}
+        for entry in self.entries:
+            if entry.derived is not None:
+                host.update(range(entry.derived[1], entry.derived[1] + entry.derived[2]))
         if any(type(s) is not float and i not in host for i, s in enumerate(recording.scalars)):
             return None, "an op takes a host tensor's values outside its call's arguments"
         trace = _Trace()
@@ -636,7 +703,10 @@ def _pin_shared_slots(entries: list[_Entry], recording) -> list[_Entry]:
             for ref in op.refs
             if ref[0] == "scalar"
         }
-        pinned |= taken - {leaf[1] for leaf in entry.leaves if leaf[0] is _SLOT or leaf[0] is _HOST}
+        own = {leaf[1] for leaf in entry.leaves if leaf[0] is _SLOT or leaf[0] is _HOST}
+        if entry.derived is not None:
+            own.update(range(entry.derived[1], entry.derived[1] + entry.derived[2]))
+        pinned |= taken - own
         start = entry.ops
     if not pinned:
         return entries
@@ -648,6 +718,16 @@ def _pin_shared_slots(entries: list[_Entry], recording) -> list[_Entry]:
         )
         entry.groups = _argument_groups(entry)
     return entries
+
+
+def _same_value(a, b) -> bool:
+    """Whether scalar inputs `a` and `b` are the same value: a float or a numpy array, bit
+    for bit (a -0.0 is no 0.0)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is np.ndarray:
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    return np.float64(a).tobytes() == np.float64(b).tobytes() if type(a) is float else a == b
 
 
 def _pending(value, what: str) -> tuple:
@@ -691,6 +771,14 @@ class _Replayer:
         if not self._arguments_match(entry, args, kwargs):
             self.diverged = f"dispatch {index} ({func}): its arguments differ from the trace"
             return _DIVERGED
+        if entry.derived is not None:
+            key, start, count = entry.derived
+            derived = _derivations[func](args, kwargs)
+            if derived is None or derived[0] != key or len(derived[1]) != count:
+                self.diverged = f"dispatch {index} ({func}): its derived scalars differ"
+                return _DIVERGED
+            self.scalars[start : start + count] = derived[1]
+            self.assigned[start : start + count] = [True] * count
         self.next = index + 1
         returns = entry.returns
         if returns is _NONE:
@@ -805,6 +893,15 @@ class _Replayer:
             self.scalars[want[1]] = host_array(x)
             self.assigned[want[1]] = True
             return True
+        if kind is _FREE:
+            if want[1] is float:
+                return type(x) is float
+            return (
+                type(x) is torch.Tensor
+                and x.device.type == "cpu"
+                and x.dtype == want[3]
+                and tuple(x.shape) == want[2]
+            )
         return type(x) is want[1] and (x is want[2] or x == want[2])
 
     def _result(self, index: int, k: int, position, shape, dtype, torch_dtype) -> LiveTensor:
