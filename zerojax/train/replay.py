@@ -116,7 +116,6 @@ def derive_scalars(derivations: dict) -> None:
     _derivations.update(derivations)
 
 
-
 def traces() -> int:
     """How many recordings were recorded, not replayed, and traced (or found not traceable)
     in this process; not those recorded without tracing after failures (`_backoff`)."""
