@@ -354,18 +354,28 @@ def clipped_steps_after_initialize(make, steps: int, clip_norms=None, schedule=N
     return model, twin, np.array(losses), per_step, compiled
 
 
-def test_the_hf_trainers_step_is_replayed_under_a_schedule_and_varying_clip_norms():
-    """The HF Trainer's default optimizer, `AdamW(fused=True)`, built after `initialize`:
-    its `_fused_adamw_` call records one op whose scalar inputs the call derives from its
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+    ],
+    ids=["HF Trainer's fused AdamW", "minGPT's foreach AdamW", "Adam amsgrad"],
+)
+def test_adam_built_after_initialize_is_replayed_under_a_schedule_and_varying_clip_norms(make):
+    """The HF Trainer's default optimizer, `AdamW(fused=True)`, or minGPT's foreach AdamW,
+    built after `initialize`: the step is one `_fused_adamw_` call (the foreach step made
+    one, `recorded_adam`), recording one op whose scalar inputs the call derives from its
     floats and host step counts (`replay.derive_scalars`), so the whole step -- clip and
     update -- is replayed with each step's learning rate, clip norm and step counts. The
     first two steps are traced (the first makes the state); no program is compiled after
-    the second, and the numbers are torch's fused kernel's (the recorded step computes
-    torch's foreach arithmetic: the two agree to float32 rounding)."""
+    the second, and the numbers are torch's (the recorded step computes torch's foreach
+    arithmetic, which agrees with its fused kernel to float32 rounding)."""
     steps = 12
     norms = [0.5 + 0.25 * (step % 4) for step in range(steps)]
     model, twin, losses, per_step, compiled = clipped_steps_after_initialize(
-        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+        make,
         steps,
         clip_norms=norms,
         schedule=lambda o: torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.1, total_iters=steps),
@@ -396,12 +406,13 @@ def test_a_derivation_that_does_not_give_the_ops_scalars_is_not_replayed(monkeyp
 
 
 def test_recordings_that_are_not_traceable_are_traced_less_and_less_often():
-    """minGPT's step: torch's clip, then a (foreach) AdamW built after `initialize` on the
-    live parameters, whose step is recorded as one op outside torch's dispatch (not
+    """torch's clip, then an Adafactor built after `initialize` on the live parameters, whose
+    step is recorded as one op outside torch's dispatch (`recorded_adafactor`: not
     traceable). After n failures in a row the next 2**(n-1) - 1 such recordings are recorded
-    without tracing: the per-call tracing work would buy nothing. The numbers are torch's."""
+    without tracing: the per-call tracing work would buy nothing. The numbers are torch's
+    (within its float32 step-size arithmetic: see recorded_adafactor)."""
     model, twin, losses, per_step, _ = clipped_steps_after_initialize(
-        lambda p: torch.optim.AdamW(p, lr=1e-2), 12
+        lambda p: torch.optim.Adafactor(p, lr=1e-2), 12
     )
     assert_trains_like_torch(model, twin, losses)
     untraced = (0, 0)

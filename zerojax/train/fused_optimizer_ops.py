@@ -17,10 +17,12 @@ step advances them itself): they are stepped back first. A gradient scaler's `gr
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.optim import adam, sgd
 
-__all__ = ["FUSED_OPTIMIZER_OPS", "run_fused_step"]
+__all__ = ["FUSED_OPTIMIZER_OPS", "in_fused_adam_step", "run_fused_step"]
 
 aten = torch.ops.aten
 
@@ -34,6 +36,16 @@ FUSED_OPTIMIZER_OPS = frozenset(
         aten._fused_sgd_.tensor_lr,
     }
 )
+
+
+# Set while `run_fused_step` runs torch's multi-tensor Adam for a fused op (on this thread).
+_in_fused_adam = threading.local()
+
+
+def in_fused_adam_step() -> bool:
+    """Whether torch's multi-tensor Adam is called by `run_fused_step` for a fused op (not by
+    an optimizer's step: `zerojax.train.recorded_adam` routes that call through the fused op)."""
+    return getattr(_in_fused_adam, "active", False)
 
 
 def run_fused_step(func, args: tuple, kwargs: dict) -> bool:
@@ -61,12 +73,18 @@ def run_fused_step(func, args: tuple, kwargs: dict) -> bool:
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps = args
     steps = list(state_steps)
     torch._foreach_sub_(steps, 1)  # the foreach step advances them again
-    adam._multi_tensor_adam(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-        steps, None, None,
-        amsgrad=kwargs["amsgrad"], has_complex=False, beta1=kwargs["beta1"],
-        beta2=kwargs["beta2"], lr=kwargs["lr"], weight_decay=kwargs["weight_decay"],
-        eps=kwargs["eps"], maximize=kwargs["maximize"], capturable=False, differentiable=False,
-        decoupled_weight_decay=func in (aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr),
-    )  # fmt: skip
+    _in_fused_adam.active = True
+    try:
+        adam._multi_tensor_adam(
+            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
+            steps, None, None,
+            amsgrad=kwargs["amsgrad"], has_complex=False, beta1=kwargs["beta1"],
+            beta2=kwargs["beta2"], lr=kwargs["lr"], weight_decay=kwargs["weight_decay"],
+            eps=kwargs["eps"], maximize=kwargs["maximize"], capturable=False,
+            differentiable=False,
+            decoupled_weight_decay=func
+            in (aten._fused_adamw_.default, aten._fused_adamw_.tensor_lr),
+        )  # fmt: skip
+    finally:
+        _in_fused_adam.active = False
     return True

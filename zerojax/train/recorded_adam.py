@@ -31,6 +31,7 @@ from torch.optim import adam
 
 from zerojax.pallas_kernels.adamw.bias_correction import adam_bias_corrections
 from zerojax.train import deferred, optimizers, replay
+from zerojax.train.fused_optimizer_ops import in_fused_adam_step
 from zerojax.train.live_tensor import LiveTensor
 from zerojax.train.parameters import live_of
 
@@ -80,7 +81,10 @@ def install() -> None:
         if not recordable:
             return original(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
                             grad_scale, found_inf, **options)  # fmt: skip
-        _record(live, state_steps, options)
+        if in_fused_adam_step():
+            _record(live, state_steps, options)
+        else:
+            _as_fused_op(live, max_exp_avg_sqs, state_steps, options)
         return None
 
     multi_tensor_adam._zerojax_live = True  # type: ignore[attr-defined]
@@ -123,6 +127,23 @@ def _fused_step_scalars(decoupled: bool, args: tuple, kwargs: dict):
     options["decoupled_weight_decay"] = decoupled
     # torch has advanced the step counts before the call; the call leaves them so.
     return options["weight_decay"] != 0, _scalar_inputs(list(args[5]), options)
+
+
+def _as_fused_op(live: list[list[LiveTensor]], max_exp_avg_sqs, state_steps, options) -> None:
+    """A foreach step (an AdamW built after `initialize`: minGPT's) as the fused op on the
+    live tensors: one ATen call, which `zerojax.train.replay` traces and replays with its
+    derived scalars (`_fused_step_scalars`), where the recording made here would be an op
+    recorded outside torch's dispatch, never replayed. The fused op takes the step counts
+    advanced (`run_fused_step` steps them back, `_record` advances them again)."""
+    torch._foreach_add_(state_steps, torch.tensor(1.0, device="cpu"), alpha=1.0)
+    op = aten._fused_adamw_ if options["decoupled_weight_decay"] else aten._fused_adam_
+    op.default(
+        live[0], live[1], live[2], live[3], live[4] if options["amsgrad"] else [],
+        state_steps,
+        lr=options["lr"], beta1=options["beta1"], beta2=options["beta2"],
+        weight_decay=options["weight_decay"], eps=options["eps"], amsgrad=options["amsgrad"],
+        maximize=options["maximize"],
+    )  # fmt: skip
 
 
 def _record(live: list[list[LiveTensor]], state_steps: list[torch.Tensor], options) -> None:
