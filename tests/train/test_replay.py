@@ -354,11 +354,20 @@ def clipped_steps_after_initialize(make, steps: int, clip_norms=None, schedule=N
     return model, twin, np.array(losses), per_step, compiled
 
 
+def decay_groups(params) -> list[dict]:
+    """The HF Trainer's and minGPT's two param groups: weight decay on the matrices only."""
+    params = list(params)
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
 @pytest.mark.parametrize(
     "make",
     [
-        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
-        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(decay_groups(p), lr=1e-2, fused=True),
+        lambda p: torch.optim.AdamW(decay_groups(p), lr=1e-2),
         lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
     ],
     ids=["HF Trainer's fused AdamW", "minGPT's foreach AdamW", "Adam amsgrad"],

@@ -122,11 +122,15 @@ def _fused_step_scalars(decoupled: bool, args: tuple, kwargs: dict):
     if kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None:
         return None
     options = {k: kwargs[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")}
-    if any(type(v) is not float for v in options.values()):
+    steps = list(args[5])
+    # Host step counts only: reading a live one here would run the recording mid-call.
+    if any(type(v) is not float for v in options.values()) or any(
+        type(s) is not torch.Tensor for s in steps
+    ):
         return None
     options["decoupled_weight_decay"] = decoupled
     # torch has advanced the step counts before the call; the call leaves them so.
-    return options["weight_decay"] != 0, _scalar_inputs(list(args[5]), options)
+    return options["weight_decay"] != 0, _scalar_inputs(steps, options)
 
 
 def _as_fused_op(live: list[list[LiveTensor]], max_exp_avg_sqs, state_steps, options) -> None:
