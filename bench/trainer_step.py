@@ -18,7 +18,12 @@ times so that load hits them alike; each reports the median of its steps after t
 A step is timed from the Trainer's `on_step_begin` to its `on_step_end` callback (forward,
 backward, clip, optimizer and scheduler step).
 
-Run: .venv/bin/python bench/trainer_step.py [--steps N] [--rounds N]
+`--replay-ab` instead runs the `initialize`-only Trainer once, in this process, with the
+replay of recorded work (zerojax.train.replay) on and off in alternating blocks of 4 steps
+(the first step of each block and the first two blocks not timed), and reports each mode's
+median step, wall-clock and this thread's CPU time: what the replay saves the Trainer's step.
+
+Run: .venv/bin/python bench/trainer_step.py [--steps N] [--rounds N] [--replay-ab]
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ sys.path[0] = str(REPO)
 CONTENDERS = ("plain", "initialize only", "handed over")
 
 
-def run_one(contender: str, steps: int) -> list[float]:
-    """Step times (ms) of one Trainer run, in this process."""
+def run_one(contender: str, steps: int, replay_ab: dict | None = None) -> list[float]:
+    """Step times (ms) of one Trainer run, in this process. `replay_ab`: {"on": [], "off":
+    []}, filled with (wall ms, thread CPU ms) of steps with the replay on and off (see
+    --replay-ab)."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", 1)
@@ -62,15 +69,25 @@ def run_one(contender: str, steps: int) -> list[float]:
         def __getitem__(self, i):
             return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
+    from zerojax.train import live_tensor
+
     class StepTimes(transformers.TrainerCallback):
         def __init__(self):
             self.times: list[float] = []
+            self.replay_hook = live_tensor.dispatch_hook[0]  # installed by initialize
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            if replay_ab is not None:
+                self.replay_hook = self.replay_hook or live_tensor.dispatch_hook[0]
+                self.mode = "on" if (len(self.times) // 4) % 2 == 0 else "off"
+                live_tensor.dispatch_hook[0] = self.replay_hook if self.mode == "on" else None
+            self.start, self.cpu = time.perf_counter(), time.thread_time()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.times.append((time.perf_counter() - self.start) * 1e3)
+            wall, cpu = time.perf_counter() - self.start, time.thread_time() - self.cpu
+            if replay_ab is not None and len(self.times) >= 8 and len(self.times) % 4:
+                replay_ab[self.mode].append((wall * 1e3, cpu * 1e3))
+            self.times.append(wall * 1e3)
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -106,7 +123,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--contender", choices=CONTENDERS, help=argparse.SUPPRESS)
+    parser.add_argument("--replay-ab", action="store_true", help="see the module docstring")
     args = parser.parse_args()
+    if args.replay_ab:
+        modes: dict[str, list] = {"on": [], "off": []}
+        run_one("initialize only", args.steps, modes)
+        print(f"HF Trainer with only the initialize line, {args.steps} steps, one process")
+        for mode, samples in modes.items():
+            wall = statistics.median(s[0] for s in samples)
+            cpu = statistics.median(s[1] for s in samples)
+            print(f"  replay {mode:3s}  {wall:6.1f} ms wall  {cpu:6.2f} ms thread  ({len(samples)})")
+        return
     if args.contender:
         print(json.dumps(run_one(args.contender, args.steps)))
         return
