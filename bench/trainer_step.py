@@ -132,7 +132,9 @@ def main() -> None:
         for mode, samples in modes.items():
             wall = statistics.median(s[0] for s in samples)
             cpu = statistics.median(s[1] for s in samples)
-            print(f"  replay {mode:3s}  {wall:6.1f} ms wall  {cpu:6.2f} ms thread  ({len(samples)})")
+            print(
+                f"  replay {mode:3s}  {wall:6.1f} ms wall  {cpu:6.2f} ms thread  ({len(samples)})"
+            )
         return
     if args.contender:
         print(json.dumps(run_one(args.contender, args.steps)))
