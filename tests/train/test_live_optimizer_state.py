@@ -6,10 +6,14 @@ keeps its state in `optimizer.state[p]`, where torch's own step reads it. These 
 state is the engine's too (`zerojax.train.live_optimizer_state`): `engine.state.opt_state` on
 the ZeRO stage's shardings; Orbax checkpoints that round-trip it bitwise, into an optimizer that
 has not stepped yet and onto another mesh; the memory plan counting it; and
-`offload.optimizer: host` keeping it in host memory between steps with the same numbers.
+`offload.optimizer: host` keeping it in host memory between steps with the same numbers. An
+optimizer built after `initialize` on the model's parameters (minGPT, the HF Trainer) gets the
+same placement (`zerojax.train.late_optimizers`).
 """
 
 from __future__ import annotations
+
+import copy
 
 import jax
 import numpy as np
@@ -209,3 +213,63 @@ def test_an_optimizer_built_after_initialize_checkpoints_the_same(tmp_path):
     stranger = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"param group 0, parameter 0 \(shape \(2, 2\)\) is not"):
         zerojax.Checkpointer(tmp_path / "other", other, stranger)
+
+
+# Built after `initialize` on the model's parameters.
+LATE = {
+    "fused AdamW (the HF Trainer's)": lambda p: torch.optim.AdamW(
+        p, lr=1e-2, weight_decay=0.1, fused=True
+    ),
+    "foreach AdamW (minGPT's)": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "RMSprop": OPTIMIZERS["RMSprop"],
+}
+ZERO1 = {"mesh": {"fsdp": 8}, "zero": {"stage": 1}}
+
+
+def built_after_initialize(config, make_optimizer):
+    """(model, the optimizer built on its parameters after `initialize`, a plain-torch twin of
+    both)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    twin = copy.deepcopy(module)
+    model, _ = zerojax.initialize(module, None, config)
+    return model, make_optimizer(model.parameters()), twin, make_optimizer(twin.parameters())
+
+
+@pytest.mark.parametrize("name", list(LATE))
+def test_an_optimizer_built_after_initialize_keeps_its_state_on_the_zero_shardings(name):
+    """ZeRO-1 replicates the parameters and partitions the optimizer state: the moments of an
+    optimizer built after `initialize` are 1/8 per device as the plan says (they took their
+    parameter's replicated sharding before), and the numbers are torch's (1e-5 relative: see
+    tests/train/test_torch_optimizers.py)."""
+    model, optimizer, twin, twin_optimizer = built_after_initialize(ZERO1, LATE[name])
+    losses = train(model, optimizer, 3, seed=0)
+    np.testing.assert_allclose(losses, train(twin, twin_optimizer, 3, seed=0), rtol=1e-5)
+    plan, names = model.engine.plan, {id(p): n for n, p in model.named_parameters()}
+    placed = 0
+    for param, state in optimizer.state.items():
+        name = names[id(param)]
+        for key, value in state.items():
+            if value.ndim:
+                array = value.array
+                assert array.sharding.is_equivalent_to(plan.opt_state[name], array.ndim), key
+                assert array.addressable_shards[0].data.size * 8 == array.size, (name, key)
+                placed += 1
+    assert placed >= 2 * len(names)  # two moments (RMSprop: square_avg, momentum_buffer)
+
+
+@pytest.mark.parametrize("name", ["fused AdamW (the HF Trainer's)", "RMSprop"])
+def test_an_optimizer_built_after_initialize_has_its_state_offloaded(name):
+    """`offload.optimizer: host`: the state of an optimizer built after `initialize` lives in
+    host memory between steps (it stayed on the devices before), with the same numbers as
+    on the devices."""
+    on_device = built_after_initialize(ZERO1, LATE[name])
+    offloaded = built_after_initialize({**ZERO1, "offload": {"optimizer": "host"}}, LATE[name])
+    assert train(*offloaded[:2], 3, seed=0) == train(*on_device[:2], 3, seed=0)
+    kinds = {
+        value.array.sharding.memory_kind
+        for state in offloaded[1].state.values()
+        for value in state.values()
+        if value.ndim
+    }
+    assert kinds == {"pinned_host"}

@@ -12,7 +12,13 @@ from zerojax.integrations import accelerate as accelerate_integration
 from zerojax.integrations import hf_trainer as hf_trainer_integration
 from zerojax.runtime import effective_time, worker_processes
 from zerojax.runtime.compilation_cache import enable_compilation_cache
-from zerojax.train import foreach_default, recorded_adafactor, recorded_adam, replay
+from zerojax.train import (
+    foreach_default,
+    late_optimizers,
+    recorded_adafactor,
+    recorded_adam,
+    replay,
+)
 from zerojax.train.engine import Engine
 from zerojax.train.module import ZeroModule, zero_module
 from zerojax.train.optimizer_config import build_optimizer, check_optimizer_matches_config
@@ -75,6 +81,7 @@ def initialize(
     replay.install()  # recorded live-tensor work traced once, then replayed
     recorded_adam.install()  # ... and its foreach Adam/AdamW step is one recorded op
     recorded_adafactor.install()  # ... and Adafactor's step too, without its host reads
+    late_optimizers.install()  # optimizers built after this call: state on the ZeRO plan
     prepared = accelerate_integration.unwrap_prepared(model, optimizer)
     model, optimizer = prepared.model, prepared.optimizer
     if isinstance(model, ZeroModule):

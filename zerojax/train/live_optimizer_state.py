@@ -23,6 +23,7 @@ ZeRO-1/2/3 partition it), everything else is replicated (`plan.optimizer_state_s
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -31,11 +32,19 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerojax.bridge.dtypes import host_array, to_jax_dtype, to_torch, to_torch_dtype
+from zerojax.bridge.dtypes import from_torch, host_array, to_jax_dtype, to_torch, to_torch_dtype
 from zerojax.distributed.arrays import host_copy
-from zerojax.train.live_tensor import LiveTensor
+from zerojax.train.live_tensor import LiveTensor, Owned
 
-__all__ = ["abstract", "describe", "gather", "scatter", "state_shapes", "unhooked_step"]
+__all__ = [
+    "abstract",
+    "describe",
+    "gather",
+    "place_state",
+    "scatter",
+    "state_shapes",
+    "unhooked_step",
+]
 
 # One optimizer on the live path: the torch optimizer and id(param) -> the engine's name.
 LiveOptimizer = tuple[torch.optim.Optimizer, Mapping[int, str]]
@@ -184,6 +193,59 @@ def state_shapes(
                 struct = jax.ShapeDtypeStruct(tuple(value.shape), to_jax_dtype(value.dtype))
                 tree.setdefault(key, {})[twins[id(twin)]] = struct
     return tree
+
+
+def place_state(
+    optimizer: torch.optim.Optimizer,
+    names: Mapping[int, str],
+    plan,
+    placed: dict[tuple[str, str], weakref.ref],
+    on_device: bool = False,
+) -> None:
+    """Put each parameter-shaped state tensor (a moment, a momentum buffer) of `optimizer`'s
+    parameters in `names` (id(param) -> the engine's name) on `plan`'s optimizer-state sharding
+    of its parameter: ZeRO-1/2/3 partition it as they partition the compiled path's state, and
+    `offload.optimizer: host` keeps it in host memory between steps (`on_device`: the same
+    shards in device memory, where the step computes). Host tensors of that shape (from
+    `load_state_dict`) become live ones; scalars (step counts) stay as torch keeps them.
+    `placed`, kept by the caller between calls, notes the tensors placed already."""
+    offloaded = "opt_state" in plan.offloaded
+    on_device = on_device and offloaded  # without offload the shards are on the devices
+    # Without offload a state tensor once placed stays on its sharding (`Owned`): only
+    # tensors not seen here before (a new state key, one `load_state_dict` put in) are
+    # looked at.
+    seen = None if offloaded else placed
+    for param, state in optimizer.state.items():
+        name = names.get(id(param))
+        if name is None:
+            continue
+        sharding = plan.opt_state[name]
+        if on_device:
+            sharding = plan.on_device(sharding)
+        for key, value in state.items():
+            if not torch.is_tensor(value):
+                continue
+            if seen is not None:
+                known = seen.get((name, key))
+                if known is not None and known() is value:
+                    continue
+            if tuple(value.shape) != tuple(param.shape):
+                if seen is not None:  # a step count: stays as torch keeps it
+                    seen[(name, key)] = weakref.ref(value)
+                continue
+            source = getattr(value, "_source", None)
+            if isinstance(source, Owned):
+                if source.sharding is not sharding:  # kept there from now on (`Owned`)
+                    source.sharding = sharding
+                    source.write(source.array)
+                if seen is not None:
+                    seen[(name, key)] = weakref.ref(value)
+            elif isinstance(value, LiveTensor):
+                if value.array.sharding != sharding:
+                    value.write(jax.device_put(value.array, sharding))
+            elif value.dim() > 0:
+                array = jax.device_put(from_torch(value), sharding)
+                state[key] = LiveTensor(Owned(array, sharding), value.shape, value.dtype)
 
 
 def unhooked_step(optimizer: torch.optim.Optimizer):

@@ -37,15 +37,13 @@ import warnings
 import weakref
 from pathlib import Path
 
-import jax
 import torch
 
-from zerojax.bridge.dtypes import from_torch
 from zerojax.runtime import effective_time
 from zerojax.train import optimizers
 from zerojax.train.engine import Engine
-from zerojax.train.live_optimizer_state import unhooked_step
-from zerojax.train.live_tensor import LiveTensor, Owned, watching_host_reads
+from zerojax.train.live_optimizer_state import place_state, unhooked_step
+from zerojax.train.live_tensor import watching_host_reads
 
 # Refused on the live path, with why.
 _REFUSED = {
@@ -174,50 +172,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             engine.count_update()
 
     def _place_state(self, on_device: bool = False) -> None:
-        """Put each parameter-shaped state tensor (a moment, a momentum buffer) on the plan's
-        optimizer-state sharding of its parameter: ZeRO-1/2/3 partition it as they partition
-        the compiled path's state, and `offload.optimizer: host` keeps it in host memory
-        between steps (`on_device`: the same shards in device memory, where the step computes).
-        Host tensors of that shape (from `load_state_dict`) become live ones; scalars (step
-        counts) stay as torch keeps them."""
-        plan = self._engine.plan
-        offloaded = "opt_state" in plan.offloaded
-        on_device = on_device and offloaded  # without offload the shards are on the devices
-        # Without offload a state tensor once placed stays on its sharding (`Owned`): only
-        # tensors not seen here before (a new state key, one `load_state_dict` put in) are
-        # looked at.
-        placed = None if offloaded else self._placed
-        for param, state in self._optimizer.state.items():
-            name = self._param_names.get(id(param))
-            if name is None:
-                continue
-            sharding = plan.opt_state[name]
-            if on_device:
-                sharding = plan.on_device(sharding)
-            for key, value in state.items():
-                if not torch.is_tensor(value):
-                    continue
-                if placed is not None:
-                    known = placed.get((name, key))
-                    if known is not None and known() is value:
-                        continue
-                if tuple(value.shape) != tuple(param.shape):
-                    if placed is not None:  # a step count: stays as torch keeps it
-                        placed[(name, key)] = weakref.ref(value)
-                    continue
-                source = getattr(value, "_source", None)
-                if isinstance(source, Owned):
-                    if source.sharding is not sharding:  # kept there from now on (`Owned`)
-                        source.sharding = sharding
-                        source.write(source.array)
-                    if placed is not None:
-                        placed[(name, key)] = weakref.ref(value)
-                elif isinstance(value, LiveTensor):
-                    if value.array.sharding != sharding:
-                        value.write(jax.device_put(value.array, sharding))
-                elif value.dim() > 0:
-                    array = jax.device_put(from_torch(value), sharding)
-                    state[key] = LiveTensor(Owned(array, sharding), value.shape, value.dtype)
+        """The state on the plan's optimizer-state shardings (`live_optimizer_state.place_state`;
+        `on_device`: in device memory, for the step, where it is offloaded)."""
+        place_state(self._optimizer, self._param_names, self._engine.plan, self._placed, on_device)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` applies the update: always without gradient accumulation,

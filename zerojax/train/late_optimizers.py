@@ -1,0 +1,79 @@
+"""Optimizers built after `initialize` on a zerojax model's parameters: their state follows the
+ZeRO plan, as the state of an optimizer handed to `initialize` does.
+
+minGPT's trainer, the Hugging Face Trainer and Lightning's `configure_optimizers` build their
+optimizer on the returned model's parameters: a plain torch optimizer, whose step runs on the
+live tensors (`zerojax.train.recorded_adam`, `zerojax.train.replay`). The state it makes
+(`zeros_like(p)`) takes its parameter's sharding: replicated under ZeRO-1, where the plan
+partitions optimizer state, so every device held every moment, and `offload.optimizer: host`
+left it on the devices. torch's global optimizer step hooks place it as `ZeroOptimizer` places
+the state of the optimizers it wraps (`live_optimizer_state.place_state`): after each step on
+the plan's optimizer-state sharding of its parameter (a state tensor made by the step's
+recording leaves that program there), and where the plan offloads optimizer state, on the
+host between steps and in device memory for the step. An optimizer `initialize` wrapped
+places its own (`optimizer_shim`), and parameters of no zerojax model are left alone.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from zerojax.train.live_optimizer_state import place_state
+from zerojax.train.optimizer_shim import ZeroOptimizer
+from zerojax.train.parameters import ShardedParameter
+
+__all__ = ["install"]
+
+# optimizer -> {engine: {(parameter name, state key): weak reference to the tensor placed}}
+_placed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_installed: list[bool] = [False]
+
+
+def install() -> None:
+    """Place the state of optimizers built on zerojax parameters around every step from now on
+    (idempotent)."""
+    if _installed[0]:
+        return
+    register_optimizer_step_pre_hook(_before_step)
+    register_optimizer_step_post_hook(_after_step)
+    _installed[0] = True
+
+
+def _engines(optimizer: torch.optim.Optimizer) -> dict:
+    """{engine: {id(param): its name}} for the optimizer's zerojax parameters."""
+    engines: dict = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if isinstance(param, ShardedParameter):
+                names = engines.setdefault(param._zerojax_engine, {})
+                names[id(param)] = param._zerojax_name
+    return engines
+
+
+def _place(optimizer: torch.optim.Optimizer, on_device: bool) -> None:
+    if isinstance(optimizer, ZeroOptimizer):
+        return
+    engines = _engines(optimizer)
+    if not engines:
+        return
+    placed = _placed.setdefault(optimizer, {})
+    for engine, names in engines.items():
+        plan = engine.plan
+        if on_device and "opt_state" not in plan.offloaded:
+            continue
+        place_state(optimizer, names, plan, placed.setdefault(engine, {}), on_device)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    # Offloaded state comes to device memory, where the step computes.
+    _place(optimizer, on_device=True)
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    _place(optimizer, on_device=False)
