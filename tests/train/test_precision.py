@@ -284,3 +284,84 @@ def test_fp16_loss_scaling_with_an_optimizer_running_its_own_step():
     assert optimizer.loss_scale == 512.0 * 2 ** (STEPS // 2)  # doubled every window=2 steps
     assert all(map(math.isfinite, losses))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+class KeepsItsGradients(torch.optim.Optimizer):
+    """A user's SGD that keeps a copy of every gradient its step saw."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["seen"] = p.grad.clone()
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+FP16_GROWING = {
+    "param_dtype": "float16",
+    "compute_dtype": "float16",
+    "master_dtype": "float32",
+    # The scale doubles after every clean step.
+    "loss_scale": {"initial_scale": 1024.0, "window": 1},
+}
+
+
+@pytest.mark.parametrize("built", ["handed to initialize", "built after initialize"])
+def test_an_own_step_sees_the_gradients_of_its_backward_when_the_scale_grows(built):
+    """fp16 loss scaling with the scale doubling after every clean step: the optimizer's own
+    step reads the gradients unscaled by the scale their backward used -- exactly what
+    `p.grad` read before the step -- traced steps and replayed ones alike. (The scale moved
+    on before the step, which then saw every gradient halved.)"""
+    torch.manual_seed(0)
+    module = Classifier()
+    if built == "handed to initialize":
+        model, optimizer = zerojax.initialize(
+            module, KeepsItsGradients(module.parameters()), config(FP16_GROWING)
+        )
+    else:
+        model, _ = zerojax.initialize(module, None, config(FP16_GROWING))
+        optimizer = KeepsItsGradients(model.parameters())
+    task = Task()
+    scales = []
+    for _ in range(5):
+        x, y = task.batch()
+        F.cross_entropy(model(x), y).backward()
+        expected = [p.grad.numpy().copy() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        for p, grad in zip(model.parameters(), expected, strict=True):
+            np.testing.assert_array_equal(optimizer.state[p]["seen"].numpy(), grad)
+        scales.append(float(model.engine.loss_scale["scale"]))
+    assert scales == [2048.0, 4096.0, 8192.0, 16384.0, 32768.0]
+
+
+def test_fp16_overflow_skips_the_step_of_an_optimizer_built_after_initialize():
+    """An optimizer built after `initialize` (minGPT, the HF Trainer) under fp16 loss scaling:
+    an overflow skips its step -- parameters, master weights and its state untouched, the
+    skip counted, the scale lowered -- where it applied the overflowed gradients before (the
+    parameters became NaN); clean steps train."""
+    torch.manual_seed(0)
+    precision = {**FP16_GROWING, "loss_scale": {"initial_scale": 1024.0, "hysteresis": 1}}
+    model, _ = zerojax.initialize(Classifier(), None, config(precision))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    task = Task()
+    losses = [step(model, optimizer, *task.batch())]
+    master_before = {n: np.asarray(a) for n, a in model.engine.master.items()}
+    moments = [optimizer.state[p]["exp_avg"].numpy() for p in model.parameters()]
+    step(model, optimizer, *task.batch(), loss_factor=1e8)  # fp16 gradients overflow
+    assert model.engine.skipped_steps == 1
+    assert float(model.engine.loss_scale["scale"]) == 512.0
+    for name, master in model.engine.master.items():
+        np.testing.assert_array_equal(np.asarray(master), master_before[name], err_msg=name)
+    for p, before in zip(model.parameters(), moments, strict=True):
+        np.testing.assert_array_equal(optimizer.state[p]["exp_avg"].numpy(), before)
+        assert float(optimizer.state[p]["step"]) == 1.0  # the skipped step does not count
+    for _ in range(STEPS):
+        losses.append(step(model, optimizer, *task.batch()))
+    assert model.engine.skipped_steps == 1
+    assert all(map(math.isfinite, losses))
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -168,6 +168,9 @@ class Engine:
         # The scale without fp16 loss scaling: placed once (`jnp.float32(1.0)` compiled a
         # conversion program in every process).
         self._unit_scale = jax.device_put(np.float32(1.0))
+        # The loss scale after an update made outside `update`, once that update is done
+        # (`loss_scale_allows_update`, `loss_scale_update_done`).
+        self._next_loss_scale: dict | None = None
         self._converted: dict[bool, Converted] = {}
         self._before_donation: list[Callable[[], None]] = []
         self._torch_optimizer: torch.optim.Optimizer | None = None
@@ -751,8 +754,10 @@ class Engine:
     def loss_scale_allows_update(self) -> bool:
         """fp16 loss scaling around an update made outside `update` (a torch optimizer's own
         step on live tensors): whether the accumulated gradients are all finite -- a host sync,
-        as DeepSpeed's overflow check is -- with the loss scale moved on by the same rule as the
-        compiled update's, and an update it skips counted. True without loss scaling."""
+        as DeepSpeed's overflow check is -- and an update it skips counted. True without loss
+        scaling. The scale moves on by the compiled update's rule when the update is done
+        (`loss_scale_update_done`): until then the gradients read unscaled by the scale their
+        backward used, where a doubled scale would halve them."""
         state = self._state
         if state.loss_scale is None or state.grads is None:
             return True
@@ -765,10 +770,17 @@ class Engine:
                 float(state.loss_scale["scale"]),
                 float(loss_scale["scale"]),
             )
-        self._state = state.replace(
-            loss_scale=loss_scale, skipped_steps=state.skipped_steps + (not applies)
-        )
+        self._state = state.replace(skipped_steps=state.skipped_steps + (not applies))
+        self._next_loss_scale = loss_scale
         return applies
+
+    def loss_scale_update_done(self) -> None:
+        """The update `loss_scale_allows_update` was asked about is made (or skipped): the loss
+        scale moves on. Reading `_state` runs the update's recorded work first
+        (`zerojax.train.deferred`), which a replayed step reads the gradients in."""
+        loss_scale, self._next_loss_scale = self._next_loss_scale, None
+        if loss_scale is not None:
+            self._state = self._state.replace(loss_scale=loss_scale)
 
     def count_update(self) -> None:
         """Count an optimizer update made outside `update` (a torch optimizer's own step)."""

@@ -10,8 +10,12 @@ left it on the devices. torch's global optimizer step hooks place it as `ZeroOpt
 the state of the optimizers it wraps (`live_optimizer_state.place_state`): after each step on
 the plan's optimizer-state sharding of its parameter (a state tensor made by the step's
 recording leaves that program there), and where the plan offloads optimizer state, on the
-host between steps and in device memory for the step. An optimizer `initialize` wrapped
-places its own (`optimizer_shim`), and parameters of no zerojax model are left alone.
+host between steps and in device memory for the step. Under fp16 loss scaling the step
+is skipped where the gradients overflowed, as DeepSpeed skips it (before, it applied them:
+the parameters became NaN): the step sees no gradients, so torch's step updates nothing
+(torch's optimizers skip a parameter without `.grad`), and the scale moves on after it by the
+compiled update's rule. An optimizer `initialize` wrapped does all this itself
+(`optimizer_shim`), and parameters of no zerojax model are left alone.
 """
 
 from __future__ import annotations
@@ -56,24 +60,22 @@ def _engines(optimizer: torch.optim.Optimizer) -> dict:
     return engines
 
 
-def _place(optimizer: torch.optim.Optimizer, on_device: bool) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if isinstance(optimizer, ZeroOptimizer):
         return
-    engines = _engines(optimizer)
-    if not engines:
-        return
     placed = _placed.setdefault(optimizer, {})
-    for engine, names in engines.items():
-        plan = engine.plan
-        if on_device and "opt_state" not in plan.offloaded:
-            continue
-        place_state(optimizer, names, plan, placed.setdefault(engine, {}), on_device)
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    # Offloaded state comes to device memory, where the step computes.
-    _place(optimizer, on_device=True)
+    for engine, names in _engines(optimizer).items():
+        if not engine.loss_scale_allows_update():  # fp16 gradients overflowed: no step
+            for name in names.values():
+                engine.drop_grad(name)
+        if "opt_state" in engine.plan.offloaded:  # in device memory, where the step computes
+            place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}), True)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    _place(optimizer, on_device=False)
+    if isinstance(optimizer, ZeroOptimizer):
+        return
+    placed = _placed.setdefault(optimizer, {})
+    for engine, names in _engines(optimizer).items():
+        place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}))
+        engine.loss_scale_update_done()
