@@ -310,31 +310,45 @@ FP16_GROWING = {
 }
 
 
-@pytest.mark.parametrize("built", ["handed to initialize", "built after initialize"])
+@pytest.mark.parametrize(
+    "built", ["handed to initialize", "built after initialize", "two handed in a list"]
+)
 def test_an_own_step_sees_the_gradients_of_its_backward_when_the_scale_grows(built):
     """fp16 loss scaling with the scale doubling after every clean step: the optimizer's own
     step reads the gradients unscaled by the scale their backward used -- exactly what
-    `p.grad` read before the step -- traced steps and replayed ones alike. (The scale moved
-    on before the step, which then saw every gradient halved.)"""
+    `p.grad` read before the step -- traced steps and replayed ones alike (the scale moved on
+    before the step, which then saw every gradient halved). Two optimizers on one model's
+    gradients (Muon's matrices beside AdamW's rest) see them alike, and the scale moves once
+    a step, not once per optimizer."""
     torch.manual_seed(0)
     module = Classifier()
     if built == "handed to initialize":
         model, optimizer = zerojax.initialize(
             module, KeepsItsGradients(module.parameters()), config(FP16_GROWING)
         )
-    else:
+        optimizers = [optimizer]
+    elif built == "built after initialize":
         model, _ = zerojax.initialize(module, None, config(FP16_GROWING))
-        optimizer = KeepsItsGradients(model.parameters())
+        optimizers = [KeepsItsGradients(model.parameters())]
+    else:
+        matrices = [p for p in module.parameters() if p.ndim == 2]
+        rest = [p for p in module.parameters() if p.ndim != 2]
+        model, optimizers = zerojax.initialize(
+            module, [KeepsItsGradients(matrices), KeepsItsGradients(rest)], config(FP16_GROWING)
+        )
     task = Task()
     scales = []
     for _ in range(5):
         x, y = task.batch()
         F.cross_entropy(model(x), y).backward()
         expected = [p.grad.numpy().copy() for p in model.parameters()]
-        optimizer.step()
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        seen = {id(p): s["seen"] for o in optimizers for p, s in o.state.items()}
         for p, grad in zip(model.parameters(), expected, strict=True):
-            np.testing.assert_array_equal(optimizer.state[p]["seen"].numpy(), grad)
+            np.testing.assert_array_equal(seen[id(p)].numpy(), grad)
         scales.append(float(model.engine.loss_scale["scale"]))
     assert scales == [2048.0, 4096.0, 8192.0, 16384.0, 32768.0]
 

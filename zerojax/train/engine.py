@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -168,9 +169,9 @@ class Engine:
         # The scale without fp16 loss scaling: placed once (`jnp.float32(1.0)` compiled a
         # conversion program in every process).
         self._unit_scale = jax.device_put(np.float32(1.0))
-        # The loss scale after an update made outside `update`, once that update is done
-        # (`loss_scale_allows_update`, `loss_scale_update_done`).
-        self._next_loss_scale: dict | None = None
+        # (weak references to the gradients `loss_scale_allows_update` last decided on, its
+        # answer): held weakly, they are freed when torch's zero_grad drops them.
+        self._loss_scale_checked: tuple[list, bool] | None = None
         self._converted: dict[bool, Converted] = {}
         self._before_donation: list[Callable[[], None]] = []
         self._torch_optimizer: torch.optim.Optimizer | None = None
@@ -754,33 +755,41 @@ class Engine:
     def loss_scale_allows_update(self) -> bool:
         """fp16 loss scaling around an update made outside `update` (a torch optimizer's own
         step on live tensors): whether the accumulated gradients are all finite -- a host sync,
-        as DeepSpeed's overflow check is -- and an update it skips counted. True without loss
-        scaling. The scale moves on by the compiled update's rule when the update is done
-        (`loss_scale_update_done`): until then the gradients read unscaled by the scale their
-        backward used, where a doubled scale would halve them."""
+        as DeepSpeed's overflow check is -- with the loss scale moved on by the same rule as the
+        compiled update's, and an update it skips counted. True without loss scaling.
+
+        The gradients are stored times the scale: where a clean step grows it, they are scaled
+        with it, so the step reads them as their backward made them (read unscaled by the new
+        scale, every gradient was halved). Several optimizers stepping on the same gradients
+        (Muon beside AdamW) get one answer, and the scale moves once, as torch's GradScaler
+        updates once after all of them."""
         state = self._state
         if state.loss_scale is None or state.grads is None:
             return True
+        checked = self._loss_scale_checked
+        if checked is not None and _same_arrays(checked[0], state.grads.values()):
+            return checked[1]
         finite = _all_finite(state.grads)
         loss_scale = _next_loss_scale(self.policy.loss_scale, state.loss_scale, finite)
         applies = self.placement.all_finite(finite)
+        grads = state.grads
         if not applies:
             log.warning(
                 "zerojax: fp16 gradients overflowed; optimizer step skipped, loss scale %g -> %g",
                 float(state.loss_scale["scale"]),
                 float(loss_scale["scale"]),
             )
-        self._state = state.replace(skipped_steps=state.skipped_steps + (not applies))
-        self._next_loss_scale = loss_scale
+        elif bool(loss_scale["scale"] != state.loss_scale["scale"]):  # a host read
+            factor = loss_scale["scale"] / state.loss_scale["scale"]  # a power of two: exact
+            grads = self._placed(
+                {n: _rescaled(_in_device_memory(g, self.plan), factor) for n, g in grads.items()},
+                self.plan.grads,
+            )
+        self._state = state.replace(
+            loss_scale=loss_scale, grads=grads, skipped_steps=state.skipped_steps + (not applies)
+        )
+        self._loss_scale_checked = ([weakref.ref(g) for g in grads.values()], applies)
         return applies
-
-    def loss_scale_update_done(self) -> None:
-        """The update `loss_scale_allows_update` was asked about is made (or skipped): the loss
-        scale moves on. Reading `_state` runs the update's recorded work first
-        (`zerojax.train.deferred`), which a replayed step reads the gradients in."""
-        loss_scale, self._next_loss_scale = self._next_loss_scale, None
-        if loss_scale is not None:
-            self._state = self._state.replace(loss_scale=loss_scale)
 
     def count_update(self) -> None:
         """Count an optimizer update made outside `update` (a torch optimizer's own step)."""
@@ -934,6 +943,17 @@ def _as_dtype(array, dtype):
 @functools.partial(jax.jit, static_argnames="dtype")
 def _unscaled(grad, scale, dtype):
     return (grad.astype(jnp.float32) / scale).astype(dtype)
+
+
+def _same_arrays(refs: list, arrays) -> bool:
+    """Whether `arrays` are the very arrays `refs` refer to, in order."""
+    arrays = list(arrays)
+    return len(refs) == len(arrays) and all(r() is a for r, a in zip(refs, arrays, strict=True))
+
+
+@jax.jit
+def _rescaled(grad, factor):
+    return (grad.astype(jnp.float32) * factor).astype(grad.dtype)
 
 
 def _in_device_memory(array: jax.Array, plan) -> jax.Array:

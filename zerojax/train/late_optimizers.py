@@ -13,8 +13,8 @@ recording leaves that program there), and where the plan offloads optimizer stat
 host between steps and in device memory for the step. Under fp16 loss scaling the step
 is skipped where the gradients overflowed, as DeepSpeed skips it (before, it applied them:
 the parameters became NaN): the step sees no gradients, so torch's step updates nothing
-(torch's optimizers skip a parameter without `.grad`), and the scale moves on after it by the
-compiled update's rule. An optimizer `initialize` wrapped does all this itself
+(torch's optimizers skip a parameter without `.grad`), and the scale moves on by the compiled
+update's rule (`Engine.loss_scale_allows_update`). An optimizer `initialize` wrapped does all this itself
 (`optimizer_shim`), and parameters of no zerojax model are left alone.
 """
 
@@ -78,4 +78,3 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     placed = _placed.setdefault(optimizer, {})
     for engine, names in _engines(optimizer).items():
         place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}))
-        engine.loss_scale_update_done()

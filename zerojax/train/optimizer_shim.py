@@ -157,20 +157,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The torch optimizer's own step on the live parameters and gradients."""
         engine = self._engine
         # fp16 loss scaling: an overflowed step is skipped (and counted), as in `update`.
-        try:
-            if engine.loss_scale_allows_update():
-                clipping = engine.config.train.gradient_clipping
-                if clipping is not None:
-                    engine.clip_grad_norm(clipping)
-                # Host state tensors (Adagrad builds its sums in its constructor,
-                # `load_state_dict` puts host tensors in) become live before torch's step sees
-                # them, and offloaded state is brought in for the step.
-                self._place_state(on_device=True)
-                with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
-                    unhooked_step(self._optimizer)()
-                self._place_state()
-        finally:
-            engine.loss_scale_update_done()
+        if engine.loss_scale_allows_update():
+            clipping = engine.config.train.gradient_clipping
+            if clipping is not None:
+                engine.clip_grad_norm(clipping)
+            # Host state tensors (Adagrad builds its sums in its constructor, `load_state_dict`
+            # puts host tensors in) become live before torch's step sees them, and offloaded
+            # state is brought in for the step.
+            self._place_state(on_device=True)
+            with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
+                unhooked_step(self._optimizer)()
+            self._place_state()
         if self._reports_steps:
             engine.count_update()
 
