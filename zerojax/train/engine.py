@@ -763,8 +763,10 @@ class Engine:
         scale, every gradient was halved). Several optimizers stepping on the same gradients
         (Muon beside AdamW) get one answer, and the scale moves once, as torch's GradScaler
         updates once after all of them."""
+        if self._current.loss_scale is None:  # without running recorded work (`_state`)
+            return True
         state = self._state
-        if state.loss_scale is None or state.grads is None:
+        if state.grads is None:
             return True
         checked = self._loss_scale_checked
         if checked is not None and _same_arrays(checked[0], state.grads.values()):
