@@ -14,6 +14,7 @@ same placement (`zerojax.train.late_optimizers`).
 from __future__ import annotations
 
 import copy
+import io
 
 import jax
 import numpy as np
@@ -240,11 +241,19 @@ def built_after_initialize(config, make_optimizer):
 def test_an_optimizer_built_after_initialize_keeps_its_state_on_the_zero_shardings(name):
     """ZeRO-1 replicates the parameters and partitions the optimizer state: the moments of an
     optimizer built after `initialize` are 1/8 per device as the plan says (they took their
-    parameter's replicated sharding before), and the numbers are torch's (1e-5 relative: see
+    parameter's replicated sharding before), also after a resume through torch's
+    `load_state_dict`, and the numbers are torch's (1e-5 relative: see
     tests/train/test_torch_optimizers.py)."""
     model, optimizer, twin, twin_optimizer = built_after_initialize(ZERO1, LATE[name])
     losses = train(model, optimizer, 3, seed=0)
     np.testing.assert_allclose(losses, train(twin, twin_optimizer, 3, seed=0), rtol=1e-5)
+    # A resume (the HF Trainer's): the state comes back as host tensors, placed at the step.
+    for o in (optimizer, twin_optimizer):
+        saved = io.BytesIO()
+        torch.save(o.state_dict(), saved)
+        o.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    losses = train(model, optimizer, 2, seed=1)
+    np.testing.assert_allclose(losses, train(twin, twin_optimizer, 2, seed=1), rtol=1e-5)
     plan, names = model.engine.plan, {id(p): n for n, p in model.named_parameters()}
     placed = 0
     for param, state in optimizer.state.items():

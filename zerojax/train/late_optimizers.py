@@ -68,8 +68,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if not engine.loss_scale_allows_update():  # fp16 gradients overflowed: no step
             for name in names.values():
                 engine.drop_grad(name)
-        if "opt_state" in engine.plan.offloaded:  # in device memory, where the step computes
-            place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}), True)
+        # Host tensors of a parameter's shape (`load_state_dict`: the Trainer resuming) become
+        # live ones, and offloaded state comes to device memory, where the step computes.
+        place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}), on_device=True)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
