@@ -66,6 +66,7 @@ __all__ = [
     "apply_update",
     "for_hyper",
     "hyper_from_torch",
+    "hyper_keys",
     "init_state",
     "load_state_dict_into_jax",
     "optimizer_spec_from_torch",
@@ -336,6 +337,11 @@ def for_hyper(spec: OptimizerSpec, hyper: Mapping[str, np.ndarray]) -> Optimizer
         return spec
     groups = tuple(replace(g, has_weight_decay=d) for g, d in zip(spec.groups, decays, strict=True))
     return replace(spec, groups=groups)
+
+
+def hyper_keys(name: str) -> tuple[str, ...]:
+    """The keys of `group_hyper(name, ...)`, in its order."""
+    return _HYPER_KEYS[_FAMILY[name]]
 
 
 def group_hyper(name: str, group: Mapping[str, Any]) -> dict[str, float]:

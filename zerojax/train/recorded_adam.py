@@ -39,19 +39,7 @@ __all__ = ["install"]
 
 aten = torch.ops.aten
 # `optimizers.group_hyper`'s keys for Adam and AdamW, in the order the recorded op takes them.
-_HYPER_KEYS = (
-    "lr",
-    "beta1",
-    "beta2",
-    "one_minus_beta1",
-    "one_minus_beta2",
-    "beta1_lo",
-    "beta2_lo",
-    "lr_lo",
-    "eps",
-    "weight_decay",
-    "decay_factor",
-)
+_HYPER_KEYS = optimizers.hyper_keys("AdamW")
 
 
 def install() -> None:
