@@ -311,7 +311,13 @@ FP16_GROWING = {
 
 
 @pytest.mark.parametrize(
-    "built", ["handed to initialize", "built after initialize", "two handed in a list"]
+    "built",
+    [
+        "handed to initialize",
+        "built after initialize",
+        "two handed in a list",
+        "two handed in a list, clipped by the config",
+    ],
 )
 def test_an_own_step_sees_the_gradients_of_its_backward_when_the_scale_grows(built):
     """fp16 loss scaling with the scale doubling after every clean step: the optimizer's own
@@ -319,7 +325,8 @@ def test_an_own_step_sees_the_gradients_of_its_backward_when_the_scale_grows(bui
     `p.grad` read before the step -- traced steps and replayed ones alike (the scale moved on
     before the step, which then saw every gradient halved). Two optimizers on one model's
     gradients (Muon's matrices beside AdamW's rest) see them alike, and the scale moves once
-    a step, not once per optimizer."""
+    a step, not once per optimizer, also where the config's clipping rewrites the gradients
+    between them (a norm so large that it scales by exactly 1)."""
     torch.manual_seed(0)
     module = Classifier()
     if built == "handed to initialize":
@@ -333,8 +340,11 @@ def test_an_own_step_sees_the_gradients_of_its_backward_when_the_scale_grows(bui
     else:
         matrices = [p for p in module.parameters() if p.ndim == 2]
         rest = [p for p in module.parameters() if p.ndim != 2]
+        clipped = {"train": {"gradient_clipping": 1e30}} if "clipped" in built else {}
         model, optimizers = zerojax.initialize(
-            module, [KeepsItsGradients(matrices), KeepsItsGradients(rest)], config(FP16_GROWING)
+            module,
+            [KeepsItsGradients(matrices), KeepsItsGradients(rest)],
+            config(FP16_GROWING, **clipped),
         )
     task = Task()
     scales = []

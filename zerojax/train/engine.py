@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -169,9 +168,10 @@ class Engine:
         # The scale without fp16 loss scaling: placed once (`jnp.float32(1.0)` compiled a
         # conversion program in every process).
         self._unit_scale = jax.device_put(np.float32(1.0))
-        # (weak references to the gradients `loss_scale_allows_update` last decided on, its
-        # answer): held weakly, they are freed when torch's zero_grad drops them.
-        self._loss_scale_checked: tuple[list, bool] | None = None
+        # Counts the gradients made anew (a backward, a write from torch); with
+        # `loss_scale_allows_update`'s last answer, which holds for the gradients it counted.
+        self._grads_made = 0
+        self._loss_scale_checked: tuple[int, bool] | None = None
         self._converted: dict[bool, Converted] = {}
         self._before_donation: list[Callable[[], None]] = []
         self._torch_optimizer: torch.optim.Optimizer | None = None
@@ -543,6 +543,7 @@ class Engine:
         this loss reached, so a parameter another backward reached keeps what it has, and one
         no backward reached has no entry (torch's None)."""
         self.raise_index_errors()
+        self._grads_made += 1
         frozen = self.frozen_names()
         if frozen:
             grads = {n: g for n, g in grads.items() if n not in frozen}
@@ -647,6 +648,7 @@ class Engine:
     def write_grads(self, values: dict[str, jax.Array]) -> None:
         """Set parameters' accumulated gradients (name -> value as torch shows it: unscaled),
         stored times the loss scale, in the grad dtype, on the plan's shardings."""
+        self._grads_made += 1
         for name in values:
             if name not in self.plan.grads:
                 raise ValueError(f"zerojax: '{name}' is not a float parameter; it has no gradient")
@@ -761,15 +763,16 @@ class Engine:
         The gradients are stored times the scale: where a clean step grows it, they are scaled
         with it, so the step reads them as their backward made them (read unscaled by the new
         scale, every gradient was halved). Several optimizers stepping on the same gradients
-        (Muon beside AdamW) get one answer, and the scale moves once, as torch's GradScaler
-        updates once after all of them."""
+        (Muon beside AdamW; the same backward's, clipped by `clip_grad_norm` or not) get one
+        answer, and the scale moves once, as torch's GradScaler updates once after all of
+        them."""
         if self._current.loss_scale is None:  # without running recorded work (`_state`)
             return True
         state = self._state
         if state.grads is None:
             return True
         checked = self._loss_scale_checked
-        if checked is not None and _same_arrays(checked[0], state.grads.values()):
+        if checked is not None and checked[0] == self._grads_made:
             return checked[1]
         finite = _all_finite(state.grads)
         loss_scale = _next_loss_scale(self.policy.loss_scale, state.loss_scale, finite)
@@ -790,7 +793,7 @@ class Engine:
         self._state = state.replace(
             loss_scale=loss_scale, grads=grads, skipped_steps=state.skipped_steps + (not applies)
         )
-        self._loss_scale_checked = ([weakref.ref(g) for g in grads.values()], applies)
+        self._loss_scale_checked = (self._grads_made, applies)
         return applies
 
     def count_update(self) -> None:
@@ -945,12 +948,6 @@ def _as_dtype(array, dtype):
 @functools.partial(jax.jit, static_argnames="dtype")
 def _unscaled(grad, scale, dtype):
     return (grad.astype(jnp.float32) / scale).astype(dtype)
-
-
-def _same_arrays(refs: list, arrays) -> bool:
-    """Whether `arrays` are the very arrays `refs` refer to, in order."""
-    arrays = list(arrays)
-    return len(refs) == len(arrays) and all(r() is a for r, a in zip(refs, arrays, strict=True))
 
 
 @jax.jit

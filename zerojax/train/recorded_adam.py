@@ -12,6 +12,9 @@ about what one handed to it does.
 
 The step counts stay torch's host tensors, advanced here as torch advances them; the
 learning rate, betas, eps and weight decay are program inputs (a schedule never recompiles).
+A step from an optimizer's `step()` is made one call of the fused op on the live tensors
+(`_as_fused_op`), which `zerojax.train.replay` traces and replays: its scalar inputs are
+derived anew from each call's floats and step counts (`_fused_step_scalars`).
 Anything else -- a gradient scaler's `grad_scale`/`found_inf`, `capturable`, `differentiable`,
 complex or non-live tensors, tensor hyperparameters -- runs torch's own function unchanged.
 
