@@ -769,23 +769,23 @@ class Engine:
         if self._current.loss_scale is None:  # without running recorded work (`_state`)
             return True
         state = self._state
-        if state.grads is None:
+        scale, grads = state.loss_scale, state.grads
+        if scale is None or grads is None:
             return True
         checked = self._loss_scale_checked
         if checked is not None and checked[0] == self._grads_made:
             return checked[1]
-        finite = _all_finite(state.grads)
-        loss_scale = _next_loss_scale(self.policy.loss_scale, state.loss_scale, finite)
+        finite = _all_finite(grads)
+        loss_scale = _next_loss_scale(self.policy.loss_scale, scale, finite)
         applies = self.placement.all_finite(finite)
-        grads = state.grads
         if not applies:
             log.warning(
                 "zerojax: fp16 gradients overflowed; optimizer step skipped, loss scale %g -> %g",
-                float(state.loss_scale["scale"]),
+                float(scale["scale"]),
                 float(loss_scale["scale"]),
             )
-        elif bool(loss_scale["scale"] != state.loss_scale["scale"]):  # a host read
-            factor = loss_scale["scale"] / state.loss_scale["scale"]  # a power of two: exact
+        elif bool(loss_scale["scale"] != scale["scale"]):  # a host read
+            factor = loss_scale["scale"] / scale["scale"]  # a power of two: exact
             grads = self._placed(
                 {n: _rescaled(_in_device_memory(g, self.plan), factor) for n, g in grads.items()},
                 self.plan.grads,
