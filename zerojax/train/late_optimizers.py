@@ -4,18 +4,18 @@ ZeRO plan, as the state of an optimizer handed to `initialize` does.
 minGPT's trainer, the Hugging Face Trainer and Lightning's `configure_optimizers` build their
 optimizer on the returned model's parameters: a plain torch optimizer, whose step runs on the
 live tensors (`zerojax.train.recorded_adam`, `zerojax.train.replay`). The state it makes
-(`zeros_like(p)`) takes its parameter's sharding: replicated under ZeRO-1, where the plan
-partitions optimizer state, so every device held every moment, and `offload.optimizer: host`
-left it on the devices. torch's global optimizer step hooks place it as `ZeroOptimizer` places
-the state of the optimizers it wraps (`live_optimizer_state.place_state`): after each step on
-the plan's optimizer-state sharding of its parameter (a state tensor made by the step's
-recording leaves that program there), and where the plan offloads optimizer state, on the
-host between steps and in device memory for the step. Under fp16 loss scaling the step
-is skipped where the gradients overflowed, as DeepSpeed skips it (before, it applied them:
-the parameters became NaN): the step sees no gradients, so torch's step updates nothing
-(torch's optimizers skip a parameter without `.grad`), and the scale moves on by the compiled
-update's rule (`Engine.loss_scale_allows_update`). An optimizer `initialize` wrapped does all this itself
-(`optimizer_shim`), and parameters of no zerojax model are left alone.
+(`zeros_like(p)`) takes its parameter's sharding, which under ZeRO-1 is replicated where the
+plan partitions optimizer state. torch's global optimizer step hooks place it as
+`ZeroOptimizer` places the state of the optimizers it wraps (`live_optimizer_state.
+place_state`): on the plan's optimizer-state sharding of its parameter (a state tensor made
+by the step's recording leaves that program there), and where the plan offloads optimizer
+state, on the host between steps and in device memory for the step.
+
+Under fp16 loss scaling a step whose gradients overflowed is skipped, as DeepSpeed skips it:
+the pre-step hook drops the optimizer's gradients, so torch's step updates nothing (torch's
+optimizers skip a parameter without `.grad`), and the scale moves on by the compiled update's
+rule (`Engine.loss_scale_allows_update`). An optimizer `initialize` wrapped does all this
+itself (`optimizer_shim`); parameters of no zerojax model are left alone.
 """
 
 from __future__ import annotations
