@@ -6,10 +6,11 @@ optimizer on the returned model's parameters: a plain torch optimizer, whose ste
 live tensors (`zerojax.train.recorded_adam`, `zerojax.train.replay`). The state it makes
 (`zeros_like(p)`) takes its parameter's sharding, which under ZeRO-1 is replicated where the
 plan partitions optimizer state. torch's global optimizer step hooks place it as
-`ZeroOptimizer` places the state of the optimizers it wraps (`live_optimizer_state.
-place_state`): on the plan's optimizer-state sharding of its parameter (a state tensor made
-by the step's recording leaves that program there), and where the plan offloads optimizer
-state, on the host between steps and in device memory for the step.
+`ZeroOptimizer` places the state of the optimizers it wraps
+(`live_optimizer_state.place_state`): on the plan's optimizer-state sharding of its
+parameter (a state tensor made by the step's recording leaves that program there), and where
+the plan offloads optimizer state, on the host between steps and in device memory for the
+step.
 
 Under fp16 loss scaling a step whose gradients overflowed is skipped, as DeepSpeed skips it:
 the pre-step hook drops the optimizer's gradients, so torch's step updates nothing (torch's
