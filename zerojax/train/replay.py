@@ -511,12 +511,18 @@ class _Recorder:
         if type(x) is not torch.Tensor or x.device.type != "cpu" or self.nested or not host_slots:
             raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
         slot = host_slots.pop(0)
-        copy, before, after = scalars[slot], self.host_before[id(x)], host_array(x)
-        if not (np.array_equal(before, after) and before.dtype == after.dtype):  # shapes too
-            raise _NotTraceable("an op changes a host tensor")
+        copy, before = scalars[slot], self._unchanged(x)
         if not (np.array_equal(copy, before) and copy.dtype == before.dtype):
             raise _NotTraceable("an op takes values computed from a host tensor")
         return (_HOST, slot, copy.shape, x.dtype)
+
+    def _unchanged(self, x: torch.Tensor) -> np.ndarray:
+        """Host tensor `x`'s values before the call, which must have left them as they were
+        (a replay does not run it)."""
+        before, after = self.host_before[id(x)], host_array(x)
+        if not (np.array_equal(before, after) and before.dtype == after.dtype):  # shapes too
+            raise _NotTraceable("an op changes a host tensor")
+        return before
 
     def _free_leaf(self, x):
         """A float or host tensor of a call whose scalar inputs are derived: any value of its
@@ -524,10 +530,7 @@ class _Recorder:
         if type(x) is float:
             return (_FREE, float)
         if type(x) is torch.Tensor and x.device.type == "cpu":
-            before = self.host_before[id(x)]
-            after = host_array(x)
-            if not (np.array_equal(before, after) and before.dtype == after.dtype):
-                raise _NotTraceable("an op changes a host tensor")
+            self._unchanged(x)
             return (_FREE, torch.Tensor, tuple(x.shape), x.dtype)
         if isinstance(x, torch.Tensor):
             raise _NotTraceable(f"it passes a host tensor ({type(x).__name__}) to an op")
