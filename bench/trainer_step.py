@@ -10,8 +10,9 @@ times so that load hits them alike; each reports the median of its steps after t
 
 - plain: the Trainer as it is;
 - initialize only: `model = zerojax.initialize(model)[0]` before the Trainer, which then builds
-  its AdamW over the live parameters and clips them with torch's clip_grad_norm_ (their ops
-  recorded and run as one program per step: zerojax.train.deferred);
+  its AdamW over the live parameters (adopted at its first step as the engine's compiled
+  update: zerojax.train.late_optimizers) and clips them with torch's clip_grad_norm_ (its ops
+  recorded and replayed as one program per step: zerojax.train.deferred, replay);
 - handed over: `zerojax.initialize(model, AdamW(...))` and the Trainer given that optimizer
   (`optimizers=(optimizer, None)`): the engine's compiled update.
 

@@ -237,6 +237,26 @@ def built_after_initialize(config, make_optimizer):
     return model, make_optimizer(model.parameters()), twin, make_optimizer(twin.parameters())
 
 
+def state_arrays(model, optimizer):
+    """(parameter name, state key, array) of each non-scalar state tensor of an optimizer built
+    after `initialize`: the engine's TrainState where the compiled update adopted it (torch's
+    own AdamW), its live tensors where it runs its own step (RMSprop)."""
+    adopted = model.engine.optimizer_spec is not None
+    assert adopted == isinstance(optimizer, torch.optim.AdamW)
+    if adopted:
+        assert not optimizer.state  # held once: in the TrainState
+        state = model.engine.state.opt_state
+        for key in ("exp_avg", "exp_avg_sq"):  # the step counts: one vector per param group
+            for name, array in state[key].items():
+                yield name, key, array
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if value.ndim:
+                yield names[id(param)], key, value.array
+
+
 @pytest.mark.parametrize("name", list(LATE))
 def test_an_optimizer_built_after_initialize_keeps_its_state_on_the_zero_shardings(name):
     """ZeRO-1 replicates the parameters and partitions the optimizer state: the moments of an
@@ -254,17 +274,13 @@ def test_an_optimizer_built_after_initialize_keeps_its_state_on_the_zero_shardin
         o.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
     losses = train(model, optimizer, 2, seed=1)
     np.testing.assert_allclose(losses, train(twin, twin_optimizer, 2, seed=1), rtol=1e-5)
-    plan, names = model.engine.plan, {id(p): n for n, p in model.named_parameters()}
+    plan = model.engine.plan
     placed = 0
-    for param, state in optimizer.state.items():
-        name = names[id(param)]
-        for key, value in state.items():
-            if value.ndim:
-                array = value.array
-                assert array.sharding.is_equivalent_to(plan.opt_state[name], array.ndim), key
-                assert array.addressable_shards[0].data.size * 8 == array.size, (name, key)
-                placed += 1
-    assert placed >= 2 * len(names)  # two moments (RMSprop: square_avg, momentum_buffer)
+    for param_name, key, array in state_arrays(model, optimizer):
+        assert array.sharding.is_equivalent_to(plan.opt_state[param_name], array.ndim), key
+        assert array.addressable_shards[0].data.size * 8 == array.size, (param_name, key)
+        placed += 1
+    assert placed >= 2 * len(list(model.parameters()))  # two moments each
 
 
 @pytest.mark.parametrize("name", ["fused AdamW (the HF Trainer's)", "RMSprop"])
@@ -275,10 +291,5 @@ def test_an_optimizer_built_after_initialize_has_its_state_offloaded(name):
     on_device = built_after_initialize(ZERO1, LATE[name])
     offloaded = built_after_initialize({**ZERO1, "offload": {"optimizer": "host"}}, LATE[name])
     assert train(*offloaded[:2], 3, seed=0) == train(*on_device[:2], 3, seed=0)
-    kinds = {
-        value.array.sharding.memory_kind
-        for state in offloaded[1].state.values()
-        for value in state.values()
-        if value.ndim
-    }
+    kinds = {array.sharding.memory_kind for *_, array in state_arrays(*offloaded[:2])}
     assert kinds == {"pinned_host"}

@@ -363,27 +363,45 @@ def test_an_own_step_sees_the_gradients_of_its_backward_when_the_scale_grows(bui
     assert scales == [2048.0, 4096.0, 8192.0, 16384.0, 32768.0]
 
 
-def test_fp16_overflow_skips_the_step_of_an_optimizer_built_after_initialize():
+@pytest.mark.parametrize(
+    ("make", "moment"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=2e-2), "exp_avg"),
+        (lambda p: torch.optim.RMSprop(p, lr=2e-3), "square_avg"),
+    ],
+    ids=["AdamW (adopted by the compiled update)", "RMSprop (its own step)"],
+)
+def test_fp16_overflow_skips_the_step_of_an_optimizer_built_after_initialize(make, moment):
     """An optimizer built after `initialize` (minGPT, the HF Trainer) under fp16 loss scaling:
     an overflow skips its step -- parameters, master weights and its state untouched, the
     skip counted, the scale lowered -- where it applied the overflowed gradients before (the
-    parameters became NaN); clean steps train."""
+    parameters became NaN); clean steps train. AdamW's step is the compiled update's
+    (`late_optimizers`), RMSprop's its own on the live tensors."""
     torch.manual_seed(0)
     precision = {**FP16_GROWING, "loss_scale": {"initial_scale": 1024.0, "hysteresis": 1}}
     model, _ = zerojax.initialize(Classifier(), None, config(precision))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    optimizer = make(model.parameters())
     task = Task()
     losses = [step(model, optimizer, *task.batch())]
+
+    def state():  # torch's format either way
+        return [
+            (np.array(s[moment].numpy()), float(s["step"]))
+            for s in optimizer.state_dict()["state"].values()
+        ]
+
     master_before = {n: np.asarray(a) for n, a in model.engine.master.items()}
-    moments = [optimizer.state[p]["exp_avg"].numpy() for p in model.parameters()]
+    state_before = state()
     step(model, optimizer, *task.batch(), loss_factor=1e8)  # fp16 gradients overflow
     assert model.engine.skipped_steps == 1
     assert float(model.engine.loss_scale["scale"]) == 512.0
     for name, master in model.engine.master.items():
         np.testing.assert_array_equal(np.asarray(master), master_before[name], err_msg=name)
-    for p, before in zip(model.parameters(), moments, strict=True):
-        np.testing.assert_array_equal(optimizer.state[p]["exp_avg"].numpy(), before)
-        assert float(optimizer.state[p]["step"]) == 1.0  # the skipped step does not count
+    after = state()
+    assert len(after) == len(list(model.parameters()))
+    for (value, count), (before, before_count) in zip(after, state_before, strict=True):
+        np.testing.assert_array_equal(value, before)
+        assert count == before_count == 1.0  # the skipped step does not count
     for _ in range(STEPS):
         losses.append(step(model, optimizer, *task.batch()))
     assert model.engine.skipped_steps == 1

@@ -272,21 +272,28 @@ def test_a_failed_recording_says_so_when_its_values_are_read(monkeypatch):
         grad.sum().item()
 
 
+def own_class(cls: type) -> type:
+    """A user's own subclass of `cls`: zerojax adopts only torch's own AdamW, Adam and SGD into
+    its compiled update (`zerojax.train.late_optimizers`), so this one runs its own step."""
+    return type(f"Own{cls.__name__}", (cls,), {})
+
+
 @pytest.mark.parametrize(
     "make",
     [
-        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
-        lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, fused=True),
-        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True),
-        lambda p: torch.optim.SGD(p, lr=1e-2, fused=True),
+        lambda p: own_class(torch.optim.AdamW)(p, lr=1e-2, weight_decay=0.1, fused=True),
+        lambda p: own_class(torch.optim.Adam)(p, lr=1e-2, amsgrad=True, fused=True),
+        lambda p: own_class(torch.optim.SGD)(p, lr=1e-2, momentum=0.9, fused=True),
+        lambda p: own_class(torch.optim.SGD)(p, lr=1e-2, fused=True),
     ],
     ids=["AdamW", "Adam-amsgrad", "SGD-momentum", "SGD"],
 )
 def test_fused_optimizers_built_after_initialize_are_recorded(make, monkeypatch):
-    """The HF Trainer's default optimizer is `AdamW(fused=True)`, built after the model is
-    placed: its `_fused_adamw_` op runs as torch's foreach step, recorded (never on host
-    copies), and matches torch's fused kernel on the twin (the two agree to float32 rounding;
-    AdamW turns ~1e-7 gradient differences into up to ~1e-6 relative update differences)."""
+    """A fused optimizer of the user's own class (the HF Trainer's default, `AdamW(fused=True)`,
+    subclassed) built after the model is placed: its `_fused_adamw_` op runs as torch's
+    foreach step, recorded (never on host copies), and matches torch's fused kernel on the
+    twin (the two agree to float32 rounding; AdamW turns ~1e-7 gradient differences into up
+    to ~1e-6 relative update differences)."""
     from zerojax.train import live_tensor
 
     def no_host_copies(func, *args):

@@ -363,24 +363,34 @@ def decay_groups(params) -> list[dict]:
     ]
 
 
+class OwnAdamW(torch.optim.AdamW):
+    """A user's own AdamW class: zerojax adopts only torch's own classes into its compiled
+    update (`zerojax.train.late_optimizers`), so this one runs torch's step on the live
+    tensors."""
+
+
+class OwnAdam(torch.optim.Adam):
+    """As OwnAdamW."""
+
+
 @pytest.mark.parametrize(
     "make",
     [
-        lambda p: torch.optim.AdamW(decay_groups(p), lr=1e-2, fused=True),
-        lambda p: torch.optim.AdamW(decay_groups(p), lr=1e-2),
-        lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+        lambda p: OwnAdamW(decay_groups(p), lr=1e-2, fused=True),
+        lambda p: OwnAdamW(decay_groups(p), lr=1e-2),
+        lambda p: OwnAdam(p, lr=1e-2, amsgrad=True),
     ],
-    ids=["HF Trainer's fused AdamW", "minGPT's foreach AdamW", "Adam amsgrad"],
+    ids=["fused AdamW", "foreach AdamW", "Adam amsgrad"],
 )
 def test_adam_built_after_initialize_is_replayed_under_a_schedule_and_varying_clip_norms(make):
-    """The HF Trainer's default optimizer, `AdamW(fused=True)`, or minGPT's foreach AdamW,
-    built after `initialize`: the step is one `_fused_adamw_` call (the foreach step made
-    one, `recorded_adam`), recording one op whose scalar inputs the call derives from its
-    floats and host step counts (`replay.derive_scalars`), so the whole step -- clip and
-    update -- is replayed with each step's learning rate, clip norm and step counts. The
-    first two steps are traced (the first makes the state); no program is compiled after
-    the second, and the numbers are torch's (the recorded step computes torch's foreach
-    arithmetic, which agrees with its fused kernel to float32 rounding)."""
+    """An AdamW subclass built after `initialize`, fused (the HF Trainer's default) or
+    foreach (minGPT's): its step is one `_fused_adamw_` call (the foreach step made one,
+    `recorded_adam`), recording one op whose scalar inputs the call derives from its floats
+    and host step counts (`replay.derive_scalars`), so the whole step -- clip and update --
+    is replayed with each step's learning rate, clip norm and step counts. The first two
+    steps are traced (the first makes the state); no program is compiled after the second,
+    and the numbers are torch's (the recorded step computes torch's foreach arithmetic,
+    which agrees with its fused kernel to float32 rounding)."""
     steps = 12
     norms = [0.5 + 0.25 * (step % 4) for step in range(steps)]
     model, twin, losses, per_step, compiled = clipped_steps_after_initialize(
@@ -408,7 +418,7 @@ def test_a_derivation_that_does_not_give_the_ops_scalars_is_not_replayed(monkeyp
 
     monkeypatch.setitem(replay._derivations, func, off_by_an_ulp)
     model, twin, losses, per_step, _ = clipped_steps_after_initialize(
-        lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), 6
+        lambda p: OwnAdamW(p, lr=1e-2, fused=True), 6
     )
     assert_trains_like_torch(model, twin, losses)
     assert all(replays == 0 for _, replays in per_step), per_step

@@ -284,18 +284,19 @@ def bucketed_run(tmp_path_factory):
     return fine_tune(tmp_path_factory.mktemp("bucketed"), config)
 
 
-# What a fine-tune compiles whatever its input shapes: the Trainer's clip and AdamW step as
-# recorded programs (`jit(program)`: its first step, which creates AdamW's state, and every
-# later one; both take parameters and gradients, never the batch). The first step also makes
-# a constant once per process (`jit(convert_element_type)` of a 0-d float32: the loss scale
-# 1.0 without fp16).
-OPTIMIZER_PROGRAM = "jit(program)"
+# What a fine-tune compiles whatever its input shapes: the Trainer's clip as a recorded program
+# (`jit(program)`), and its AdamW, adopted as the engine's compiled update
+# (`zerojax.train.late_optimizers`): the state made once (`jit(initial_state)`) and the update
+# (`jit(call)`, through the program cache); all take parameters and gradients, never the batch.
+# The first step also makes a constant once per process (`jit(convert_element_type)` of a 0-d
+# float32: the loss scale 1.0 without fp16).
+OPTIMIZER_PROGRAMS = ("jit(program)", "jit(initial_state)", "jit(call)")
 FIRST_STEP_CONSTANT = "jit(convert_element_type)"
 
 
 def step_programs(step: int, names: list[str]) -> list[str]:
     """The compilations of a step that depend on its input shapes."""
-    names = [n for n in names if n != OPTIMIZER_PROGRAM]
+    names = [n for n in names if n not in OPTIMIZER_PROGRAMS]
     if step == 0 and FIRST_STEP_CONSTANT in names:
         names.remove(FIRST_STEP_CONSTANT)
     return names

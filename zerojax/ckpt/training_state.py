@@ -28,7 +28,7 @@ import torch
 
 from zerojax.ckpt import layout
 from zerojax.ckpt.errors import CheckpointError
-from zerojax.train import live_optimizer_state
+from zerojax.train import late_optimizers, live_optimizer_state
 
 log = logging.getLogger("zerojax")
 
@@ -54,9 +54,13 @@ def torch_optimizer_of(optimizer: Any, engine) -> torch.optim.Optimizer | None:
     inner = getattr(optimizer, "torch_optimizer", None)
     if inner is None and isinstance(optimizer, torch.optim.Optimizer):
         # Built on the model's parameters after initialize (minGPT's trainer, the HF Trainer):
-        # its state joins the engine's TrainState, as that of one handed to initialize.
-        engine.adopt_built_optimizer(optimizer)
-        return optimizer
+        # its state joins the engine's TrainState, as that of one handed to initialize --
+        # the compiled update's (`late_optimizers`), or else as one running its own step.
+        adopted = late_optimizers.compiled_for(optimizer)
+        if adopted is None:
+            engine.adopt_built_optimizer(optimizer)
+            return optimizer
+        inner, optimizer = optimizer, adopted  # its engine is checked below
     if inner is None or getattr(optimizer, "engine", None) is not engine:
         raise TypeError(
             f"zerojax checkpointing needs the optimizer returned by zerojax.initialize together "

@@ -136,8 +136,9 @@ def _held_on_every_process(trainer):
         if optimizer is not None:
             stack.enter_context(optimizer.holding_state_dict())
         elif trainer.optimizer is not None:
-            # The Trainer's own optimizer over the live parameters: its state tensors are live
-            # (sharded over the processes), and rank 0 alone pickles them.
+            # The Trainer's own optimizer: its state is the engine's (adopted by the compiled
+            # update: `late_optimizers`) or live tensors (it runs its own step), sharded over
+            # the processes either way, and rank 0 alone pickles it.
             stack.enter_context(_holding_host_state_dict(_innermost(trainer.optimizer)))
         yield
 

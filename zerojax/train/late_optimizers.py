@@ -1,22 +1,36 @@
-"""Optimizers built after `initialize` on a zerojax model's parameters: their state follows the
-ZeRO plan, as the state of an optimizer handed to `initialize` does.
+"""Optimizers built after `initialize` on a zerojax model's parameters take the path of one
+handed to `initialize`.
 
-minGPT's trainer, the Hugging Face Trainer and Lightning's `configure_optimizers` build their
-optimizer on the returned model's parameters: a plain torch optimizer, whose step runs on the
-live tensors (`zerojax.train.recorded_adam`, `zerojax.train.replay`). The state it makes
-(`zeros_like(p)`) takes its parameter's sharding, which under ZeRO-1 is replicated where the
-plan partitions optimizer state. torch's global optimizer step hooks place it as
-`ZeroOptimizer` places the state of the optimizers it wraps
-(`live_optimizer_state.place_state`): on the plan's optimizer-state sharding of its
-parameter (a state tensor made by the step's recording leaves that program there), and where
-the plan offloads optimizer state, on the host between steps and in device memory for the
-step.
+minGPT's trainer, the Hugging Face Trainer and `configure_optimizers` in many scripts build
+their optimizer on the returned model's parameters. torch's global optimizer step hooks
+(installed by `initialize`) find such an optimizer at its first `step()`:
 
-Under fp16 loss scaling a step whose gradients overflowed is skipped, as DeepSpeed skips it:
-the pre-step hook drops the optimizer's gradients, so torch's step updates nothing (torch's
-optimizers skip a parameter without `.grad`), and the scale moves on by the compiled update's
-rule (`Engine.loss_scale_allows_update`). An optimizer `initialize` wrapped does all this
-itself (`optimizer_shim`); parameters of no zerojax model are left alone.
+- **torch.optim.AdamW, Adam or SGD** (exactly these classes, with options the compiled update
+  supports, on every trainable parameter of one model whose engine has no optimizer yet):
+  adopted (`compiled_for`). The engine attaches it as `initialize` attaches one handed to it
+  (`ZeroOptimizer`, compiled), and from then on each `step()` is the engine's compiled update
+  over the ZeRO-partitioned `TrainState`, with its gradient clipping, accumulation, fp16 loss
+  scaling and offload. torch's own step still runs, for its closure and hooks only: the
+  pre-step hook hands it a stand-in of the optimizer without param groups, and the update runs
+  as the first post-step hook, before the user's. `state_dict()`, `load_state_dict()`,
+  `zero_grad()` and `add_param_group()` of the optimizer object become the wrapped one's
+  (torch's format, the engine's state); state loaded into it before its first step (the
+  Trainer resuming) is taken over.
+- **Any other** (another class, a subclass, one of several optimizers on one model): a plain torch optimizer
+  whose step runs on the live tensors (`zerojax.train.recorded_adam`, `zerojax.train.replay`).
+  The state it makes (`zeros_like(p)`) takes its parameter's sharding, which under ZeRO-1 is
+  replicated where the plan partitions optimizer state, so the hooks place it as
+  `ZeroOptimizer` places the state of the optimizers it wraps
+  (`live_optimizer_state.place_state`): on the plan's optimizer-state sharding of its
+  parameter (a state tensor made by the step's recording leaves that program there), and where
+  the plan offloads optimizer state, on the host between steps and in device memory for the
+  step. Under fp16 loss scaling a step whose gradients overflowed is skipped, as DeepSpeed
+  skips it: the pre-step hook drops the optimizer's gradients, so torch's step updates nothing
+  (torch's optimizers skip a parameter without `.grad`), and the scale moves on by the
+  compiled update's rule (`Engine.loss_scale_allows_update`).
+
+An optimizer `initialize` wrapped does all this itself (`optimizer_shim`); parameters of no
+zerojax model are left alone.
 """
 
 from __future__ import annotations
@@ -29,25 +43,97 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from zerojax.train import optimizers
 from zerojax.train.live_optimizer_state import place_state
-from zerojax.train.optimizer_shim import ZeroOptimizer
+from zerojax.train.optimizer_shim import ZeroOptimizer, is_compiled
 from zerojax.train.parameters import ShardedParameter
 
-__all__ = ["install"]
+__all__ = ["compiled_for", "install"]
 
 # optimizer -> {engine: {(parameter name, state key): weak reference to the tensor placed}}
 _placed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Optimizers looked at and left to run their own step (each is looked at once).
+_not_adopted: weakref.WeakSet = weakref.WeakSet()
+# The attribute holding an adopted optimizer's ZeroOptimizer (on the optimizer, not in a
+# table here: the two refer to each other, and go together when the script drops them).
+_ADOPTED = "_zerojax_adopted_by"
+# The methods of an adopted optimizer that become its ZeroOptimizer's.
+_ADOPTED_METHODS = ("state_dict", "load_state_dict", "zero_grad", "add_param_group")
 _installed: list[bool] = [False]
 
 
 def install() -> None:
-    """Place the state of optimizers built on zerojax parameters around every step from now on
-    (idempotent)."""
+    """Adopt, or place the state of, optimizers built on zerojax parameters around every step
+    from now on (idempotent)."""
     if _installed[0]:
         return
     register_optimizer_step_pre_hook(_before_step)
     register_optimizer_step_post_hook(_after_step)
     _installed[0] = True
+
+
+def compiled_for(optimizer: torch.optim.Optimizer) -> ZeroOptimizer | None:
+    """The ZeroOptimizer that updates `optimizer` through its engine's compiled program,
+    adopting it now if it qualifies (see the module docstring); None if it runs its own step.
+    Looks once: an optimizer not adopted now never is."""
+    adopted = optimizer.__dict__.get(_ADOPTED)
+    if adopted is not None or optimizer in _not_adopted:
+        return adopted
+    engine = _adoptable_by(optimizer)
+    if engine is None:
+        _not_adopted.add(optimizer)
+        return None
+    # State loaded before the first step (the Trainer resuming): torch's format, host tensors.
+    loaded = torch.optim.Optimizer.state_dict(optimizer) if optimizer.state else None
+    adopted = ZeroOptimizer(optimizer, engine, compiled=True)
+    if loaded is not None:
+        adopted.load_state_dict(loaded)
+        optimizer.state.clear()  # the engine's TrainState holds it now
+    for method in _ADOPTED_METHODS:
+        setattr(optimizer, method, getattr(adopted, method))
+    optimizer.__dict__[_ADOPTED] = adopted
+    # The update runs after torch's step (which ran the closure, on the stand-in), before any
+    # post-step hook of the user's: those see the updated parameters, as after torch's step.
+    handle = optimizer.register_step_post_hook(_update)
+    optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)
+    return adopted
+
+
+def _adoptable_by(optimizer: torch.optim.Optimizer):
+    """The engine that can take `optimizer` as its compiled update, or None."""
+    if not is_compiled(optimizer):
+        return None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or not all(isinstance(p, ShardedParameter) for p in params):
+        return None
+    engines = {id(p._zerojax_engine): p._zerojax_engine for p in params}
+    if len(engines) != 1:
+        return None
+    (engine,) = engines.values()
+    if engine.optimizer_spec is not None or engine.has_live_optimizers:
+        return None  # the engine holds another optimizer's state: this one runs its own step
+    held = {id(p) for p in params}
+    if any(p.requires_grad and id(p) not in held for p in engine.module.parameters()):
+        return None  # another optimizer may train the rest (Muon beside AdamW): none adopted
+    names = {id(p): p._zerojax_name for p in params}
+    try:
+        optimizers.optimizer_spec_from_torch(optimizer, names)
+    except ValueError:  # an option the compiled update does not have: torch's step does it
+        return None
+    return engine
+
+
+def _update(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    optimizer.__dict__[_ADOPTED].update()
+
+
+def _without_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A stand-in for `optimizer` with no param groups: torch's step on it runs the closure
+    and updates nothing."""
+    stand_in = object.__new__(type(optimizer))
+    stand_in.__dict__.update(optimizer.__dict__)
+    stand_in.param_groups = []
+    return stand_in
 
 
 def _engines(optimizer: torch.optim.Optimizer) -> dict:
@@ -61,9 +147,11 @@ def _engines(optimizer: torch.optim.Optimizer) -> dict:
     return engines
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs):
     if isinstance(optimizer, ZeroOptimizer):
-        return
+        return None
+    if compiled_for(optimizer) is not None:
+        return (_without_groups(optimizer), *args[1:]), kwargs
     placed = _placed.setdefault(optimizer, {})
     for engine, names in _engines(optimizer).items():
         if not engine.loss_scale_allows_update():  # fp16 gradients overflowed: no step
@@ -72,10 +160,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         # Host tensors of a parameter's shape (`load_state_dict`: the Trainer resuming) become
         # live ones, and offloaded state comes to device memory, where the step computes.
         place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}), on_device=True)
+    return None
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if isinstance(optimizer, ZeroOptimizer):
+    if isinstance(optimizer, ZeroOptimizer) or _ADOPTED in optimizer.__dict__:
         return
     placed = _placed.setdefault(optimizer, {})
     for engine, names in _engines(optimizer).items():

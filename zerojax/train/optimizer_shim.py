@@ -141,6 +141,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.update()
+        return loss
+
+    def update(self) -> None:
+        """The update of one `step()` whose closure has run (`step` without the closure and
+        the step hooks; `zerojax.train.late_optimizers` calls it around a torch optimizer's
+        own hooked step)."""
         # An LR scheduler built on the original optimizer watches its step() for this flag.
         self._optimizer._opt_called = True
         engine = self._engine
@@ -151,7 +158,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             applied = engine.step(self._torch_step)
         if applied and self._reports_steps:
             effective_time.LEDGER.step_done(engine.updates_applied)
-        return loss
 
     def _torch_step(self) -> None:
         """The torch optimizer's own step on the live parameters and gradients."""

@@ -1,14 +1,15 @@
 """torch.optim's multi-tensor Adam/AdamW step on live tensors, recorded as one op.
 
-An `AdamW` built after `initialize` on the model's parameters (minGPT's trainer, the Hugging
-Face Trainer's own optimizer, `fused=True` included: `zerojax.train.fused_optimizer_ops`) runs
-torch's `step()` on live tensors. Its foreach implementation,
-`torch.optim.adam._multi_tensor_adam`, issues a dozen `_foreach_*` ops, each recorded
-element by element: Python work per parameter per op, every step. Here the whole call is
-recorded as one op over all its parameters, computing what the engine's compiled update
-computes (`zerojax.train.optimizers.adam_param_update`: torch's CPU arithmetic, bias
-corrections rounded as torch rounds them), so an optimizer built after `initialize` costs
-about what one handed to it does.
+An Adam/AdamW that runs its own `step()` on live tensors (a subclass of torch's built after
+`initialize`, one of several optimizers on one model, `fused=True` included:
+`zerojax.train.fused_optimizer_ops`; torch's own AdamW built after `initialize` on the whole
+model is adopted by the compiled update instead, `zerojax.train.late_optimizers`). Its
+foreach implementation, `torch.optim.adam._multi_tensor_adam`, issues a dozen `_foreach_*`
+ops, each recorded element by element: Python work per parameter per op, every step. Here
+the whole call is recorded as one op over all its parameters, computing what the engine's
+compiled update computes (`zerojax.train.optimizers.adam_param_update`: torch's CPU
+arithmetic, bias corrections rounded as torch rounds them), so such a step costs about what
+the compiled update does.
 
 The step counts stay torch's host tensors, advanced here as torch advances them; the
 learning rate, betas, eps and weight decay are program inputs (a schedule never recompiles).
@@ -125,7 +126,7 @@ def _fused_step_scalars(decoupled: bool, args: tuple, kwargs: dict):
 
 
 def _as_fused_op(live: list[list[LiveTensor]], max_exp_avg_sqs, state_steps, options) -> None:
-    """A foreach step (an AdamW built after `initialize`: minGPT's) as the fused op on the
+    """A foreach step (an AdamW subclass built after `initialize`) as the fused op on the
     live tensors: one ATen call, which `zerojax.train.replay` traces and replays with its
     derived scalars (`_fused_step_scalars`), where the recording made here would be an op
     recorded outside torch's dispatch, never replayed. The fused op takes the step counts
