@@ -272,9 +272,10 @@ def test_other_optimizers_run_their_own_step_as_torch_does(name):
     np.testing.assert_allclose(losses[id(model)], losses[id(twin)], rtol=1e-5)
 
 
-def test_copies_of_an_adopted_optimizer_are_torch_optimizers():
-    """`copy.deepcopy` of an adopted optimizer's state dict is torch's format, plain tensors
-    (what `torch.save` writes for the Trainer's checkpoint)."""
+def test_an_adopted_optimizer_saves_torch_tensors_and_takes_no_new_groups():
+    """An adopted optimizer's `state_dict()` is torch's format with plain tensors (what
+    `torch.save` writes for the Trainer's checkpoint), and a param group added after its
+    update was compiled is refused, naming why (the compiled update has a fixed set)."""
     model, _ = zerojax.initialize(module(), None, ZERO3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, optimizer, batches(seed=6, steps=1))
@@ -282,3 +283,7 @@ def test_copies_of_an_adopted_optimizer_are_torch_optimizers():
     tensors = [v for s in state["state"].values() for v in s.values()]
     assert tensors and all(type(t) is torch.Tensor for t in tensors)
     assert state["param_groups"][0]["lr"] == 1e-2
+    extra = nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="add_param_group is not supported once zerojax"):
+        optimizer.add_param_group({"params": [extra]})
+    assert len(optimizer.param_groups) == 1

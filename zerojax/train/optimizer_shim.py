@@ -24,7 +24,9 @@ Two ways to update, chosen by the optimizer's class:
   before the step (a host sync, as DeepSpeed's check is): an overflow skips it and moves the
   scale by the compiled update's rule.
 
-`state_dict()` / `load_state_dict()` speak torch's format either way.
+`state_dict()` / `load_state_dict()` speak torch's format either way. A torch AdamW, Adam or
+SGD built after `initialize` gets a compiled ZeroOptimizer of its own at its first step
+(`zerojax.train.late_optimizers`).
 """
 
 from __future__ import annotations
@@ -238,8 +240,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             super().add_param_group(param_group)
             return
         raise ValueError(
-            "zerojax: add_param_group after initialize() is not supported; build the optimizer "
-            "with all its groups before zerojax.initialize"
+            "zerojax: add_param_group is not supported once zerojax holds the optimizer (from "
+            "initialize, or from the first step of one built after it); build the optimizer "
+            "with all its groups first"
         )
 
     def __repr__(self) -> str:
