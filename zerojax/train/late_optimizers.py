@@ -16,11 +16,11 @@ their optimizer on the returned model's parameters. torch's global optimizer ste
   `zero_grad()` and `add_param_group()` of the optimizer object become the wrapped one's
   (torch's format, the engine's state); state loaded into it before its first step (the
   Trainer resuming) is taken over.
-- **Any other** (another class, a subclass, one of several optimizers on one model): a plain torch optimizer
-  whose step runs on the live tensors (`zerojax.train.recorded_adam`, `zerojax.train.replay`).
-  The state it makes (`zeros_like(p)`) takes its parameter's sharding, which under ZeRO-1 is
-  replicated where the plan partitions optimizer state, so the hooks place it as
-  `ZeroOptimizer` places the state of the optimizers it wraps
+- **Any other** (another class, a subclass, one of several optimizers on one model): a plain
+  torch optimizer whose step runs on the live tensors (`zerojax.train.recorded_adam`,
+  `zerojax.train.replay`). The state it makes (`zeros_like(p)`) takes its parameter's
+  sharding, which under ZeRO-1 is replicated where the plan partitions optimizer state, so the
+  hooks place it as `ZeroOptimizer` places the state of the optimizers it wraps
   (`live_optimizer_state.place_state`): on the plan's optimizer-state sharding of its
   parameter (a state tensor made by the step's recording leaves that program there), and where
   the plan offloads optimizer state, on the host between steps and in device memory for the
