@@ -23,6 +23,7 @@ import torch
 import zerojax
 from tests.test_config import HF_ZERO3_AUTO
 from zerojax.config import ConfigError
+from zerojax.train import late_optimizers
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate (a dev dependency)")
@@ -36,7 +37,8 @@ STEPS = 6
 
 def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
     """STEPS Trainer steps (gradient accumulation 2, clipping at 1.0), then `evaluate()` and
-    `predict()` on 16 rows: (logs + [eval loss], predicted logits, saved dir).
+    `predict()` on 16 rows: (logs + [eval loss], predicted logits, saved dir, the Trainer's
+    torch optimizer).
 
     `zerojax_model`: `zerojax.initialize(model, optimizer, config)` before the Trainer (with
     `user_optimizer=False`: `zerojax.initialize(model, config=config)` and the Trainer builds
@@ -68,7 +70,8 @@ def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
     evaluated = trainer.evaluate(held_out)["eval_loss"]
     predicted = torch.as_tensor(trainer.predict(held_out).predictions)
     trainer.save_model(str(out / "final"))
-    return recorder.logs + [(evaluated, 0.0)], predicted, out / "final"
+    torch_optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate's
+    return recorder.logs + [(evaluated, 0.0)], predicted, out / "final", torch_optimizer
 
 
 @pytest.mark.parametrize(
@@ -84,10 +87,13 @@ def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
     ids=["zero3-user-optimizer", "default-trainer-optimizer", "deepspeed-auto-config"],
 )
 def test_trainer_trains_a_zerojax_model_like_plain_trainer(tmp_path, config, user_optimizer):
-    theirs, their_logits, their_dir = train(tmp_path / "torch", user_optimizer=user_optimizer)
-    ours, our_logits, our_dir = train(
+    theirs, their_logits, their_dir, _ = train(tmp_path / "torch", user_optimizer=user_optimizer)
+    ours, our_logits, our_dir, optimizer = train(
         tmp_path / "zerojax", config, zerojax_model=True, user_optimizer=user_optimizer
     )
+    if not user_optimizer:  # the Trainer's own AdamW: the compiled update took it over
+        assert late_optimizers.compiled_for(optimizer) is not None
+        assert not optimizer.state
     assert len(ours) == len(theirs) == STEPS + 1
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
     # Logits of O(1) after 6 steps whose weights agree to ~1e-6: float32 forward reorderings
