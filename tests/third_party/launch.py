@@ -2,17 +2,23 @@
 or (`--plain`) without it, and record every loss its criterion computes.
 
     python tests/third_party/launch.py --losses OUT.json [--plain] [--fake-data N:M ...]
-        [--fake-image-size S] [--no-dropout] [--record-loss MODULE:CLASS ...] SCRIPT [ARGS ...]
+        [--fake-image-size S] [--no-dropout] [--record-loss MODULE:CLASS ...]
+        [--record-backward] [--path DIR ...] SCRIPT [ARGS ...]
 
 The scripts print their losses rounded (`loss 5.21`); the comparison with plain torch needs
-them whole, so `torch.nn.NLLLoss` and `torch.nn.CrossEntropyLoss` record each value they
-return (training and evaluation, in call order), written to OUT.json when the script ends;
-`--record-loss timm.loss:SoftTargetCrossEntropy` records a script's own loss module as well.
+them whole, so `torch.nn.NLLLoss` and `torch.nn.CrossEntropyLoss` record each value they return
+(training and evaluation, in call order), written to OUT.json when the script ends;
+`--record-loss timm.loss:SoftTargetCrossEntropy` records a script's own loss module as well;
+`--record-backward` records instead every tensor whose `backward()` the script calls, its
+training loss wherever it is computed (minGPT's model computes it in its forward, which zerojax
+runs as its program).
 The script runs as `__main__` from its own folder on `sys.path` (its `import data`, `from model
-import ...`), its text unchanged but for dropping the line marked `# zerojax: the one added
-line` under `--plain`. `--fake-data N:M` makes a `torchvision.datasets.FakeData` of N images
-(imagenet's `--dummy`: 1281167 and 50000 of 3x224x224) one of M, and `--fake-image-size S` its
-images SxS, so that a run on CPU takes seconds.
+import ...`) and each `--path DIR` too (the project a script imports as if `pip install -e`
+made it importable: minGPT's `mingpt`), its text unchanged but for dropping the line marked
+`# zerojax: the one added line` under `--plain`. `--fake-data N:M` makes a
+`torchvision.datasets.FakeData` of N images (imagenet's `--dummy`: 1281167 and 50000 of
+3x224x224) one of M, and `--fake-image-size S` its images SxS, so that a run on CPU takes
+seconds.
 
 `--no-dropout` builds every dropout of torch's modules with probability 0, for a run compared
 with plain torch loss for loss: zerojax draws dropout masks from JAX's random numbers, never
@@ -49,6 +55,20 @@ def recording(criterion: type[torch.nn.Module], losses: list[float]) -> None:
         return loss
 
     criterion.forward = recorded
+
+
+def recording_backward(losses: list[float]) -> None:
+    """Record the value of each tensor whose `backward()` the script calls; not zerojax's own
+    calls (it probes torch's gradient conventions on plain tensors when it is imported)."""
+    backward = torch.Tensor.backward
+    zerojax_code = str(Path(__file__).resolve().parents[2] / "zerojax")
+
+    def recorded(self, *args, **kwargs):
+        if not sys._getframe(1).f_code.co_filename.startswith(zerojax_code):
+            losses.append(self.item())
+        return backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = recorded
 
 
 def smaller_fake_data(sizes: dict[int, int], image_size: int | None) -> None:
@@ -89,6 +109,8 @@ def main() -> None:
     parser.add_argument("--fake-image-size", type=int)
     parser.add_argument("--no-dropout", action="store_true", help="every dropout p=0")
     parser.add_argument("--record-loss", action="append", default=[], metavar="MODULE:CLASS")
+    parser.add_argument("--record-backward", action="store_true", help="losses backward()ed")
+    parser.add_argument("--path", action="append", default=[], metavar="DIR")
     parser.add_argument("script")
     args, script_args = parser.parse_known_args()
     script = Path(args.script).resolve()
@@ -102,9 +124,13 @@ def main() -> None:
         smaller_fake_data(sizes, args.fake_image_size)
     if args.no_dropout:
         without_dropout()
+    sys.path[:0] = args.path  # before importing what --record-loss names
     losses: list[float] = []
-    for criterion in (torch.nn.NLLLoss, torch.nn.CrossEntropyLoss):
-        recording(criterion, losses)
+    if args.record_backward:
+        recording_backward(losses)
+    else:
+        for criterion in (torch.nn.NLLLoss, torch.nn.CrossEntropyLoss):
+            recording(criterion, losses)
     for name in args.record_loss:
         module, _, cls = name.partition(":")
         recording(getattr(importlib.import_module(module), cls), losses)
