@@ -236,6 +236,41 @@ def test_a_checkpointer_takes_it_before_its_first_step(tmp_path):
     assert train(other, other_optimizer, data[STEPS:]) == expected
 
 
+@pytest.mark.parametrize(
+    "adopted_first", [False, True], ids=["stepped first under the scaler", "adopted before"]
+)
+def test_torch_s_grad_scaler_scale_is_taken_out_once(tmp_path, adopted_first):
+    """torch's GradScaler hands a fused optimizer's step its scale instead of unscaling the
+    gradients (SGD shows it: its update, unlike Adam's, scales with the gradients). An
+    optimizer whose first step comes with that scale is left to torch's step, which takes it
+    out; one adopted before its first step (a Checkpointer handed it) no longer asks for it,
+    so the scaler unscales the gradients itself, as for a handed-over optimizer. Either way
+    torch's numbers (a power-of-two scale: unscaling is exact; 1e-5 as above)."""
+    config = {"mesh": {"fsdp": 8}, "zero": {"stage": 3}}
+    model, _ = zerojax.initialize(module(), None, config)
+    twin = module()
+    make = lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, fused=True)  # noqa: E731
+    optimizer, twin_optimizer = make(model.parameters()), make(twin.parameters())
+    if adopted_first:
+        zerojax.Checkpointer(tmp_path / "run", model, optimizer)
+    losses = {id(model): [], id(twin): []}
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for x, y in batches(seed=7):
+            loss = F.cross_entropy(m(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+            losses[id(m)].append(float(loss.detach()))
+    assert (late_optimizers.compiled_for(optimizer) is not None) == adopted_first
+    np.testing.assert_allclose(losses[id(model)], losses[id(twin)], rtol=1e-5)
+    for ours, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        np.testing.assert_allclose(
+            ours.detach().numpy(), theirs.detach().numpy(), rtol=1e-5, atol=1e-7
+        )
+
+
 class OwnAdamW(torch.optim.AdamW):
     """A user's own class: only torch's exact classes are the compiled update's."""
 

@@ -15,7 +15,9 @@ their optimizer on the returned model's parameters. torch's global optimizer ste
   as the first post-step hook, before the user's. `state_dict()`, `load_state_dict()`,
   `zero_grad()` and `add_param_group()` of the optimizer object become the wrapped one's
   (torch's format, the engine's state); state loaded into it before its first step (the
-  Trainer resuming) is taken over.
+  Trainer resuming) is taken over. torch's GradScaler unscales its gradients before the step
+  (as for any optimizer): a fused one's first step already handed the scaler's scale
+  (`grad_scale`) is not adopted, torch's step applies it.
 - **Any other** (another class, a subclass, one of several optimizers on one model): a plain
   torch optimizer whose step runs on the live tensors (`zerojax.train.recorded_adam`,
   `zerojax.train.replay`). The state it makes (`zeros_like(p)`) takes its parameter's
@@ -91,6 +93,10 @@ def compiled_for(optimizer: torch.optim.Optimizer) -> ZeroOptimizer | None:
         optimizer.state.clear()  # the engine's TrainState holds it now
     for method in _ADOPTED_METHODS:
         setattr(optimizer, method, getattr(adopted, method))
+    # torch's GradScaler hands a fused optimizer's step its scale instead of unscaling the
+    # gradients; the compiled update takes no scale, so the scaler must unscale them and skip
+    # an overflowed step itself, as it does for any other optimizer (and a handed-over one).
+    optimizer._step_supports_amp_scaling = False
     optimizer.__dict__[_ADOPTED] = adopted
     # The update runs after torch's step (which ran the closure, on the stand-in), before any
     # post-step hook of the user's: those see the updated parameters, as after torch's step.
@@ -109,6 +115,8 @@ def _adoptable_by(optimizer: torch.optim.Optimizer):
     engines = {id(p._zerojax_engine): p._zerojax_engine for p in params}
     if len(engines) != 1:
         return None
+    if _scaled_by_grad_scaler(optimizer):
+        return None  # a fused step already given torch's GradScaler's scale: torch's applies it
     (engine,) = engines.values()
     if engine.optimizer_spec is not None or engine.has_live_optimizers:
         return None  # the engine holds another optimizer's state: this one runs its own step
@@ -121,6 +129,15 @@ def _adoptable_by(optimizer: torch.optim.Optimizer):
     except ValueError:  # an option the compiled update does not have: torch's step does it
         return None
     return engine
+
+
+def _scaled_by_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether torch's GradScaler gave this step its scale (`grad_scale`, `found_inf`: its way
+    with fused optimizers, whose step unscales the gradients and skips on overflow)."""
+    return (
+        getattr(optimizer, "grad_scale", None) is not None
+        or getattr(optimizer, "found_inf", None) is not None
+    )
 
 
 def _update(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
