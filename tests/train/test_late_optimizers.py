@@ -249,7 +249,7 @@ def test_torch_s_grad_scaler_scale_is_taken_out_once(tmp_path, adopted_first):
     config = {"mesh": {"fsdp": 8}, "zero": {"stage": 3}}
     model, _ = zerojax.initialize(module(), None, config)
     twin = module()
-    make = lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, fused=True)  # noqa: E731
+    make = lambda p: torch.optim.SGD(p, lr=5e-2, momentum=0.9, fused=True)
     optimizer, twin_optimizer = make(model.parameters()), make(twin.parameters())
     if adopted_first:
         zerojax.Checkpointer(tmp_path / "run", model, optimizer)
