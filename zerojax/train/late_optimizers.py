@@ -107,23 +107,18 @@ def compiled_for(optimizer: torch.optim.Optimizer) -> ZeroOptimizer | None:
 
 def _adoptable_by(optimizer: torch.optim.Optimizer):
     """The engine that can take `optimizer` as its compiled update, or None."""
-    if not is_compiled(optimizer):
-        return None
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not params or not all(isinstance(p, ShardedParameter) for p in params):
-        return None
-    engines = {id(p._zerojax_engine): p._zerojax_engine for p in params}
+    if not is_compiled(optimizer) or _scaled_by_grad_scaler(optimizer):
+        return None  # (a fused step already given GradScaler's scale: torch's step applies it)
+    engines = _engines(optimizer)
     if len(engines) != 1:
         return None
-    if _scaled_by_grad_scaler(optimizer):
-        return None  # a fused step already given torch's GradScaler's scale: torch's applies it
-    (engine,) = engines.values()
+    ((engine, names),) = engines.items()
+    if len(names) != sum(len(group["params"]) for group in optimizer.param_groups):
+        return None  # a parameter of no zerojax model
     if engine.optimizer_spec is not None or engine.has_live_optimizers:
         return None  # the engine holds another optimizer's state: this one runs its own step
-    held = {id(p) for p in params}
-    if any(p.requires_grad and id(p) not in held for p in engine.module.parameters()):
+    if any(p.requires_grad and id(p) not in names for p in engine.module.parameters()):
         return None  # another optimizer may train the rest (Muon beside AdamW): none adopted
-    names = {id(p): p._zerojax_name for p in params}
     try:
         optimizers.optimizer_spec_from_torch(optimizer, names)
     except ValueError:  # an option the compiled update does not have: torch's step does it
