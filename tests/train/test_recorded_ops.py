@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import zerojax
 from bench.architectures import MLP
+from zerojax.bridge.dtypes import host_array
 from zerojax.train import deferred
 
 pytestmark = pytest.mark.multidevice
@@ -344,6 +345,34 @@ def test_a_scalar_object_is_one_program_input_however_many_ops_take_it():
         # Elementwise float32 ops on the same inputs: an FMA may round once where torch rounds
         # twice (1 ulp of the result per op, two ops: ~2.4e-7 relative).
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=3e-7, atol=1e-9)
+
+
+def test_scalar_inputs_reach_their_ops_packed_into_a_few_arguments(monkeypatch):
+    """NAdam's foreach step passes a float per parameter, Rprop 0-d host tensors per
+    parameter: the program takes the floats as one vector and the 0-d host arrays as one per
+    dtype (each argument is a conversion at every run), and each op still reads its own."""
+    model, _, _, _ = wrapped_twin(ZERO0)
+    params = [p.detach() for p in model.parameters()]
+    host_params = [torch.from_numpy(p.numpy().copy()) for p in params]
+    packed = []
+    pack = deferred._packed_scalars
+    monkeypatch.setattr(deferred, "_packed_scalars", lambda s: packed.append(pack(s)) or packed[-1])
+    for ps in (params, host_params):
+        for i, p in enumerate(ps):
+            p.mul_(1.0 + i / 7)  # a float of its own per parameter
+            p.add_(torch.tensor(1.0 + 0.25 * i))  # a 0-d float32 host tensor (> |p|: no
+            p.mul_(torch.tensor(i + 2))  # cancellation); a 0-d int64 one
+    deferred.flush()
+    n = len(params)
+    assert n > 2
+    ((layout, (floats, vectors, rest)),) = packed
+    assert floats.shape == (n,) and [v.shape for v in vectors] == [(n,), (n,)] and rest == []
+    host_dtypes = {host_array(torch.tensor(x)).dtype.str for x in (0.5, 1)}  # int64: int32
+    assert set(layout[1]) == host_dtypes and len(host_dtypes) == 2
+    for ours, theirs in zip(params, host_params, strict=True):
+        # Three elementwise float32 ops on the same inputs: 1 ulp of the result per op where
+        # XLA fuses a product into an add that torch rounds first (~3.6e-7 relative).
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=4e-7, atol=1e-9)
 
 
 @pytest.mark.parametrize(
