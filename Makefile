@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo gpu-check test test-all test-gpu-stack test-distributed test-other-cpu test-torch-2.11 test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context bench-offload lint docs clean
+.PHONY: demo gpu-check test test-long test-all test-gpu-stack test-distributed test-other-cpu test-torch-2.11 test-torch-2.14 test-torch-2.15 coverage bench bench-train bench-ckpt bench-kernels bench-moe bench-long-context bench-offload lint docs clean
 
 $(STAMP): pyproject.toml tools/cpu_torchvision.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --durations=15
+
+# The end-to-end tests left out of `make test` for time (marked `long`: the real scripts of
+# tests/third_party, restarts in fresh processes, the CLI's plans, subprocess jobs). CI runs it
+# after `make test`.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m 'long and not slow' --durations=15
 
 # Every test, slow ones included (all OpInfo samples, the bigger models).
 test-all: $(STAMP)
@@ -79,7 +85,7 @@ GPU_STACK := torch==2.11.0 'torchvision==0.26.*' 'jax==0.11.*' 'jaxlib==0.11.*'
 	touch $@
 
 test-gpu-stack: .venv-gpu-stack/.installed
-	.venv-gpu-stack/bin/python -m pytest -q -n 2 --durations=15
+	.venv-gpu-stack/bin/python -m pytest -q -n 2 -m 'not slow' --durations=15
 
 # The default suite as another x86-64 CPU computes it, to catch tolerances fitted to this one:
 # XLA codegen capped at OTHER_CPU_ISA (AVX2 is an AMD EPYC / pre-AVX-512 Intel; SSE4_2 is

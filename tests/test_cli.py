@@ -42,6 +42,7 @@ def files(tmp_path):
     return tmp_path
 
 
+@pytest.mark.long
 def test_plan_prints_table_and_writes_plot(files):
     plot = files / "plan.png"
     # The config must set the device count: no XLA_FLAGS in a fresh process.
@@ -78,6 +79,7 @@ def test_factory_spec_errors(files, capsys):
     assert "must return (module, example_args)" in capsys.readouterr().err
 
 
+@pytest.mark.long
 def test_plan_json_is_one_object_with_the_step_peak(files):
     command = ["-m", "zerojax.cli", "plan", "--config", str(files / "mesh.yaml")]
     command += [f"{files / 'factory.py'}:build", "--json", "--describe"]
@@ -94,6 +96,7 @@ def test_plan_json_is_one_object_with_the_step_peak(files):
     assert report["step_peak"] >= max(p["peak_estimate"] for p in report["programs"].values())
 
 
+@pytest.mark.long
 def test_plan_for_devices_you_do_not_have_matches_the_real_plan(files):
     """`--devices 8` builds the model on the meta device and compiles the step for 8
     simulated devices, never running it: the JSON report is the real run's, byte for byte."""
@@ -108,6 +111,7 @@ def test_plan_for_devices_you_do_not_have_matches_the_real_plan(files):
     assert planned == real
 
 
+@pytest.mark.long
 def test_plan_says_whether_the_step_fits_a_device_with_offload(files):
     """`--device-gb`/`--host-gb` answer "does it fit?" from the planned peaks: offloading the
     optimizer state, masters and gradients (DeepSpeed's offload_optimizer: cpu) takes them out

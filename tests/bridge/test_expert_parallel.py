@@ -174,6 +174,7 @@ QWEN = {"qwen2-moe": qwen2_moe, "qwen3-moe": qwen3_moe}
         pytest.param("qwen2-moe", marks=pytest.mark.slow),  # ~20 s; its shared expert is dense
     ],
 )
+@pytest.mark.long
 def test_hf_moe_trains_expert_parallel_like_torch_on_one_device(name):
     torch.manual_seed(0)
     if name == "mixtral":
@@ -197,6 +198,7 @@ def test_hf_moe_trains_expert_parallel_like_torch_on_one_device(name):
         assert routed["rows_per_expert"].sum() == 8 * SEQ * 2 and routed["dropped"] == 0, site
 
 
+@pytest.mark.long
 def test_expert_parallel_composes_with_zero3():
     """ZeRO-3 shards the experts' other dims over `data` and everything else over data x
     expert; the step gathers them where they are used and must still train like torch."""
@@ -210,6 +212,7 @@ def test_expert_parallel_composes_with_zero3():
     assert specs["model.embed_tokens.weight"] == P(("data", "expert"), None)
 
 
+@pytest.mark.long
 def test_capacity_mode_reports_dropped_tokens_through_the_engine():
     torch.manual_seed(0)
     module = mixtral(output_router_logits=True)
@@ -229,6 +232,7 @@ def test_capacity_mode_reports_dropped_tokens_through_the_engine():
         assert 64 <= routed["dropped"] < 128, (site, routed["dropped"])
 
 
+@pytest.mark.long
 def test_checkpoint_restores_onto_another_expert_axis_size(tmp_path):
     """Experts saved from `expert: 4` restore onto `expert: 2` (each device now owns 2 of the
     4 experts, their optimizer moments with them) bitwise, and training goes on like torch's:

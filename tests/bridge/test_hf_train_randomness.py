@@ -61,6 +61,7 @@ def wav2vec2(**overrides):
     return transformers.Wav2Vec2ForSequenceClassification(config)
 
 
+@pytest.mark.long
 def test_train_step_runs_every_layer_as_under_zero3_and_keeps_the_config(caplog):
     torch.manual_seed(0)
     model = wav2vec2()

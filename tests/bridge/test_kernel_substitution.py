@@ -205,6 +205,7 @@ def _assert_matches_float64(losses, state, factory, steps, batch, what):
 @pytest.mark.parametrize(
     "factory", [gpt2, pytest.param(llama, marks=pytest.mark.slow)], ids=["gpt2", "llama"]
 )
+@pytest.mark.long
 def test_training_with_pallas_kernels_matches_plain_lowerings(factory):
     """Three ZeRO-3 AdamW steps: every kernel in Pallas interpret mode, and all of them off,
     each within torch's own float32 error of a float64 run."""
@@ -214,6 +215,7 @@ def test_training_with_pallas_kernels_matches_plain_lowerings(factory):
 
 
 @pytest.mark.multidevice
+@pytest.mark.long
 def test_pallas_kernels_run_per_batch_shard_in_the_engine(monkeypatch):
     """A batch of 8 on fsdp=8 is split over the devices: each Pallas kernel runs on its own
     shard under shard_map (XLA cannot partition a Pallas call), with the same numbers."""

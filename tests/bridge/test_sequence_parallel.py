@@ -298,6 +298,7 @@ def _train_like_torch(model, optimizer, reference, ref_optimizer, inputs):
         ("llama", "ring", True),
     ],
 )
+@pytest.mark.long
 def test_hf_model_trains_sequence_parallel_like_torch_on_one_device(name, attention, checkpointing):
     torch.manual_seed(0)
     module, inputs = MODELS[name]()
@@ -376,6 +377,7 @@ def llava():
     return transformers.LlavaForConditionalGeneration(config), inputs
 
 
+@pytest.mark.long
 def test_llava_trains_with_a_sequence_parallel_vision_tower_and_tensor_parallel_lm():
     """Issue 13's per-module layout on one mesh: the vision tower's attention runs Ulysses over
     `sequence`, the language model is split over `tensor` by rules; one program, like torch."""

@@ -181,6 +181,7 @@ DEFAULT_POINTS = ("item:optimizer", "before-manifest", "after-manifest", "after-
     ]
     + [pytest.param(p, "sync", marks=pytest.mark.slow) for p in DEFAULT_POINTS],
 )
+@pytest.mark.long
 def test_a_crash_at_any_point_of_a_save_never_leaves_a_step_that_restores_unverified(
     tmp_path, point, mode
 ):
@@ -544,6 +545,7 @@ def fail_to_create_the_step_directory(directory: str) -> None:
     print("SAVE_STARTED", flush=True)
 
 
+@pytest.mark.long
 def test_a_step_directory_that_cannot_be_created_fails_the_save_and_the_exit_does_not_hang(
     tmp_path,
 ):
@@ -578,6 +580,7 @@ def fail_last_save(directory: str, ending: str) -> None:
 
 
 @pytest.mark.parametrize("ending", ["end", pytest.param("sys.exit", marks=pytest.mark.slow)])
+@pytest.mark.long
 def test_a_failed_final_async_save_exits_non_zero(tmp_path, ending):
     """Issue 41: the process exited 0 with a log line and the last checkpoint was lost. Now
     the exit waits for the save, prints one error naming the step and the path, runs the

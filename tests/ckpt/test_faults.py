@@ -60,6 +60,7 @@ def _partial_dirs(directory: Path) -> list[str]:
     return [n for n in os.listdir(directory) if TMP_MARKER in n] if directory.exists() else []
 
 
+@pytest.mark.long
 def test_sigkill_during_async_save_keeps_the_previous_step(tmp_path):
     directory = tmp_path / "ckpt"
     script = (
@@ -132,6 +133,7 @@ def save_then_exit(directory: str, how: str) -> None:
         pytest.param("save_checkpoint", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.long
 def test_a_script_that_ends_during_an_async_save_still_commits_it(tmp_path, how):
     """Without `close()`, the interpreter's exit waits for the save (it used to lose it:
     Orbax could no longer start threads once concurrent.futures had shut down, and on Python

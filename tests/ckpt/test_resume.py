@@ -150,6 +150,7 @@ def adam_divergence_bound(first_step: int, last_step: int) -> float:
     )
 
 
+@pytest.mark.long
 def test_exact_resume_in_a_new_process(tmp_path):
     straight = straight_run(ZERO3)
     first = first_half(ZERO3, tmp_path / "ckpt")

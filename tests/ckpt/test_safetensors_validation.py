@@ -261,6 +261,7 @@ def test_import_refuses_before_writing_anything(tmp_path, case, capsys):
     assert sorted(str(p.relative_to(target)) for p in target.rglob("*")) == before
 
 
+@pytest.mark.long
 def test_cli_exits_nonzero_with_one_line_and_no_traceback(tmp_path):
     """The installed command in its own process: what a user sees in a terminal."""
     header, data, _ = valid_file(tmp_path / "valid.safetensors")

@@ -20,6 +20,9 @@ from tests.distributed.ddp_script import MLP
 from tests.distributed.torchrun import REPO, check_ok, torchrun
 from zerojax.cli import main as cli_main
 
+# Every test here shares one 2-process torchrun save (~18 s): left out of `make test`.
+pytestmark = pytest.mark.long
+
 SCRIPT = REPO / "tests" / "distributed" / "ckpt_script.py"
 
 

@@ -55,6 +55,7 @@ def _assert_close(name, actual, expected):
         pytest.param("data=8", 1, id="zero1-data8", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.long
 def test_two_processes_match_torch_ddp(tmp_path, ddp_reference, mesh, zero_stage):
     ours = _run_zerojax(tmp_path, mesh, zero_stage)
     for rank, (got, want) in enumerate(zip(ours, ddp_reference, strict=True)):

@@ -75,6 +75,7 @@ def _run(tmp_path: Path, report: bool) -> tuple[dict, list[dict], str]:
 
 
 @pytest.mark.multidevice
+@pytest.mark.long
 def test_restarted_process_reuses_compiled_programs_and_reports_time(tmp_path):
     first, events, stderr = _run(tmp_path, report=True)
     assert first["cache_hits"] == 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import json
 
+import pytest
+
 from tests.fresh_python import run_fresh_python
 
 DRAWS = """
@@ -31,11 +33,13 @@ def draws(imports: str) -> list:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.long
 def test_import_zerojax_after_seeding_draws_the_same_numbers():
     # Exact: the same generator states give the same numbers bit for bit.
     assert draws("import zerojax") == draws("")
 
 
+@pytest.mark.long
 def test_the_jax_import_it_guards_against_does_draw():
     """The reason for the guard: without it, the numbers move (if jax stops drawing at import,
     the guard stays harmless and this test says so)."""

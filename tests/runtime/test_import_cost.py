@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
+
 from tests.fresh_python import run_fresh_python
 
 # Frameworks zerojax integrates with, each installed by the dev extra (a package that is not
@@ -27,6 +29,7 @@ print(json.dumps(sorted({{name.split(".")[0] for name in sys.modules}} & set({na
 """
 
 
+@pytest.mark.long
 def test_import_zerojax_imports_no_integrated_framework():
     missing = [name for name in FRAMEWORKS if importlib.util.find_spec(name) is None]
     assert not missing, f"{missing} not installed: the dev extra (pyproject.toml) installs them"
@@ -46,6 +49,7 @@ print(json.dumps([len(full), gc.isenabled()]))
 """
 
 
+@pytest.mark.long
 def test_import_zerojax_runs_no_full_collection_and_leaves_the_collector_on():
     """zerojax's imports build long-lived objects only: a full collection during them walks the
     process for nothing (two, ~0.7 s at load 10, before zerojax/runtime/gc_pause.py)."""

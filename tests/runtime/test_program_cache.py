@@ -60,6 +60,7 @@ def torch_eager_weights(num_steps: int) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in module.named_parameters()}
 
 
+@pytest.mark.long
 def test_a_restarted_process_loads_the_update_and_computes_the_same_bits(tmp_path):
     """Three fresh processes: no cache configured (nothing may be written), a first run that
     traces and stores the update, a restart that loads it. Same losses and weights, bitwise;
@@ -249,6 +250,7 @@ def test_a_damaged_entry_warns_is_traced_again_and_replaced(
     assert loaded == ["update"], "the damaged entry was not replaced"
 
 
+@pytest.mark.long
 def test_an_entry_filed_under_another_key_is_refused(filled, tmp_path, restore_jax_cache):
     """A valid entry of another program renamed to this one's key is not served."""
     cache = tmp_path / "cache"

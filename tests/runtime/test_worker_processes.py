@@ -92,6 +92,7 @@ def _run(tmp_path, *, guarded: bool, kwargs: str = "{}") -> tuple[dict, str]:
     return report, result.stderr
 
 
+@pytest.mark.long
 def test_guarded_script_starts_workers_from_the_forkserver(tmp_path):
     """The common case (minGPT, timm: `if __name__ == "__main__": main()`): workers come
     from the forkserver, not from a fork of the JAX process, and nothing is warned."""

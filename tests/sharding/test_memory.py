@@ -315,6 +315,7 @@ class _TinyGPT2WithLoss(torch.nn.Module):
     ],
     ids=["mlp-fp32", "mlp-bf16-master", "gpt2-fused-checkpointed"],
 )
+@pytest.mark.long
 def test_plan_without_memory_equals_the_real_step(build, precision, remat):
     """`memory_report(abstract=True)` on the model built on the meta device (what `zerojax plan
     --devices N` runs) reports exactly what building the real state and running the real step

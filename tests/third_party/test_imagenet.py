@@ -89,6 +89,7 @@ PARAMS = ["zero0-1-device", pytest.param("zero3-8-devices", marks=pytest.mark.sl
 
 
 @pytest.mark.parametrize("config", PARAMS)
+@pytest.mark.long
 def test_imagenet_dummy_trains_and_its_checkpoint_loads_in_torch(runs, config):
     """The script runs through with plain torch's losses, and its checkpoint, with nothing of
     zerojax's in it, loads into plain torch's ResNet-18 and SGD with plain torch's values."""

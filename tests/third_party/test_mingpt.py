@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from tests.fresh_python import run_fresh_python
@@ -50,6 +51,7 @@ def run(tmp_path: Path, name: str, *, plain: bool) -> tuple[list[float], str]:
     return json.loads((out / "losses.json").read_text()), done.stdout + done.stderr
 
 
+@pytest.mark.long
 def test_adder_trains_like_torch(tmp_path):
     theirs, their_output = run(tmp_path, "torch", plain=True)
     ours, our_output = run(tmp_path, "zerojax", plain=False)

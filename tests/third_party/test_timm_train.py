@@ -152,6 +152,7 @@ PARAMS = ["zero0-1-device", pytest.param("zero3-8-devices", marks=pytest.mark.sl
 
 @pytest.mark.parametrize("config", PARAMS)
 @pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.long
 def test_timm_train_and_its_checkpoints_load_in_torch(runs, model, config):
     """The script runs through with plain torch's losses, and the checkpoints its saver wrote,
     with nothing of zerojax's in them, load into plain timm's model (weights and EMA) and

@@ -149,6 +149,7 @@ _TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
     "config",
     ["zero0-1-device", pytest.param("zero3-8-devices", marks=pytest.mark.slow)],
 )
+@pytest.mark.long
 def test_lstm_with_its_own_sgd_and_torch_save_of_the_model(torch_losses, tmp_path, config):
     ours = run(tmp_path, "zerojax", CONFIGS[config])
     # Every training step's loss (3 epochs of 8), each epoch's validation losses and the test
@@ -222,6 +223,7 @@ torch.save(model.state_dict(), {str(weights)!r})
     "config",
     ["zero0-1-device", pytest.param("zero3-8-devices", marks=pytest.mark.slow)],
 )
+@pytest.mark.long
 def test_transformer_without_dropout_trains_like_torch_and_saves_a_plain_model(
     torch_transformer, tmp_path, config
 ):

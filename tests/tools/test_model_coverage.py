@@ -38,6 +38,7 @@ def _explain(name: str, result: dict) -> str:
 
 
 @pytest.mark.parametrize("name", PARITY)
+@pytest.mark.long
 def test_parity(name):
     result = model_zoo.check_parity(model_zoo.case(name))
     assert result["passed"], _explain(name, result)

@@ -86,6 +86,7 @@ def train(out, config=None, *, zerojax_model=False, user_optimizer=True):
     ],
     ids=["zero3-user-optimizer", "default-trainer-optimizer", "deepspeed-auto-config"],
 )
+@pytest.mark.long
 def test_trainer_trains_a_zerojax_model_like_plain_trainer(tmp_path, config, user_optimizer):
     theirs, their_logits, their_dir, _ = train(tmp_path / "torch", user_optimizer=user_optimizer)
     ours, our_logits, our_dir, optimizer = train(
@@ -149,6 +150,7 @@ class Audio(torch.utils.data.Dataset):
         return {"input_values": self.audio[i], "labels": self.labels[i]}
 
 
+@pytest.mark.long
 def test_trainer_fine_tunes_wav2vec2_with_its_default_layerdrop(tmp_path):
     """A speech classifier as Hugging Face configures it, LayerDrop on (0.1): the Trainer's
     steps on the zerojax model equal the plain Trainer's on the same model run as under

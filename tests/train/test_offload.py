@@ -392,6 +392,7 @@ RESUMES = [
     RESUMES,
     ids=[f"zero{s}-{a}-to-{b}{'-other-mesh' if m else ''}" for s, a, b, m in RESUMES],
 )
+@pytest.mark.long
 def test_resume_across_offload_settings(stage, saved, resumed, mesh, tmp_path):
     """bf16 params with fp32 masters: a checkpoint is the same whichever memory the state lived
     in, and restores into any other offload setting, on another mesh too (data 8 to data 2 x

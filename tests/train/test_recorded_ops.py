@@ -160,6 +160,7 @@ def test_recorded_writes_are_seen_by_later_reads_and_host_reads():
     ],
     ids=["RMSprop", "Adafactor"],
 )
+@pytest.mark.long
 def test_a_schedule_and_varying_clip_norms_never_recompile(make):
     """100 steps, a cosine LR schedule, a clip norm that changes every step, a torch optimizer's
     own step and torch's clip_grad_norm_: the number of compiled programs stays constant after

@@ -71,6 +71,7 @@ def test_nanogpt_style_script_at_zero3_on_8_devices(torch_losses, tmp_path):
     assert_matches_and_resumes(ours, torch_losses, tmp_path)
 
 
+@pytest.mark.long
 def test_nanogpt_style_script_launched_with_python_on_one_device(torch_losses, tmp_path):
     config = json.dumps({"mesh": {"data": -1}, "zero_stage": 0})
     ours = run_as_python(tmp_path / "zerojax", "--zerojax", config)

@@ -302,6 +302,7 @@ def step_programs(step: int, names: list[str]) -> list[str]:
     return names
 
 
+@pytest.mark.long
 def test_trainer_with_dynamic_padding_captures_once_more_and_matches_torch(torch_run, zerojax_run):
     """6 distinct lengths in 6 steps: the first capture, then one symbolic capture serving the
     other 5 (it was 6 captures), and one XLA compilation per length: its fused step program.
@@ -321,6 +322,7 @@ def test_trainer_with_dynamic_padding_captures_once_more_and_matches_torch(torch
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
 
 
+@pytest.mark.long
 def test_bucketed_trainer_matches_unbucketed_and_compiles_once_per_bucket(
     torch_run, zerojax_run, bucketed_run
 ):
@@ -344,6 +346,7 @@ def test_bucketed_trainer_matches_unbucketed_and_compiles_once_per_bucket(
     assert {key[1][0][0][1] for key in programs} == set(buckets)
 
 
+@pytest.mark.long
 def test_bucketed_trainer_compiles_one_step_program_per_bucket(zerojax_run, bucketed_run):
     """The compilations themselves, by name: each bucket compiles its fused step program
     (forward, backward and the model's loss in one) and nothing else; what the run compiles

@@ -217,6 +217,7 @@ def saved_whole(model, how: str):
 
 @pytest.mark.parametrize("how", ["torch.save", "pickle", "copy.deepcopy"])
 @pytest.mark.parametrize("rnn_type", ["LSTM", "GRU"])
+@pytest.mark.long
 def test_whole_model_pickles_as_an_ordinary_module(rnn_type, how):
     """word_language_model's `torch.save(model, f)` after training, loaded as it loads it
     (`weights_only`, its classes allowed): an instance of the user's own class (no zerojax
@@ -267,6 +268,7 @@ print("ok")
 
 
 @pytest.mark.parametrize("rnn_type", ["LSTM"])
+@pytest.mark.long
 def test_torch_save_of_the_model_loads_in_plain_torch(rnn_type, tmp_path):
     """The file `torch.save(model, f)` writes loads in a process that never imports zerojax
     (or JAX), with the values zerojax trained, and evaluates as plain torch's model; no zerojax
@@ -326,6 +328,7 @@ def gpt_losses(compile_how: str | None, zerojax_config=None, steps=4):
 
 
 @pytest.mark.parametrize("compile_how", ["torch.compile", "model.compile"])
+@pytest.mark.long
 def test_torch_compile_of_a_zerojax_model_trains_as_torch(compile_how):
     """`model = torch.compile(model)` after `initialize` (nanoGPT's `compile=True`), and
     `model.compile()`: the engine's program runs as it is, with plain torch eager's losses
@@ -481,6 +484,7 @@ def trainer_saved(out, *, zerojax_model: bool):
     return out / "final", model
 
 
+@pytest.mark.long
 def test_trainer_save_model_config_is_plain_trainers(tmp_path):
     """`config.json` of a `save_model` directory is byte for byte the plain Trainer's but for
     `_name_or_path` (it was `"architectures": ["ZeroJaxLlamaForCausalLM"]`, which tools that
@@ -580,6 +584,7 @@ def test_state_dict_hooks_and_extra_state_as_torch():
     )
 
 
+@pytest.mark.long
 def test_trainer_with_torch_compile_trains_as_the_plain_trainer(tmp_path):
     """`TrainingArguments(torch_compile=True)` (the Trainer calls `torch.compile(model)`) on a
     zerojax model: plain eager Trainer's losses (1e-5 relative: reordered float32 sums over
