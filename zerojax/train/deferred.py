@@ -56,7 +56,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.lax.lax import _convert_element_type
 from jax.sharding import NamedSharding
 
 from zerojax.bridge.index_bounds import raise_if_out_of_range
@@ -495,6 +494,11 @@ def _unpacked_scalars(layout: tuple, packed: tuple) -> list:
     """The scalar inputs `_packed_scalars` packed, as the program's traced values: a float
     weakly typed, as a Python float argument is (it takes its dtype from the tensor it meets,
     a bfloat16 one's too), a 0-d host array in its own dtype."""
+    # JAX's own way to a weakly typed value (what it makes of a Python float argument); no
+    # public spelling takes `weak_type`. Imported here, where a program is traced: jax 0.10
+    # and 0.11, the versions pyproject.toml admits, both have it (`make test-gpu-stack`).
+    from jax._src.lax.lax import _convert_element_type
+
     kinds, dtypes = layout
     floats, vectors, rest = packed
     by_dtype = dict(zip(dtypes, [iter(list(v)) for v in vectors], strict=True))
