@@ -461,6 +461,10 @@ def _hand_over(recording: _Recording) -> None:
         writer(values)
 
 
+# A Python float in a packed scalar layout (`_packed_scalars`).
+_FLOAT = "float"
+
+
 def _packed_scalars(scalars: list) -> tuple[tuple, tuple]:
     """(layout, packed): a recording's scalar inputs as few program arguments. Each argument
     is a conversion at every run (~2.5 us on this host), and NAdam's foreach step takes 160
@@ -486,10 +490,6 @@ def _packed_scalars(scalars: list) -> tuple[tuple, tuple]:
     return (tuple(layout), tuple(zero_d)), packed
 
 
-# A Python float in a packed scalar layout (`_packed_scalars`).
-_FLOAT = "float"
-
-
 def _unpacked_scalars(layout: tuple, packed: tuple) -> list:
     """The scalar inputs `_packed_scalars` packed, as the program's traced values: a float
     weakly typed, as a Python float argument is (it takes its dtype from the tensor it meets,
@@ -501,16 +501,13 @@ def _unpacked_scalars(layout: tuple, packed: tuple) -> list:
 
     kinds, dtypes = layout
     floats, vectors, rest = packed
-    by_dtype = dict(zip(dtypes, [iter(list(v)) for v in vectors], strict=True))
-    floats, rest = iter(list(floats)), iter(rest)
-    return [
-        _convert_element_type(next(floats), weak_type=True)
-        if kind is _FLOAT
-        else next(rest)
-        if kind is None
-        else next(by_dtype[kind])
-        for kind in kinds
-    ]
+    # Each kind of scalar read in order from its own source (a dtype string is neither key).
+    sources = {
+        _FLOAT: iter([_convert_element_type(x, weak_type=True) for x in floats]),
+        None: iter(rest),
+        **dict(zip(dtypes, [iter(list(v)) for v in vectors], strict=True)),
+    }
+    return [next(sources[kind]) for kind in kinds]
 
 
 def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
