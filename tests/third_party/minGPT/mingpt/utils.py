@@ -30,6 +30,8 @@ def setup_logging(config):
 
 class CfgNode:
     """ a lightweight configuration class inspired by yacs """
+    # (zerojax's tests: the three TODOs below are minGPT's own notes at commit 37baab7, kept as
+    # its author wrote them; adder.py runs as upstream has it, see tests/third_party/README.md)
     # TODO: convert to subclass from a dict like in yacs?
     # TODO: implement freezing to prevent shooting of own foot
     # TODO: additional existence/override checks when reading/writing params?
