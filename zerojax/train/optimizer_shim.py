@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from zerojax.runtime import effective_time
-from zerojax.train import optimizers
+from zerojax.train import captured_step, optimizers
 from zerojax.train.engine import Engine
 from zerojax.train.live_optimizer_state import place_state, unhooked_step
 from zerojax.train.live_tensor import watching_host_reads
@@ -174,7 +174,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # state is brought in for the step.
             self._place_state(on_device=True)
             with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
-                unhooked_step(self._optimizer)()
+                if not captured_step.run(self._optimizer):
+                    unhooked_step(self._optimizer)()
             self._place_state()
         if self._reports_steps:
             engine.count_update()

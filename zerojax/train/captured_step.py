@@ -1,0 +1,460 @@
+"""An optimizer's own `step()`, captured once by torch.compile on a stand-in and run as one
+recorded op: no Python of the step runs per step.
+
+An optimizer that runs its own step on live tensors (RMSprop, NAdam, Adafactor, a user's
+subclass: `zerojax.train.optimizer_shim`, `zerojax.train.late_optimizers`) is replayed from a
+trace (`zerojax.train.replay`), which still runs the step's Python every step: torch's
+per-parameter loops and foreach calls, each dispatched to the live tensors. That Python alone
+takes longer than the compiled update's whole step for most of torch's optimizers.
+
+Here the step runs on a *twin*: an optimizer of the same class over plain CPU tensors of the
+same shapes and dtypes (`torch.empty`, never written: no memory is touched), with the live
+optimizer's param groups and state keys. torch.compile (dynamo) traces the twin's step once,
+with a backend of ours: the graph it hands us (the step's tensor ops, its Python evaluated) is
+exported to core ATen (in-place updates become values written back) and lowered with the
+bridge's table. Each later `step()` calls the compiled twin step: dynamo's guards check, in
+C++, that the twin's step would trace the same graph (its param groups' values, which tensors
+have gradients), and our backend's callable records the graph as one op on the *live* tensors
+the twin's tensors stand for -- parameters, gradients, state -- and writes its results into
+them. So the op, its program and its sharded state are those the replayed step would have
+recorded; only the Python is gone.
+
+- **Hyperparameters** are copied into the twin before each step. A float that changes (a
+  learning-rate schedule) is made a graph input by dynamo after its first change; the twin is
+  traced a second time with its learning rate moved at capture, so a schedule never recompiles.
+  Any other changed value is a new trace, guarded by dynamo, logged.
+- **Host state** (torch's step counts, Rprop's and ASGD's 0-d tensors) is the graph's too:
+  its new values are computed by a small program of their own (they must be on the host at
+  once, as torch's are) and copied into the live optimizer's tensors; the recorded op takes
+  their values before the step, as the graph does.
+- **The guard of ours** (`_layout`): which parameters each group holds, which have gradients,
+  the state's keys, kinds, shapes and dtypes. Another layout captures a new twin.
+- **Not captured** (the step runs as before, replayed): a step given a closure, state that is
+  not a tensor, host state with more than one element, a step dynamo cannot trace as one graph
+  (a `.item()` the step branches on, a graph break), a graph that returns values or writes a
+  host tensor from device values. Each is logged once, with dynamo's reason.
+
+The first step of an optimizer always runs as before: it makes the state the twin mirrors.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import logging
+import types
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch.export.graph_signature import InputKind, OutputKind
+
+from zerojax.bridge.capture import decomposition_table
+from zerojax.bridge.dtypes import to_jax_dtype
+from zerojax.bridge.interpreter import _evaluate
+from zerojax.bridge.registry import LoweringContext
+from zerojax.train import deferred
+from zerojax.train.live_tensor import LiveTensor
+from zerojax.train.parameters import live_of
+
+__all__ = ["captures", "run"]
+
+log = logging.getLogger(__name__)
+
+# optimizer -> its _Capture, or None where its step cannot be captured (looked at again
+# only when its layout changes).
+_captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_counts = {"captures": 0, "traces": 0}
+# How an input of the captured graph gets its value each step.
+_PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT = range(6)
+# dynamo writes `addcmul_`, `addcdiv_` and `add_` with a tensor alpha as fused multiply-adds
+# (one rounding, inductor's); torch's eager kernels, which the live path matches, round each
+# product. Every call is under it: dynamo guards on its config.
+_AS_EAGER_WRITES_IT = functools.partial(torch._dynamo.config.patch, enable_dynamo_decompositions=False)
+# `.item()` in a traced step (Adafactor reads its step count so): the value, traced.
+_ITEM = torch.ops.aten._local_scalar_dense.default
+# torch's functions of Python scalars, which the values `.item()` read are in a traced step.
+_SCALAR_FUNCTIONS = {
+    torch.sym_min: jnp.minimum,
+    torch.sym_max: jnp.maximum,
+    torch.sym_float: lambda x: jnp.asarray(x, jnp.float32),
+    torch._sym_sqrt: jnp.sqrt,
+}
+
+
+class NotCapturable(Exception):
+    """Why a step runs as before (logged once per layout)."""
+
+
+def captures() -> dict[str, int]:
+    """How many twins were captured and how many graphs dynamo traced for them."""
+    return dict(_counts)
+
+
+def run(optimizer: torch.optim.Optimizer) -> bool:
+    """Run `optimizer`'s step as its captured program; False where it cannot (run it as
+    before then)."""
+    layout = _layout(optimizer)
+    entry = _captures.get(optimizer, False)
+    if entry is not False and (entry is None or entry.layout == layout):
+        return entry is not None and entry.step()
+    if layout is None:
+        return False
+    try:
+        capture = _Capture(optimizer, layout)
+        done = capture.step()
+    except NotCapturable as why:
+        log.info("zerojax: %s's step runs op by op: %s", type(optimizer).__name__, why)
+        _captures[optimizer] = None
+        return False
+    _captures[optimizer] = capture
+    return done
+
+
+def _layout(optimizer: torch.optim.Optimizer) -> tuple | None:
+    """What a twin mirrors, beyond hyperparameter values (None: the step cannot be captured
+    now -- no state yet, a parameter that is not live, state that is not a tensor)."""
+    state = optimizer.state
+    groups = []
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            if live_of(p) is None:
+                return None
+            grad = p.grad
+            entries = state.get(p)
+            if grad is not None and not entries:
+                return None  # its state is made by the step: the first step runs as before
+            described = []
+            for key, value in (entries or {}).items():
+                if isinstance(value, LiveTensor):
+                    described.append((key, True, value.shape, value.dtype))
+                elif type(value) is torch.Tensor and value.numel() == 1 and not value.is_cuda:
+                    described.append((key, False, value.shape, value.dtype))
+                else:
+                    return None
+            params.append((id(p), grad is not None, tuple(described)))
+        groups.append((tuple(group), tuple(params)))
+    return tuple(groups)
+
+
+class _Capture:
+    """One optimizer's twin, its compiled step and what each twin tensor stands for."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, layout: tuple):
+        self.optimizer = weakref.ref(optimizer)
+        self.layout = layout
+        self.twin, self.stands_for = _twin(optimizer)
+        self.lowered: list[_Graph] = []
+        self.called = False
+        self.dry = True
+        _counts["captures"] += 1
+        if optimizer.defaults.get("differentiable"):
+            raise NotCapturable("it is differentiable")
+        # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
+        # keep dynamo from seeing one graph): run under no_grad, as `_use_grad` runs it.
+        step = _own_code(inspect.unwrap(type(optimizer).step))
+        self.compiled = torch.compile(step, backend=self._backend, fullgraph=True, dynamic=False)
+        # Traced twice before it runs: with the learning rate as it is, then moved, so that a
+        # schedule's next value does not trace it again (dynamo makes a float that changed an
+        # input of the graph).
+        try:
+            self._call()
+            for group in self.twin.param_groups:
+                if type(group.get("lr")) is float:
+                    group["lr"] = group["lr"] * 0.5 + 1e-3
+            self._call()
+        except NotCapturable:
+            raise
+        except Exception as error:  # dynamo's own errors: the step is not one graph
+            raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
+        self.dry = False
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
+        _counts["traces"] += 1
+        graph = _Graph(self, gm)
+        self.lowered.append(graph)
+        return graph
+
+    def _call(self) -> None:
+        self.called = False
+        with torch.no_grad(), _AS_EAGER_WRITES_IT():
+            self.compiled(self.twin)
+        if not self.called:
+            raise NotCapturable("dynamo ran the step without a graph of ours")
+
+    def step(self) -> bool:
+        optimizer = self.optimizer()
+        twin_groups = self.twin.param_groups
+        for group, twin_group in zip(optimizer.param_groups, twin_groups, strict=True):
+            for key, value in group.items():
+                if key != "params":
+                    twin_group[key] = value
+        try:
+            self._call()
+        except NotCapturable:
+            raise
+        except Exception as error:
+            raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
+        return True
+
+
+def _own_code(function):
+    """`function` with a code object of its own: dynamo keeps its traces per code object, and
+    each optimizer's twin is traced apart (its cache never holds another's graphs)."""
+    code = function.__code__.replace()
+    own = types.FunctionType(
+        code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
+    own.__kwdefaults__ = function.__kwdefaults__
+    return own
+
+
+def _twin(optimizer: torch.optim.Optimizer):
+    """An optimizer of `optimizer`'s class over plain CPU tensors standing for its live ones,
+    and {id(twin tensor): (kind, live parameter, state key)}."""
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(optimizer.__dict__)
+    stands_for: dict[int, tuple] = {}
+    groups, state = [], collections.defaultdict(dict)
+    for group in optimizer.param_groups:
+        params = []
+        for p in group["params"]:
+            stand_in = torch.nn.Parameter(
+                torch.empty(tuple(p.shape), dtype=p.dtype), requires_grad=p.requires_grad
+            )
+            stands_for[id(stand_in)] = (_PARAM, p, None)
+            if p.grad is not None:
+                stand_in.grad = torch.empty(tuple(p.shape), dtype=p.dtype)
+                stands_for[id(stand_in.grad)] = (_GRAD, p, None)
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, LiveTensor):
+                    copy = torch.empty(tuple(value.shape), dtype=value.dtype)
+                    stands_for[id(copy)] = (_STATE, p, key)
+                else:
+                    copy = value.clone()
+                    stands_for[id(copy)] = (_HOST_STATE, p, key)
+                state[stand_in][key] = copy
+            params.append(stand_in)
+        groups.append({**group, "params": params})
+    twin.param_groups = groups
+    twin.state = state
+    return twin, stands_for
+
+
+class _Graph:
+    """One graph dynamo traced of a twin's step: lowered at its first real call, then recorded
+    on the live tensors at each call."""
+
+    def __init__(self, capture: _Capture, gm: torch.fx.GraphModule):
+        self.capture = capture
+        self.gm = gm
+        self.program = None
+
+    def __call__(self, *args):
+        capture = self.capture
+        capture.called = True
+        if capture.dry:
+            return ()
+        if self.program is None:
+            self.program = _Program(capture, self.gm, args)
+            self.gm = None
+        self.program.record(capture.optimizer(), args)
+        return ()
+
+
+class _Program:
+    """The graph as core ATen, split into what the host computes at once (its host state's
+    new values) and the recorded op on the live tensors."""
+
+    def __init__(self, capture: _Capture, gm: torch.fx.GraphModule, args: tuple):
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        if any(v is not None for v in jax.tree.leaves(output.args[0])):
+            raise NotCapturable("its graph returns values")
+        lifted, examples, attrs = _lifted(gm, args)
+        # Where each input's value comes from at each step.
+        self.inputs: list[tuple] = []
+        for i, tensor in enumerate(examples):
+            kind, param, key = capture.stands_for.get(id(tensor), (None, None, None))
+            if kind is None:
+                if i < attrs:
+                    kind, param = _CONSTANT, tensor.detach().clone()
+                elif isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
+                    kind, param = _ARGUMENT, i - attrs
+                else:
+                    raise NotCapturable(f"an input of its graph is a {type(tensor).__name__}")
+            self.inputs.append((kind, param, key))
+        with torch.no_grad():
+            exported = torch.export.export(lifted, tuple(examples), strict=False)
+        exported = exported.run_decompositions(decomposition_table())
+        graph = exported.graph
+        signature = exported.graph_signature
+        if any(spec.kind != InputKind.USER_INPUT for spec in signature.input_specs):
+            raise NotCapturable("its exported graph has inputs other than the step's tensors")
+        position = {spec.arg.name: i for i, spec in enumerate(signature.input_specs)}
+        self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        returned = next(n for n in graph.nodes if n.op == "output").args[0]
+        self.written: list[tuple[int, torch.fx.Node]] = []  # (input index, its new value)
+        for spec, node in zip(signature.output_specs, returned, strict=True):
+            if spec.kind != OutputKind.USER_INPUT_MUTATION:
+                raise NotCapturable(f"its exported graph has a {spec.kind.name} output")
+            self.written.append((position[spec.target], node))
+        self.graph = graph
+        host = {i for i, (kind, _, _) in enumerate(self.inputs) if kind in (_HOST_STATE, _ARGUMENT)}
+        # Host inputs by dtype: one vector each, in these orders.
+        self.host_dtypes: dict[torch.dtype, list[int]] = {}
+        for i in sorted(host):
+            self.host_dtypes.setdefault(examples[i].dtype, []).append(i)
+        self.host_written = [(i, node) for i, node in self.written if i in host]
+        self.live_written = [(i, node) for i, node in self.written if i not in host]
+        self.live = [i for i, (kind, _, _) in enumerate(self.inputs) if kind in (_PARAM, _GRAD, _STATE)]
+        self.constants = {i: param for i, (kind, param, _) in enumerate(self.inputs) if kind == _CONSTANT}
+        _check_host_writes(self.host_written, self.placeholders, host | set(self.constants))
+        self.host_program = jax.jit(self._host_values) if self.host_written else None
+        self.key = ("captured step", id(self), tuple((examples[i].shape, examples[i].dtype) for i in self.live))
+        self.avals = [
+            jax.ShapeDtypeStruct(tuple(examples[i].shape), to_jax_dtype(examples[i].dtype))
+            for i, _ in self.live_written
+        ]
+        # Traced now, so that an op without a lowering is known here, not when the step runs.
+        live = [jax.ShapeDtypeStruct(tuple(examples[i].shape), to_jax_dtype(examples[i].dtype)) for i in self.live]
+        host = [
+            jax.ShapeDtypeStruct((len(indices),), to_jax_dtype(dtype))
+            for dtype, indices in self.host_dtypes.items()
+        ]
+        try:
+            jax.eval_shape(self._device_values, live + host, None)
+            if self.host_program is not None:
+                jax.eval_shape(self._host_values, host)
+        except Exception as error:
+            raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
+
+    def _env(self, live: list, host: list) -> dict:
+        """Placeholder -> value: the live arrays, the host vectors' elements, the constants."""
+        env = {}
+        for i, array in zip(self.live, live, strict=True):
+            env[self.placeholders[i]] = array
+        for indices, vector in zip(self.host_dtypes.values(), host, strict=True):
+            for k, i in enumerate(indices):
+                env[self.placeholders[i]] = vector[k]
+        for i, tensor in self.constants.items():
+            env[self.placeholders[i]] = jnp.asarray(tensor.numpy())
+        return env
+
+    def _evaluated(self, env: dict, wanted: list[torch.fx.Node]) -> list:
+        needed = _ancestors(wanted)
+        for node in self.graph.nodes:
+            if node.op != "call_function" or node not in needed:
+                continue
+            if node.target is _ITEM:  # a host scalar the step read (a step count): its value
+                env[node] = jnp.reshape(env[node.args[0]], ())
+            elif node.target in _SCALAR_FUNCTIONS:  # torch's functions of such values
+                args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+                env[node] = _SCALAR_FUNCTIONS[node.target](*args)
+            else:
+                env[node] = _evaluate(node, env, _context, _read)
+        return [env[node] for node in wanted]
+
+    def _host_values(self, host: list) -> list:
+        env = self._env([None] * len(self.live), host)
+        return self._evaluated(env, [node for _, node in self.host_written])
+
+    def _device_values(self, arrays: list, rng) -> tuple:
+        live, host = arrays[: len(self.live)], arrays[len(self.live) :]
+        env = self._env(live, host)
+        values = self._evaluated(env, [node for _, node in self.live_written])
+        return [v.astype(a.dtype) for v, a in zip(values, self.avals, strict=True)], None
+
+    def record(self, optimizer: torch.optim.Optimizer, args: tuple) -> None:
+        tensors = [self._tensor(optimizer, kind, param, key, args) for kind, param, key in self.inputs]
+        host = [
+            torch.stack([tensors[i].reshape(()) for i in indices]).numpy()
+            for indices in self.host_dtypes.values()
+        ]
+        outputs = deferred.record(
+            self.key,
+            self._device_values,
+            [tensors[i].value() for i in self.live] + host,
+            self.avals,
+        )
+        for (i, _), value in zip(self.live_written, outputs, strict=True):
+            tensors[i].write(value)
+        if self.host_program is not None:
+            values = self.host_program(host)
+            for (i, _), value in zip(self.host_written, values, strict=True):
+                tensors[i].copy_(torch.from_numpy(np.array(value)).reshape(tensors[i].shape))
+
+    @staticmethod
+    def _tensor(optimizer, kind, param, key, args):
+        if kind == _PARAM:
+            return live_of(param)
+        if kind == _GRAD:
+            return live_of(param.grad)
+        if kind in (_STATE, _HOST_STATE):
+            return optimizer.state[param][key]
+        if kind == _ARGUMENT:
+            return args[param]
+        return param
+
+
+def _lifted(gm: torch.fx.GraphModule, args: tuple):
+    """`gm` with each tensor it holds as an attribute (the twin's parameters and state, which
+    dynamo keeps as constants of the graph) made an input before its own; the example inputs;
+    how many of them were attributes."""
+    graph = torch.fx.Graph()
+    env: dict = {}
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    examples = []
+    for n in attrs:
+        env[n] = graph.placeholder(f"attr_{len(examples)}")
+        examples.append(_attribute(gm, n.target))
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(n.name)
+    examples.extend(args)
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "get_attr"):
+            env[n] = graph.node_copy(n, lambda m: env[m])
+    return torch.fx.GraphModule(torch.nn.Module(), graph), examples, len(attrs)
+
+
+def _attribute(gm: torch.fx.GraphModule, target: str):
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _ancestors(nodes: list[torch.fx.Node]) -> set:
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _check_host_writes(host_written, placeholders, host: set) -> None:
+    """A host tensor's new value must come from host values alone (else reading it would wait
+    for the device)."""
+    allowed = {placeholders[i] for i in host}
+    for _, node in host_written:
+        for ancestor in _ancestors([node]):
+            if ancestor.op == "placeholder" and ancestor not in allowed:
+                raise NotCapturable(f"it writes a host tensor from device values ({ancestor.name})")
+
+
+def _context(node: torch.fx.Node) -> LoweringContext:
+    return LoweringContext(node=node, train=True, rng_for_site=_no_random)
+
+
+def _no_random():
+    raise NotCapturable("its step draws random numbers")
+
+
+def _read(env: dict, node: torch.fx.Node, consumer=None):
+    return env[node]
