@@ -267,68 +267,95 @@ class _Graph:
 
 
 class _Program:
-    """The graph as core ATen, split into what the host computes at once (its host state's
-    new values) and the recorded op on the live tensors."""
+    """The graph as core ATen: the recorded op on the live tensors, and a small program of
+    the host state's new values."""
 
     def __init__(self, capture: _Capture, gm: torch.fx.GraphModule, args: tuple):
         output = next(n for n in gm.graph.nodes if n.op == "output")
         if any(v is not None for v in jax.tree.leaves(output.args[0])):
             raise NotCapturable("its graph returns values")
         lifted, examples, attrs = _lifted(gm, args)
-        # Where each input's value comes from at each step.
-        self.inputs: list[tuple] = []
+        # Where each input's value comes from at each step: (kind, parameter, state key);
+        # a constant's value, an argument's position, in the parameter's place.
+        inputs: list[tuple] = []
         for i, tensor in enumerate(examples):
             kind, param, key = capture.stands_for.get(id(tensor), (None, None, None))
             if kind is None:
-                if i < attrs:
-                    kind, param = _CONSTANT, tensor.detach().clone()
-                elif isinstance(tensor, torch.Tensor) and tensor.numel() == 1:
-                    kind, param = _ARGUMENT, i - attrs
-                else:
+                if not isinstance(tensor, torch.Tensor):
                     raise NotCapturable(f"an input of its graph is a {type(tensor).__name__}")
-            self.inputs.append((kind, param, key))
+                kind, param = (_CONSTANT, tensor.detach().clone()) if i < attrs else (_ARGUMENT, i - attrs)
+            if kind in (_HOST_STATE, _ARGUMENT) and tensor.dim() != 0:
+                raise NotCapturable(f"a host tensor of its graph has shape {tuple(tensor.shape)}")
+            inputs.append((kind, param, key))
         with torch.no_grad():
             exported = torch.export.export(lifted, tuple(examples), strict=False)
         exported = exported.run_decompositions(decomposition_table())
-        graph = exported.graph
+        self.graph = exported.graph
         signature = exported.graph_signature
         if any(spec.kind != InputKind.USER_INPUT for spec in signature.input_specs):
             raise NotCapturable("its exported graph has inputs other than the step's tensors")
         position = {spec.arg.name: i for i, spec in enumerate(signature.input_specs)}
-        self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        returned = next(n for n in graph.nodes if n.op == "output").args[0]
-        self.written: list[tuple[int, torch.fx.Node]] = []  # (input index, its new value)
+        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        returned = next(n for n in self.graph.nodes if n.op == "output").args[0]
+        written: dict[int, torch.fx.Node] = {}  # input index -> its new value
         for spec, node in zip(signature.output_specs, returned, strict=True):
             if spec.kind != OutputKind.USER_INPUT_MUTATION:
                 raise NotCapturable(f"its exported graph has a {spec.kind.name} output")
-            self.written.append((position[spec.target], node))
-        self.graph = graph
-        host = {i for i, (kind, _, _) in enumerate(self.inputs) if kind in (_HOST_STATE, _ARGUMENT)}
-        # Host inputs by dtype: one vector each, in these orders.
-        self.host_dtypes: dict[torch.dtype, list[int]] = {}
-        for i in sorted(host):
-            self.host_dtypes.setdefault(examples[i].dtype, []).append(i)
-        self.host_written = [(i, node) for i, node in self.written if i in host]
-        self.live_written = [(i, node) for i, node in self.written if i not in host]
-        self.live = [i for i, (kind, _, _) in enumerate(self.inputs) if kind in (_PARAM, _GRAD, _STATE)]
-        self.constants = {i: param for i, (kind, param, _) in enumerate(self.inputs) if kind == _CONSTANT}
-        _check_host_writes(self.host_written, self.placeholders, host | set(self.constants))
-        self.host_program = jax.jit(self._host_values) if self.host_written else None
-        self.key = ("captured step", id(self), tuple((examples[i].shape, examples[i].dtype) for i in self.live))
-        self.avals = [
-            jax.ShapeDtypeStruct(tuple(examples[i].shape), to_jax_dtype(examples[i].dtype))
-            for i, _ in self.live_written
+            written[position[spec.target]] = node
+
+        self.live = [i for i, (kind, _, _) in enumerate(inputs) if kind in (_PARAM, _GRAD, _STATE)]
+        # A parameter's or gradient's live tensor is the stand-in's own, over its engine entry
+        # for good; a state tensor is looked up at each step (load_state_dict replaces it).
+        self.live_sources = [
+            (live_of(param if kind == _PARAM else param.grad)._source, None, None)
+            if kind != _STATE
+            else (None, param, key)
+            for kind, param, key in (inputs[i] for i in self.live)
         ]
+        self.live_shapes = [tuple(examples[i].shape) for i in self.live]
+        self.live_written = [k for k, i in enumerate(self.live) if i in written]
+        # Host inputs (0-d), one vector per dtype: [(dtype, [input index])].
+        host = {i for i, (kind, _, _) in enumerate(inputs) if kind in (_HOST_STATE, _ARGUMENT)}
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in sorted(host):
+            by_dtype.setdefault(examples[i].dtype, []).append(i)
+        self.host_groups = list(by_dtype.items())
+        self.host_sources = [[inputs[i] for i in indices] for _, indices in self.host_groups]
+        # Host tensors written, one vector per dtype: [(dtype, [input index])].
+        written_by_dtype: dict[torch.dtype, list[int]] = {}
+        for i in sorted(written):
+            if i in host:
+                if inputs[i][0] != _HOST_STATE:
+                    raise NotCapturable("its step writes a tensor it was given")
+                written_by_dtype.setdefault(examples[i].dtype, []).append(i)
+        self.host_written = list(written_by_dtype.items())
+        self.host_targets = [[inputs[i] for i in indices] for _, indices in self.host_written]
+        self.constants = {i: param for i, (kind, param, _) in enumerate(inputs) if kind == _CONSTANT}
+        self.written = written
+        _check_host_writes(
+            [written[i] for _, indices in self.host_written for i in indices],
+            self.placeholders,
+            host | set(self.constants),
+        )
+        self.key = ("captured step", id(self), tuple(self.live_shapes))
+        self.avals = [
+            jax.ShapeDtypeStruct(self.live_shapes[k], to_jax_dtype(examples[self.live[k]].dtype))
+            for k in self.live_written
+        ]
+        self.host_program = jax.jit(self._host_values) if self.host_written else None
         # Traced now, so that an op without a lowering is known here, not when the step runs.
-        live = [jax.ShapeDtypeStruct(tuple(examples[i].shape), to_jax_dtype(examples[i].dtype)) for i in self.live]
-        host = [
+        live = [
+            jax.ShapeDtypeStruct(tuple(examples[i].shape), to_jax_dtype(examples[i].dtype))
+            for i in self.live
+        ]
+        host_vectors = [
             jax.ShapeDtypeStruct((len(indices),), to_jax_dtype(dtype))
-            for dtype, indices in self.host_dtypes.items()
+            for dtype, indices in self.host_groups
         ]
         try:
-            jax.eval_shape(self._device_values, live + host, None)
+            jax.eval_shape(self._device_values, live + host_vectors, None)
             if self.host_program is not None:
-                jax.eval_shape(self._host_values, host)
+                jax.eval_shape(self._host_values, host_vectors)
         except Exception as error:
             raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
 
@@ -337,7 +364,7 @@ class _Program:
         env = {}
         for i, array in zip(self.live, live, strict=True):
             env[self.placeholders[i]] = array
-        for indices, vector in zip(self.host_dtypes.values(), host, strict=True):
+        for (_, indices), vector in zip(self.host_groups, host, strict=True):
             for k, i in enumerate(indices):
                 env[self.placeholders[i]] = vector[k]
         for i, tensor in self.constants.items():
@@ -359,45 +386,51 @@ class _Program:
         return [env[node] for node in wanted]
 
     def _host_values(self, host: list) -> list:
+        """The host state's new values, one vector per dtype."""
         env = self._env([None] * len(self.live), host)
-        return self._evaluated(env, [node for _, node in self.host_written])
+        vectors = []
+        for dtype, indices in self.host_written:
+            values = self._evaluated(env, [self.written[i] for i in indices])
+            vectors.append(jnp.stack([jnp.reshape(v, ()).astype(to_jax_dtype(dtype)) for v in values]))
+        return vectors
 
     def _device_values(self, arrays: list, rng) -> tuple:
         live, host = arrays[: len(self.live)], arrays[len(self.live) :]
         env = self._env(live, host)
-        values = self._evaluated(env, [node for _, node in self.live_written])
+        values = self._evaluated(env, [self.written[self.live[k]] for k in self.live_written])
         return [v.astype(a.dtype) for v, a in zip(values, self.avals, strict=True)], None
 
     def record(self, optimizer: torch.optim.Optimizer, args: tuple) -> None:
-        tensors = [self._tensor(optimizer, kind, param, key, args) for kind, param, key in self.inputs]
+        """Record the step on the live tensors (checked first: nothing is written where this
+        raises NotCapturable)."""
+        state = optimizer.state
+        sources = []
+        for (source, param, key), shape in zip(self.live_sources, self.live_shapes, strict=True):
+            if source is None:
+                tensor = state[param][key]
+                if type(tensor) is not LiveTensor or tuple(tensor.shape) != shape:
+                    raise NotCapturable(f"its state '{key}' changed kind or shape")
+                source = tensor._source
+            sources.append(source)
         host = [
-            torch.stack([tensors[i].reshape(()) for i in indices]).numpy()
-            for indices in self.host_dtypes.values()
+            torch.stack([_host_tensor(state, args, *source) for source in group]).numpy()
+            for group in self.host_sources
         ]
         outputs = deferred.record(
-            self.key,
-            self._device_values,
-            [tensors[i].value() for i in self.live] + host,
-            self.avals,
+            self.key, self._device_values, [s.value() for s in sources] + host, self.avals
         )
-        for (i, _), value in zip(self.live_written, outputs, strict=True):
-            tensors[i].write(value)
+        for k, value in zip(self.live_written, outputs, strict=True):
+            sources[k].write(value)
         if self.host_program is not None:
-            values = self.host_program(host)
-            for (i, _), value in zip(self.host_written, values, strict=True):
-                tensors[i].copy_(torch.from_numpy(np.array(value)).reshape(tensors[i].shape))
+            for targets, vector in zip(self.host_targets, self.host_program(host), strict=True):
+                tensors = [state[param][key] for _, param, key in targets]
+                torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
 
-    @staticmethod
-    def _tensor(optimizer, kind, param, key, args):
-        if kind == _PARAM:
-            return live_of(param)
-        if kind == _GRAD:
-            return live_of(param.grad)
-        if kind in (_STATE, _HOST_STATE):
-            return optimizer.state[param][key]
-        if kind == _ARGUMENT:
-            return args[param]
-        return param
+
+def _host_tensor(state, args: tuple, kind: int, param, key) -> torch.Tensor:
+    if kind == _HOST_STATE:
+        return state[param][key]
+    return args[param]  # an argument's position
 
 
 def _lifted(gm: torch.fx.GraphModule, args: tuple):
@@ -438,11 +471,11 @@ def _ancestors(nodes: list[torch.fx.Node]) -> set:
     return seen
 
 
-def _check_host_writes(host_written, placeholders, host: set) -> None:
+def _check_host_writes(host_written: list[torch.fx.Node], placeholders, host: set) -> None:
     """A host tensor's new value must come from host values alone (else reading it would wait
     for the device)."""
     allowed = {placeholders[i] for i in host}
-    for _, node in host_written:
+    for node in host_written:
         for ancestor in _ancestors([node]):
             if ancestor.op == "placeholder" and ancestor not in allowed:
                 raise NotCapturable(f"it writes a host tensor from device values ({ancestor.name})")
