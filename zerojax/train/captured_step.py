@@ -267,8 +267,10 @@ class _Graph:
 
 
 class _Program:
-    """The graph as core ATen: the recorded op on the live tensors, and a small program of
-    the host state's new values."""
+    """The graph as core ATen, in two programs: the host's -- the scalars the step computes
+    from its host state and hyperparameters (bias corrections, step counts), in float64 as
+    torch computes them from Python floats -- and the recorded op on the live tensors, which
+    takes those scalars as inputs."""
 
     def __init__(self, capture: _Capture, gm: torch.fx.GraphModule, args: tuple):
         output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -290,22 +292,24 @@ class _Program:
         with torch.no_grad():
             exported = torch.export.export(lifted, tuple(examples), strict=False)
         exported = exported.run_decompositions(decomposition_table())
-        self.graph = exported.graph
+        self.graph = graph = exported.graph
         signature = exported.graph_signature
         if any(spec.kind != InputKind.USER_INPUT for spec in signature.input_specs):
             raise NotCapturable("its exported graph has inputs other than the step's tensors")
         position = {spec.arg.name: i for i, spec in enumerate(signature.input_specs)}
-        self.placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        returned = next(n for n in self.graph.nodes if n.op == "output").args[0]
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        returned = next(n for n in graph.nodes if n.op == "output").args[0]
         written: dict[int, torch.fx.Node] = {}  # input index -> its new value
         for spec, node in zip(signature.output_specs, returned, strict=True):
             if spec.kind != OutputKind.USER_INPUT_MUTATION:
                 raise NotCapturable(f"its exported graph has a {spec.kind.name} output")
             written[position[spec.target]] = node
 
+        # The live inputs. A parameter's or gradient's live tensor is the stand-in's own, over
+        # its engine entry for good; a state tensor is looked up at each step
+        # (`load_state_dict` replaces it).
         self.live = [i for i, (kind, _, _) in enumerate(inputs) if kind in (_PARAM, _GRAD, _STATE)]
-        # A parameter's or gradient's live tensor is the stand-in's own, over its engine entry
-        # for good; a state tensor is looked up at each step (load_state_dict replaces it).
+        self.live_nodes = [placeholders[i] for i in self.live]
         self.live_sources = [
             (live_of(param if kind == _PARAM else param.grad)._source, None, None)
             if kind != _STATE
@@ -314,67 +318,67 @@ class _Program:
         ]
         self.live_shapes = [tuple(examples[i].shape) for i in self.live]
         self.live_written = [k for k, i in enumerate(self.live) if i in written]
-        # Host inputs (0-d), one vector per dtype: [(dtype, [input index])].
-        host = {i for i, (kind, _, _) in enumerate(inputs) if kind in (_HOST_STATE, _ARGUMENT)}
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in sorted(host):
-            by_dtype.setdefault(examples[i].dtype, []).append(i)
-        self.host_groups = list(by_dtype.items())
-        self.host_sources = [[inputs[i] for i in indices] for _, indices in self.host_groups]
-        # Host tensors written, one vector per dtype: [(dtype, [input index])].
-        written_by_dtype: dict[torch.dtype, list[int]] = {}
-        for i in sorted(written):
-            if i in host:
-                if inputs[i][0] != _HOST_STATE:
-                    raise NotCapturable("its step writes a tensor it was given")
-                written_by_dtype.setdefault(examples[i].dtype, []).append(i)
-        self.host_written = list(written_by_dtype.items())
-        self.host_targets = [[inputs[i] for i in indices] for _, indices in self.host_written]
-        self.constants = {i: param for i, (kind, param, _) in enumerate(inputs) if kind == _CONSTANT}
-        self.written = written
-        _check_host_writes(
-            [written[i] for _, indices in self.host_written for i in indices],
-            self.placeholders,
-            host | set(self.constants),
-        )
-        self.key = ("captured step", id(self), tuple(self.live_shapes))
-        self.avals = [
-            jax.ShapeDtypeStruct(self.live_shapes[k], to_jax_dtype(examples[self.live[k]].dtype))
-            for k in self.live_written
-        ]
-        self.host_program = jax.jit(self._host_values) if self.host_written else None
-        # Traced now, so that an op without a lowering is known here, not when the step runs.
-        live = [
+        live_avals = [
             jax.ShapeDtypeStruct(tuple(examples[i].shape), to_jax_dtype(examples[i].dtype))
             for i in self.live
         ]
+        self.avals = [live_avals[k] for k in self.live_written]
+        self.device_outputs = [written[self.live[k]] for k in self.live_written]
+
+        # The host inputs (0-d), one vector per dtype.
+        host_inputs = [i for i, (kind, _, _) in enumerate(inputs) if kind in (_HOST_STATE, _ARGUMENT)]
+        self.host_groups = _by_dtype(host_inputs, lambda i: examples[i].dtype)
+        self.host_nodes = [[placeholders[i] for i in group] for _, group in self.host_groups]
+        self.host_sources = [[inputs[i] for i in group] for _, group in self.host_groups]
+        self.constants = {
+            placeholders[i]: param for i, (kind, param, _) in enumerate(inputs) if kind == _CONSTANT
+        }
+        on_host = {placeholders[i] for i in host_inputs}
+        on_host |= {node for node, tensor in self.constants.items() if tensor.numel() <= 1}
+        for node in graph.nodes:
+            if node.op == "call_function" and _is_scalar(node) and set(node.all_input_nodes) <= on_host:
+                on_host.add(node)
+        # Host values the recorded op takes ("crossings"), one vector per dtype.
+        crossing = [
+            n for n in graph.nodes if n in on_host and any(u not in on_host and u.op != "output" for u in n.users)
+        ]
+        self.crossing_groups = _by_dtype(crossing, lambda n: _node_dtype(n))
+        # Host tensors written, one vector per dtype.
+        host_written = []
+        for i in sorted(written):
+            if i in host_inputs:
+                if inputs[i][0] != _HOST_STATE:
+                    raise NotCapturable("its step writes a tensor it was given")
+                if written[i] not in on_host:
+                    raise NotCapturable("it writes a host tensor from device values")
+                host_written.append(i)
+        self.host_written_groups = [
+            (dtype, [written[i] for i in group])
+            for dtype, group in _by_dtype(host_written, lambda i: examples[i].dtype)
+        ]
+        self.host_targets = [
+            [inputs[i] for i in group] for _, group in _by_dtype(host_written, lambda i: examples[i].dtype)
+        ]
+        self.host_program = jax.jit(self._host_values)
+        self.key = ("captured step", id(self), tuple(self.live_shapes))
+        # Traced now, so that an op without a lowering is known here, not when the step runs.
         host_vectors = [
-            jax.ShapeDtypeStruct((len(indices),), to_jax_dtype(dtype))
-            for dtype, indices in self.host_groups
+            jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype)) for dtype, group in self.host_groups
+        ]
+        crossing_vectors = [
+            jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype)) for dtype, group in self.crossing_groups
         ]
         try:
-            jax.eval_shape(self._device_values, live + host_vectors, None)
-            if self.host_program is not None:
+            with jax.enable_x64(True):
                 jax.eval_shape(self._host_values, host_vectors)
+            jax.eval_shape(self._device_values, live_avals + crossing_vectors, None)
         except Exception as error:
             raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
 
-    def _env(self, live: list, host: list) -> dict:
-        """Placeholder -> value: the live arrays, the host vectors' elements, the constants."""
-        env = {}
-        for i, array in zip(self.live, live, strict=True):
-            env[self.placeholders[i]] = array
-        for (_, indices), vector in zip(self.host_groups, host, strict=True):
-            for k, i in enumerate(indices):
-                env[self.placeholders[i]] = vector[k]
-        for i, tensor in self.constants.items():
-            env[self.placeholders[i]] = jnp.asarray(tensor.numpy())
-        return env
-
-    def _evaluated(self, env: dict, wanted: list[torch.fx.Node]) -> list:
-        needed = _ancestors(wanted)
+    def _evaluated(self, env: dict, wanted: list[torch.fx.Node], context) -> list:
+        needed = _ancestors(wanted, known=env)
         for node in self.graph.nodes:
-            if node.op != "call_function" or node not in needed:
+            if node.op != "call_function" or node not in needed or node in env:
                 continue
             if node.target is _ITEM:  # a host scalar the step read (a step count): its value
                 env[node] = jnp.reshape(env[node.args[0]], ())
@@ -382,22 +386,36 @@ class _Program:
                 args = [env[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
                 env[node] = _SCALAR_FUNCTIONS[node.target](*args)
             else:
-                env[node] = _evaluate(node, env, _context, _read)
+                env[node] = _evaluate(node, env, context, _read)
         return [env[node] for node in wanted]
 
-    def _host_values(self, host: list) -> list:
-        """The host state's new values, one vector per dtype."""
-        env = self._env([None] * len(self.live), host)
+    def _host_values(self, host: list) -> tuple[list, list]:
+        """(the crossings, the host tensors' new values), one vector per dtype each; computed
+        in float64 (under `jax.enable_x64`), as torch's step computes them from Python floats."""
+        env = {}
+        for nodes, vector in zip(self.host_nodes, host, strict=True):
+            wide = vector.astype(jnp.float64) if jnp.issubdtype(vector.dtype, jnp.floating) else vector
+            env.update(zip(nodes, list(wide), strict=True))
+        for node, tensor in self.constants.items():
+            if tensor.numel() <= 1:
+                env[node] = jnp.asarray(tensor.numpy())
+        groups = [(d, nodes) for d, nodes in self.crossing_groups] + self.host_written_groups
         vectors = []
-        for dtype, indices in self.host_written:
-            values = self._evaluated(env, [self.written[i] for i in indices])
+        for dtype, nodes in groups:
+            values = self._evaluated(env, nodes, _host_context)
             vectors.append(jnp.stack([jnp.reshape(v, ()).astype(to_jax_dtype(dtype)) for v in values]))
-        return vectors
+        count = len(self.crossing_groups)
+        return vectors[:count], vectors[count:]
 
     def _device_values(self, arrays: list, rng) -> tuple:
-        live, host = arrays[: len(self.live)], arrays[len(self.live) :]
-        env = self._env(live, host)
-        values = self._evaluated(env, [self.written[self.live[k]] for k in self.live_written])
+        live, crossings = arrays[: len(self.live)], arrays[len(self.live) :]
+        env = dict(zip(self.live_nodes, live, strict=True))
+        for (_, nodes), vector in zip(self.crossing_groups, crossings, strict=True):
+            env.update(zip(nodes, list(vector), strict=True))
+        for node, tensor in self.constants.items():
+            if node not in env:
+                env[node] = jnp.asarray(tensor.numpy())
+        values = self._evaluated(env, self.device_outputs, _context)
         return [v.astype(a.dtype) for v, a in zip(values, self.avals, strict=True)], None
 
     def record(self, optimizer: torch.optim.Optimizer, args: tuple) -> None:
@@ -416,15 +434,38 @@ class _Program:
             torch.stack([_host_tensor(state, args, *source) for source in group]).numpy()
             for group in self.host_sources
         ]
+        with jax.enable_x64(True):
+            crossings, new_host = self.host_program(host)
+        crossings = [np.asarray(v) for v in crossings]
         outputs = deferred.record(
-            self.key, self._device_values, [s.value() for s in sources] + host, self.avals
+            self.key, self._device_values, [s.value() for s in sources] + crossings, self.avals
         )
         for k, value in zip(self.live_written, outputs, strict=True):
             sources[k].write(value)
-        if self.host_program is not None:
-            for targets, vector in zip(self.host_targets, self.host_program(host), strict=True):
-                tensors = [state[param][key] for _, param, key in targets]
-                torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
+        for targets, vector in zip(self.host_targets, new_host, strict=True):
+            tensors = [state[param][key] for _, param, key in targets]
+            torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
+
+
+def _by_dtype(items: list, dtype_of) -> list[tuple]:
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(dtype_of(item), []).append(item)
+    return list(groups.items())
+
+
+def _is_scalar(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return not isinstance(value, torch.Tensor) or value.numel() <= 1
+
+
+def _node_dtype(node: torch.fx.Node) -> torch.dtype:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return {bool: torch.bool, int: torch.int64}.get(type(value), torch.float32) if not isinstance(
+        value, (torch.SymInt, torch.SymFloat, torch.SymBool)
+    ) else {torch.SymBool: torch.bool, torch.SymInt: torch.int64}.get(type(value), torch.float32)
 
 
 def _host_tensor(state, args: tuple, kind: int, param, key) -> torch.Tensor:
@@ -461,28 +502,25 @@ def _attribute(gm: torch.fx.GraphModule, target: str):
     return value
 
 
-def _ancestors(nodes: list[torch.fx.Node]) -> set:
+def _ancestors(nodes: list[torch.fx.Node], known: dict) -> set:
+    """`nodes` and what they are computed from, back to the values `known`."""
     seen, stack = set(), list(nodes)
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(node.all_input_nodes)
+            if node not in known:
+                stack.extend(node.all_input_nodes)
     return seen
-
-
-def _check_host_writes(host_written: list[torch.fx.Node], placeholders, host: set) -> None:
-    """A host tensor's new value must come from host values alone (else reading it would wait
-    for the device)."""
-    allowed = {placeholders[i] for i in host}
-    for node in host_written:
-        for ancestor in _ancestors([node]):
-            if ancestor.op == "placeholder" and ancestor not in allowed:
-                raise NotCapturable(f"it writes a host tensor from device values ({ancestor.name})")
 
 
 def _context(node: torch.fx.Node) -> LoweringContext:
     return LoweringContext(node=node, train=True, rng_for_site=_no_random)
+
+
+def _host_context(node: torch.fx.Node) -> LoweringContext:
+    """The host program computes its floats in float64, as Python computes torch's scalars."""
+    return LoweringContext(node=node, train=True, rng_for_site=_no_random, float_dtype=np.float64)
 
 
 def _no_random():
