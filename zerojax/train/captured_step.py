@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch.export.graph_signature import InputKind, OutputKind
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from zerojax.bridge.capture import decomposition_table
 from zerojax.bridge.dtypes import to_jax_dtype
@@ -83,6 +84,10 @@ _SCALAR_FUNCTIONS = {
     torch.sym_float: lambda x: jnp.asarray(x, jnp.float32),
     torch._sym_sqrt: jnp.sqrt,
 }
+
+
+# Group entries a twin keeps its own of: its tensors.
+_NOT_COPIED = frozenset({"params"})
 
 
 class NotCapturable(Exception):
@@ -170,7 +175,7 @@ class _Capture:
         except NotCapturable:
             raise
         except Exception as error:  # dynamo's own errors: the step is not one graph
-            raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
+            raise NotCapturable(_reason(error)) from None
         self.dry = False
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
@@ -191,15 +196,21 @@ class _Capture:
         twin_groups = self.twin.param_groups
         for group, twin_group in zip(optimizer.param_groups, twin_groups, strict=True):
             for key, value in group.items():
-                if key != "params":
+                if key not in _NOT_COPIED:
                     twin_group[key] = value
         try:
             self._call()
         except NotCapturable:
             raise
         except Exception as error:
-            raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
+            raise NotCapturable(_reason(error)) from None
         return True
+
+
+def _reason(error: Exception) -> str:
+    """An error's type, first line and notes (the op a lowering failed on, and where)."""
+    first = (str(error).splitlines() or [""])[0]
+    return "; ".join([f"{type(error).__name__}: {first}", *getattr(error, "__notes__", [])])
 
 
 def _own_code(function):
@@ -289,21 +300,12 @@ class _Program:
             if kind in (_HOST_STATE, _ARGUMENT) and tensor.dim() != 0:
                 raise NotCapturable(f"a host tensor of its graph has shape {tuple(tensor.shape)}")
             inputs.append((kind, param, key))
-        with torch.no_grad():
-            exported = torch.export.export(lifted, tuple(examples), strict=False)
-        exported = exported.run_decompositions(decomposition_table())
-        self.graph = graph = exported.graph
-        signature = exported.graph_signature
-        if any(spec.kind != InputKind.USER_INPUT for spec in signature.input_specs):
-            raise NotCapturable("its exported graph has inputs other than the step's tensors")
-        position = {spec.arg.name: i for i, spec in enumerate(signature.input_specs)}
+        self.graph = graph = _functional_aten(lifted, examples)
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        returned = next(n for n in graph.nodes if n.op == "output").args[0]
-        written: dict[int, torch.fx.Node] = {}  # input index -> its new value
-        for spec, node in zip(signature.output_specs, returned, strict=True):
-            if spec.kind != OutputKind.USER_INPUT_MUTATION:
-                raise NotCapturable(f"its exported graph has a {spec.kind.name} output")
-            written[position[spec.target]] = node
+        after = next(n for n in graph.nodes if n.op == "output").args[0]
+        written = {  # input index -> its new value
+            i: node for i, node in enumerate(after) if node is not placeholders[i]
+        }
 
         # The live inputs. A parameter's or gradient's live tensor is the stand-in's own, over
         # its engine entry for good; a state tensor is looked up at each step
@@ -373,7 +375,7 @@ class _Program:
                 jax.eval_shape(self._host_values, host_vectors)
             jax.eval_shape(self._device_values, live_avals + crossing_vectors, None)
         except Exception as error:
-            raise NotCapturable(f"{type(error).__name__}: {str(error).splitlines()[0]}") from None
+            raise NotCapturable(_reason(error)) from None
 
     def _evaluated(self, env: dict, wanted: list[torch.fx.Node], context) -> list:
         needed = _ancestors(wanted, known=env)
@@ -472,6 +474,35 @@ def _host_tensor(state, args: tuple, kind: int, param, key) -> torch.Tensor:
     if kind == _HOST_STATE:
         return state[param][key]
     return args[param]  # an argument's position
+
+
+def _functional_aten(module: torch.fx.GraphModule, examples: list) -> tuple[torch.fx.Graph, list]:
+    """`module`'s graph as functional core ATen (the bridge's decompositions), returning each
+    input's value after it: the input itself where it is not written."""
+
+    def functional(*inputs):
+        # torch's Python functionalization, as export's: it decomposes composite in-place ops
+        # (`square_`) before it functionalizes them, where `torch.func.functionalize` refuses.
+        exclude = torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+        )
+        with exclude, FunctionalTensorMode():
+            wrapped = [
+                FunctionalTensor.to_functional(x) if isinstance(x, torch.Tensor) else x
+                for x in inputs
+            ]
+            module(*wrapped)
+            after = []
+            for x in wrapped:
+                torch._sync(x)
+                after.append(torch._from_functional_tensor(x.elem))
+            return after
+
+    with torch.no_grad():
+        traced = make_fx(functional, decomposition_table=decomposition_table(), tracing_mode="fake")(
+            *examples
+        )
+    return traced.graph
 
 
 def _lifted(gm: torch.fx.GraphModule, args: tuple):
