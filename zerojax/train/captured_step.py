@@ -40,8 +40,10 @@ The first step of an optimizer always runs as before: it makes the state the twi
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import types
 import weakref
@@ -61,20 +63,29 @@ from zerojax.train import deferred
 from zerojax.train.live_tensor import LiveTensor
 from zerojax.train.parameters import live_of
 
-__all__ = ["captures", "run"]
+__all__ = ["captures", "disabled", "run"]
 
 log = logging.getLogger(__name__)
 
-# optimizer -> its _Capture, or None where its step cannot be captured (looked at again
-# only when its layout changes).
+# optimizer -> {layout: its _Capture, or None where its step cannot be captured}: a few
+# layouts each (a parameter without a gradient every other step would otherwise capture anew
+# at every step).
 _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAX_LAYOUTS = 4
+_serials = itertools.count()
+_enabled = [True]
 _counts = {"captures": 0, "traces": 0}
 # How an input of the captured graph gets its value each step.
 _PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT = range(6)
-# dynamo writes `addcmul_`, `addcdiv_` and `add_` with a tensor alpha as fused multiply-adds
-# (one rounding, inductor's); torch's eager kernels, which the live path matches, round each
-# product. Every call is under it: dynamo guards on its config.
-_AS_EAGER_WRITES_IT = functools.partial(torch._dynamo.config.patch, enable_dynamo_decompositions=False)
+# How dynamo traces a twin's step, at every call (dynamo guards on its config): `addcmul_`,
+# `addcdiv_` and `add_` with a tensor alpha as they are, not as inductor's fused multiply-adds
+# (one rounding; torch's eager kernels, which the live path matches, round each product); and
+# past its limit of traces per code object an error, not the twin's step run eagerly.
+_TRACING = functools.partial(
+    torch._dynamo.config.patch,
+    enable_dynamo_decompositions=False,
+    fail_on_recompile_limit_hit=True,
+)
 # `.item()` in a traced step (Adafactor reads its step count so): the value, traced.
 _ITEM = torch.ops.aten._local_scalar_dense.default
 # torch's functions of Python scalars, which the values `.item()` read are in a traced step.
@@ -99,24 +110,43 @@ def captures() -> dict[str, int]:
     return dict(_counts)
 
 
+@contextlib.contextmanager
+def disabled():
+    """No step is captured meanwhile: each runs its Python, replayed (`zerojax.train.replay`),
+    as a step that cannot be captured does."""
+    _enabled[0] = False
+    try:
+        yield
+    finally:
+        _enabled[0] = True
+
+
 def run(optimizer: torch.optim.Optimizer) -> bool:
     """Run `optimizer`'s step as its captured program; False where it cannot (run it as
     before then)."""
+    if not _enabled[0]:
+        return False
     layout = _layout(optimizer)
-    entry = _captures.get(optimizer, False)
-    if entry is not False and (entry is None or entry.layout == layout):
-        return entry is not None and entry.step()
     if layout is None:
         return False
-    try:
-        capture = _Capture(optimizer, layout)
-        done = capture.step()
-    except NotCapturable as why:
-        log.info("zerojax: %s's step runs op by op: %s", type(optimizer).__name__, why)
-        _captures[optimizer] = None
+    known = _captures.setdefault(optimizer, {})
+    capture = known.get(layout, False)
+    if capture is False:
+        if len(known) >= _MAX_LAYOUTS:
+            known.pop(next(iter(known)))  # the oldest
+        try:
+            capture = known[layout] = _Capture(optimizer, layout)
+        except NotCapturable as why:
+            log.info("zerojax: %s's step runs op by op: %s", type(optimizer).__name__, why)
+            capture = known[layout] = None
+    if capture is None:
         return False
-    _captures[optimizer] = capture
-    return done
+    try:
+        return capture.step()
+    except NotCapturable as why:  # raised before anything was written
+        log.info("zerojax: %s's step runs op by op: %s", type(optimizer).__name__, why)
+        known[layout] = None
+        return False
 
 
 def _layout(optimizer: torch.optim.Optimizer) -> tuple | None:
@@ -162,7 +192,7 @@ class _Capture:
         # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
         # keep dynamo from seeing one graph): run under no_grad, as `_use_grad` runs it.
         step = _own_code(inspect.unwrap(type(optimizer).step))
-        self.compiled = torch.compile(step, backend=self._backend, fullgraph=True, dynamic=False)
+        self.compiled = torch.compile(step, backend=self._backend, fullgraph=True)
         # Traced twice before it runs: with the learning rate as it is, then moved, so that a
         # schedule's next value does not trace it again (dynamo makes a float that changed an
         # input of the graph).
@@ -186,7 +216,7 @@ class _Capture:
 
     def _call(self) -> None:
         self.called = False
-        with torch.no_grad(), _AS_EAGER_WRITES_IT():
+        with torch.no_grad(), _TRACING():
             self.compiled(self.twin)
         if not self.called:
             raise NotCapturable("dynamo ran the step without a graph of ours")
@@ -362,7 +392,8 @@ class _Program:
             [inputs[i] for i in group] for _, group in _by_dtype(host_written, lambda i: examples[i].dtype)
         ]
         self.host_program = jax.jit(self._host_values)
-        self.key = ("captured step", id(self), tuple(self.live_shapes))
+        # A number of its own (never reused, as an id is): recorded programs are cached by key.
+        self.key = ("captured step", next(_serials), tuple(self.live_shapes))
         # Traced now, so that an op without a lowering is known here, not when the step runs.
         host_vectors = [
             jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype)) for dtype, group in self.host_groups
