@@ -126,10 +126,13 @@ def run(optimizer: torch.optim.Optimizer) -> bool:
     before then)."""
     if not _enabled[0]:
         return False
+    known = _captures.get(optimizer)
+    if known is None:  # its first step makes its state (the twin's step could not)
+        _captures[optimizer] = {}
+        return False
     layout = _layout(optimizer)
     if layout is None:
         return False
-    known = _captures.setdefault(optimizer, {})
     capture = known.get(layout, False)
     if capture is False:
         if len(known) >= _MAX_LAYOUTS:
@@ -151,7 +154,9 @@ def run(optimizer: torch.optim.Optimizer) -> bool:
 
 def _layout(optimizer: torch.optim.Optimizer) -> tuple | None:
     """What a twin mirrors, beyond hyperparameter values (None: the step cannot be captured
-    now -- no state yet, a parameter that is not live, state that is not a tensor)."""
+    now -- a parameter that is not live, state that is not a tensor). A parameter whose state
+    its step would make (its first gradient) makes a twin whose graph writes the twin's state,
+    which is not captured: that step runs as before, and the next is captured."""
     state = optimizer.state
     groups = []
     for group in optimizer.param_groups:
@@ -161,8 +166,6 @@ def _layout(optimizer: torch.optim.Optimizer) -> tuple | None:
                 return None
             grad = p.grad
             entries = state.get(p)
-            if grad is not None and not entries:
-                return None  # its state is made by the step: the first step runs as before
             described = []
             for key, value in (entries or {}).items():
                 if isinstance(value, LiveTensor):

@@ -1,0 +1,210 @@
+"""A live optimizer's step captured by torch.compile on a twin and run as one recorded op
+(zerojax.train.captured_step).
+
+Run: .venv/bin/python -m pytest -q tests/train/test_captured_step.py -p no:cacheprovider
+Why: issue 42 (every optimizer's step at the compiled update's cost). A captured step runs no
+Python of the optimizer, so every test trains beside a plain-torch twin and checks the numbers
+with test_replay's tolerances (losses 1e-5, parameters and state 1e-4 relative: two float32
+runs of one loop, see test_torch_optimizers), and counts captures, dynamo traces and replays
+to show which path ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zerojax
+from bench.architectures import MLP
+from tests.train.test_replay import (
+    BATCH,
+    ZERO3,
+    NormEveryThirdStep,
+    assert_state_like_torch,
+    assert_trains_like_torch,
+    run_what_earlier_tests_recorded,
+    train,
+)
+from tests.train.test_torch_optimizers import SignMomentum, relative_errors
+from zerojax.train import captured_step, replay
+
+pytestmark = pytest.mark.multidevice
+
+STEPS = 12
+
+OPTIMIZERS = {
+    # Bias corrections from host step counts; NAdam's `mu_product` is host state too.
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2, decoupled_weight_decay=True),
+    # Its rectification switches on at step 6 (rho_t > 5): computed from the step count in
+    # float64 on the host as torch does from Python floats; in float32 its cancellation
+    # moved a parameter by 1.3e-3 relative.
+    "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2, weight_decay=0.01),
+    # State made in its constructor.
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2, lr_decay=0.01),
+    # 0-d host tensors (its step-size bounds) and `.item()` of its step count.
+    "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2),
+    "SignMomentum (user-defined)": lambda p: SignMomentum(p),
+}
+
+
+def counts() -> dict[str, int]:
+    return {**captured_step.captures(), "replays": replay.replays(), "traces_replay": replay.traces()}
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in before}
+
+
+def cosine(optimizer):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
+    """The first step runs as before (it makes the state); the next is captured
+    (traced twice by dynamo: as it is, and with its learning rate moved, so that the schedule
+    is a graph input), and every later step runs the captured program: no recording, no
+    replay, no program compiled, whatever the learning rate."""
+    before = captured_step.captures()
+    per_step: list = []
+    model, twin, losses, compiled, (optimizer, twin_optimizer) = train(
+        OPTIMIZERS[name], STEPS, schedule=cosine, per_step=per_step
+    )
+    assert_trains_like_torch(model, twin, losses)
+    # torch's format, the host step counts advanced as torch's were
+    assert_state_like_torch(optimizer, twin_optimizer)
+    after = captured_step.captures()
+    assert {k: after[k] - before[k] for k in after} == {"captures": 1, "traces": 2}
+    # (replay traces, replays) per step: the first step's recording traced, then none
+    assert per_step == [(1, 0)] + [(0, 0)] * (STEPS - 1), per_step
+    assert compiled[-1] == compiled[1], compiled  # none compiled after the captured step
+
+
+def test_a_changed_hyperparameter_is_traced_again_and_trains_like_torch():
+    """RMSprop's weight decay set from step 5: dynamo's guard on it fails, the twin's step is
+    traced once more (a new op in its graph), and later steps run the new graph."""
+
+    def weight_decay_from_step_5(step, optimizers):
+        if step == 5:
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["weight_decay"] = 0.01
+
+    before = counts()
+    model, twin, losses, *_ = train(
+        lambda p: torch.optim.RMSprop(p, lr=1e-3), 10, each_step=weight_decay_from_step_5
+    )
+    assert_trains_like_torch(model, twin, losses)
+    assert delta(before, counts())["captures"] == 1
+    assert delta(before, counts())["traces"] == 3
+
+
+def test_gradients_present_in_some_steps_only_keep_a_capture_each():
+    """One parameter without a gradient every other step: two layouts (which parameters
+    have gradients), each captured once and run as it comes, not captured anew each time."""
+
+    def every_other_step(step, optimizers):
+        # On both models: the gradient of fc1.bias is gone in odd steps, as after a
+        # `p.grad = None` by hand (torch's optimizers skip such a parameter).
+        every_other_step.drop = step % 2 == 1
+
+    every_other_step.drop = False
+    run_what_earlier_tests_recorded()
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(module, torch.optim.RMSprop(module.parameters()), ZERO3)
+    twin_optimizer = torch.optim.RMSprop(twin.parameters())
+    before = counts()
+    losses = []
+    for step in range(9):
+        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+        pair = []
+        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            if step % 2 == 1:
+                dict(m.named_parameters())["fc1.bias"].grad = None
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    assert_trains_like_torch(model, twin, np.array(losses))
+    assert delta(before, counts())["captures"] == 2
+
+
+def test_a_step_dynamo_cannot_take_whole_runs_as_before(caplog):
+    """A step that reads a value on the host and branches on the step count (every third
+    step shrinks the parameters by their norm) is not one graph: it is not captured, says
+    why once, and runs replayed, as before."""
+    caplog.set_level(logging.INFO, logger="zerojax.train.captured_step")
+    before = counts()
+    model, twin, losses, *_ = train(NormEveryThirdStep, 7)
+    assert_trains_like_torch(model, twin, losses)
+    assert delta(before, counts())["replays"] > 0
+    why = [r.getMessage() for r in caplog.records if "runs op by op" in r.getMessage()]
+    assert len(why) == 1 and why[0].startswith("zerojax: NormEveryThirdStep's step"), why
+
+
+def test_an_optimizer_built_after_initialize_is_captured():
+    """minGPT's and the Trainer's way: the optimizer built on the returned model's
+    parameters (a class the compiled update does not adopt) takes the captured path at its
+    second step, through torch's step hooks."""
+    run_what_earlier_tests_recorded()
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, _ = zerojax.initialize(module, None, ZERO3)
+    optimizer = torch.optim.NAdam(model.parameters(), lr=1e-2)
+    twin_optimizer = torch.optim.NAdam(twin.parameters(), lr=1e-2)
+    before = counts()
+    losses = []
+    for _ in range(6):
+        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+        pair = []
+        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss.detach()))
+        losses.append(pair)
+    assert_trains_like_torch(model, twin, np.array(losses))
+    assert_state_like_torch(optimizer, twin_optimizer)
+    assert delta(before, counts())["captures"] == 1
+    assert delta(before, counts())["replays"] == 0
+
+
+def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
+    """`load_state_dict` replaces the state tensors (a resume): the captured step reads the
+    new ones, not those of its capture. Loaded from the torch twin's state after 3 steps into
+    the wrapped one, the next steps match the twin's."""
+    run_what_earlier_tests_recorded()
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(
+        module, torch.optim.RMSprop(module.parameters(), lr=1e-2, momentum=0.5), ZERO3
+    )
+    twin_optimizer = torch.optim.RMSprop(twin.parameters(), lr=1e-2, momentum=0.5)
+    batches = [(torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))) for _ in range(7)]
+    for i, (x, y) in enumerate(batches):
+        if i == 3:  # a different state than the wrapped one's: the twin's, doubled
+            state = copy.deepcopy(twin_optimizer.state_dict())
+            for entry in state["state"].values():
+                entry["square_avg"] = entry["square_avg"] * 2
+            twin_optimizer.load_state_dict(copy.deepcopy(state))
+            optimizer.load_state_dict(state)
+        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    errors = relative_errors(model, twin)
+    assert max(errors.values()) <= 1e-4, errors
+    assert_state_like_torch(optimizer, twin_optimizer)
