@@ -67,7 +67,8 @@ def cosine(optimizer):
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
-    """The first step runs as before (it makes the state); the next is captured
+    """The first step runs as before (it makes the state), unless the state is there already;
+    the next is captured
     (traced twice by dynamo: as it is, and with its learning rate moved, so that the schedule
     is a graph input), and every later step runs the captured program: no recording, no
     replay, no program compiled, whatever the learning rate."""
@@ -80,29 +81,40 @@ def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
     # torch's format, the host step counts advanced as torch's were
     assert_state_like_torch(optimizer, twin_optimizer)
     after = captured_step.captures()
-    assert {k: after[k] - before[k] for k in after} == {"captures": 1, "traces": 2}
-    # (replay traces, replays) per step: the first step's recording traced, then none
-    assert per_step == [(1, 0)] + [(0, 0)] * (STEPS - 1), per_step
-    assert compiled[-1] == compiled[1], compiled  # none compiled after the captured step
+    # Two traces, or one where dynamo already knows the learning rate changes (it keeps what
+    # it learnt of a function's floats across its traces in one process: an earlier test's).
+    assert after["captures"] - before["captures"] == 1
+    assert after["traces"] - before["traces"] in (1, 2)
+    # (replay traces, replays) per step: the first step's recording traced, then none;
+    # Adagrad has its state from its constructor: its first step is captured.
+    first = 0 if name == "Adagrad" else 1
+    assert per_step == [(1, 0)] * first + [(0, 0)] * (STEPS - first), per_step
+    assert compiled[-1] == compiled[first], compiled  # none compiled after the captured step
 
 
 def test_a_changed_hyperparameter_is_traced_again_and_trains_like_torch():
     """RMSprop's weight decay set from step 5: dynamo's guard on it fails, the twin's step is
     traced once more (a new op in its graph), and later steps run the new graph."""
 
+    traces = []
+
     def weight_decay_from_step_5(step, optimizers):
+        traces.append(captured_step.captures()["traces"])
         if step == 5:
             for optimizer in optimizers:
                 for group in optimizer.param_groups:
                     group["weight_decay"] = 0.01
 
-    before = counts()
+    before = captured_step.captures()
     model, twin, losses, *_ = train(
         lambda p: torch.optim.RMSprop(p, lr=1e-3), 10, each_step=weight_decay_from_step_5
     )
     assert_trains_like_torch(model, twin, losses)
-    assert delta(before, counts())["captures"] == 1
-    assert delta(before, counts())["traces"] == 3
+    assert captured_step.captures()["captures"] - before["captures"] == 1
+    # (traces before each step: captured in step 1, traced again in step 5 only)
+    after = captured_step.captures()["traces"]
+    assert traces[2:6] == [traces[2]] * 4 and traces[6:] == [after] * 4, traces
+    assert after == traces[2] + 1, traces
 
 
 def test_gradients_present_in_some_steps_only_keep_a_capture_each():

@@ -5,36 +5,36 @@ An optimizer that runs its own step on live tensors (RMSprop, NAdam, Adafactor, 
 subclass: `zerojax.train.optimizer_shim`, `zerojax.train.late_optimizers`) is replayed from a
 trace (`zerojax.train.replay`), which still runs the step's Python every step: torch's
 per-parameter loops and foreach calls, each dispatched to the live tensors. That Python alone
-takes longer than the compiled update's whole step for most of torch's optimizers.
+took longer than the compiled update's whole step for most of torch's optimizers.
 
 Here the step runs on a *twin*: an optimizer of the same class over plain CPU tensors of the
 same shapes and dtypes (`torch.empty`, never written: no memory is touched), with the live
-optimizer's param groups and state keys. torch.compile (dynamo) traces the twin's step once,
-with a backend of ours: the graph it hands us (the step's tensor ops, its Python evaluated) is
-exported to core ATen (in-place updates become values written back) and lowered with the
-bridge's table. Each later `step()` calls the compiled twin step: dynamo's guards check, in
-C++, that the twin's step would trace the same graph (its param groups' values, which tensors
-have gradients), and our backend's callable records the graph as one op on the *live* tensors
-the twin's tensors stand for -- parameters, gradients, state -- and writes its results into
-them. So the op, its program and its sharded state are those the replayed step would have
-recorded; only the Python is gone.
+optimizer's param groups and state keys. torch.compile (dynamo) traces the twin's step with a
+backend of ours: the graph it hands us (the step's tensor ops, its Python evaluated) is made
+functional core ATen by torch's own functionalization and the bridge's decompositions (its
+in-place updates become new values of its inputs) and lowered with the bridge's table. Each
+later `step()` calls the compiled twin step: dynamo's guards check that the twin's step would
+trace the same graph (its param groups' values, which tensors have gradients), and our
+backend's callable records the graph as one op on the *live* tensors the twin's tensors stand
+for -- parameters, gradients, state -- and writes its results into them. So its program and
+its sharded state are those of a recorded step; only the Python is gone.
 
-- **Hyperparameters** are copied into the twin before each step. A float that changes (a
-  learning-rate schedule) is made a graph input by dynamo after its first change; the twin is
-  traced a second time with its learning rate moved at capture, so a schedule never recompiles.
-  Any other changed value is a new trace, guarded by dynamo, logged.
-- **Host state** (torch's step counts, Rprop's and ASGD's 0-d tensors) is the graph's too:
-  its new values are computed by a small program of their own (they must be on the host at
-  once, as torch's are) and copied into the live optimizer's tensors; the recorded op takes
-  their values before the step, as the graph does.
-- **The guard of ours** (`_layout`): which parameters each group holds, which have gradients,
-  the state's keys, kinds, shapes and dtypes. Another layout captures a new twin.
-- **Not captured** (the step runs as before, replayed): a step given a closure, state that is
-  not a tensor, host state with more than one element, a step dynamo cannot trace as one graph
-  (a `.item()` the step branches on, a graph break), a graph that returns values or writes a
-  host tensor from device values. Each is logged once, with dynamo's reason.
-
-The first step of an optimizer always runs as before: it makes the state the twin mirrors.
+- **Hyperparameters** are copied into the twin before each step. A float that changes is made
+  a graph input by dynamo after its first change; the twin is traced a second time with its
+  learning rate moved at capture, so a schedule never traces it again. Any other value that
+  changes is a new trace, guarded by dynamo.
+- **Host scalars.** What the step computes from its host state and hyperparameters alone
+  (torch's step counts, bias corrections, Rprop's and ASGD's 0-d tensors, RAdam's
+  rectification) is computed by a small program of its own in float64, as torch computes it
+  from Python floats, and handed to the recorded op as inputs; the host state's new values are
+  copied into the live optimizer's tensors at once, as torch's step leaves them.
+- **Our guard** (`_layout`): which parameters each group holds, which have gradients, the
+  state's keys and kinds. Another layout captures another twin (a few are kept).
+- **Not captured** (the step runs as before, replayed): the first step (it makes the state),
+  a step given a closure, state that is not a tensor, host state of more than one element, a
+  step dynamo cannot trace as one graph (a host read it branches on, a graph break), a graph
+  that returns values or computes host state from device values, an op without a lowering.
+  Each is logged once, with the reason.
 """
 
 from __future__ import annotations
@@ -92,11 +92,13 @@ _ITEM = torch.ops.aten._local_scalar_dense.default
 _SCALAR_FUNCTIONS = {
     torch.sym_min: jnp.minimum,
     torch.sym_max: jnp.maximum,
-    torch.sym_float: lambda x: jnp.asarray(x, jnp.float32),
+    torch.sym_float: lambda x: x * 1.0,  # the float type of the program: float64 on the host
     torch._sym_sqrt: jnp.sqrt,
 }
 
 
+# What a captured step's state tensors are: live ones, and host ones (0-d: `_Program`).
+_STATE_KINDS = frozenset({LiveTensor, torch.Tensor})
 # Group entries a twin keeps its own of: its tensors.
 _NOT_COPIED = frozenset({"params"})
 
@@ -127,9 +129,10 @@ def run(optimizer: torch.optim.Optimizer) -> bool:
     if not _enabled[0]:
         return False
     known = _captures.get(optimizer)
-    if known is None:  # its first step makes its state (the twin's step could not)
-        _captures[optimizer] = {}
-        return False
+    if known is None:
+        known = _captures[optimizer] = {}
+        if not _has_state(optimizer):  # its first step makes its state: the twin's could not
+            return False
     layout = _layout(optimizer)
     if layout is None:
         return False
@@ -152,11 +155,23 @@ def run(optimizer: torch.optim.Optimizer) -> bool:
         return False
 
 
+def _has_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every parameter with a gradient has state (made in the constructor, as
+    Adagrad's; loaded, as a resumed run's): then even its first step can be captured, and a
+    resumed run's steps are those of the run it resumes, bit for bit."""
+    state = optimizer.state
+    return all(
+        state.get(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+    )
+
+
 def _layout(optimizer: torch.optim.Optimizer) -> tuple | None:
-    """What a twin mirrors, beyond hyperparameter values (None: the step cannot be captured
-    now -- a parameter that is not live, state that is not a tensor). A parameter whose state
-    its step would make (its first gradient) makes a twin whose graph writes the twin's state,
-    which is not captured: that step runs as before, and the next is captured."""
+    """What a twin mirrors, beyond hyperparameter values: per group, each parameter, whether
+    it has a gradient, its state's keys and kinds (a live tensor or a host one; `record`
+    checks their shapes and dtypes). None where the step cannot be captured now: a parameter
+    that is not live, state that is not a tensor. A parameter whose state its step makes (its
+    first gradient) makes a twin whose graph writes the twin's state, which is not captured:
+    that step runs as before, and the next is captured."""
     state = optimizer.state
     groups = []
     for group in optimizer.param_groups:
@@ -164,17 +179,11 @@ def _layout(optimizer: torch.optim.Optimizer) -> tuple | None:
         for p in group["params"]:
             if live_of(p) is None:
                 return None
-            grad = p.grad
             entries = state.get(p)
-            described = []
-            for key, value in (entries or {}).items():
-                if isinstance(value, LiveTensor):
-                    described.append((key, True, value.shape, value.dtype))
-                elif type(value) is torch.Tensor and value.numel() == 1 and not value.is_cuda:
-                    described.append((key, False, value.shape, value.dtype))
-                else:
-                    return None
-            params.append((id(p), grad is not None, tuple(described)))
+            kinds = () if not entries else tuple(map(type, entries.values()))
+            if not set(kinds) <= _STATE_KINDS:
+                return None
+            params.append((id(p), p.grad is not None, tuple(entries or ()), kinds))
         groups.append((tuple(group), tuple(params)))
     return tuple(groups)
 
@@ -183,6 +192,8 @@ class _Capture:
     """One optimizer's twin, its compiled step and what each twin tensor stands for."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, layout: tuple):
+        if optimizer.defaults.get("differentiable"):
+            raise NotCapturable("it is differentiable")
         self.optimizer = weakref.ref(optimizer)
         self.layout = layout
         self.twin, self.stands_for = _twin(optimizer)
@@ -190,8 +201,6 @@ class _Capture:
         self.called = False
         self.dry = True
         _counts["captures"] += 1
-        if optimizer.defaults.get("differentiable"):
-            raise NotCapturable("it is differentiable")
         # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
         # keep dynamo from seeing one graph): run under no_grad, as `_use_grad` runs it.
         step = _own_code(inspect.unwrap(type(optimizer).step))
@@ -330,7 +339,10 @@ class _Program:
                 if not isinstance(tensor, torch.Tensor):
                     raise NotCapturable(f"an input of its graph is a {type(tensor).__name__}")
                 kind, param = (_CONSTANT, tensor.detach().clone()) if i < attrs else (_ARGUMENT, i - attrs)
-            if kind in (_HOST_STATE, _ARGUMENT) and tensor.dim() != 0:
+            if kind in (_HOST_STATE, _ARGUMENT, _CONSTANT) and tensor.dim() != 0:
+                # (a constant of another shape: state dynamo made for the twin as it traced --
+                # torch's `_init_group` for a parameter's first step -- which no live tensor
+                # holds)
                 raise NotCapturable(f"a host tensor of its graph has shape {tuple(tensor.shape)}")
             inputs.append((kind, param, key))
         self.graph = graph = _functional_aten(lifted, examples)
@@ -339,6 +351,8 @@ class _Program:
         written = {  # input index -> its new value
             i: node for i, node in enumerate(after) if node is not placeholders[i]
         }
+        if any(inputs[i][0] == _CONSTANT for i in written):
+            raise NotCapturable("its step writes a tensor no live one stands for")
 
         # The live inputs. A parameter's or gradient's live tensor is the stand-in's own, over
         # its engine entry for good; a state tensor is looked up at each step
@@ -352,6 +366,7 @@ class _Program:
             for kind, param, key in (inputs[i] for i in self.live)
         ]
         self.live_shapes = [tuple(examples[i].shape) for i in self.live]
+        self.live_metadata = [(tuple(examples[i].shape), examples[i].dtype) for i in self.live]
         self.live_written = [k for k, i in enumerate(self.live) if i in written]
         live_avals = [
             jax.ShapeDtypeStruct(tuple(examples[i].shape), to_jax_dtype(examples[i].dtype))
@@ -459,11 +474,13 @@ class _Program:
         raises NotCapturable)."""
         state = optimizer.state
         sources = []
-        for (source, param, key), shape in zip(self.live_sources, self.live_shapes, strict=True):
+        for (source, param, key), (shape, dtype) in zip(
+            self.live_sources, self.live_metadata, strict=True
+        ):
             if source is None:
                 tensor = state[param][key]
-                if type(tensor) is not LiveTensor or tuple(tensor.shape) != shape:
-                    raise NotCapturable(f"its state '{key}' changed kind or shape")
+                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    raise NotCapturable(f"its state '{key}' changed shape or dtype")
                 source = tensor._source
             sources.append(source)
         host = [
