@@ -76,7 +76,7 @@ _serials = itertools.count()
 _enabled = [True]
 _counts = {"captures": 0, "traces": 0}
 # How an input of the captured graph gets its value each step.
-_PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT = range(6)
+_PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT, _OWN = range(7)
 # How dynamo traces a twin's step, at every call (dynamo guards on its config): `addcmul_`,
 # `addcdiv_` and `add_` with a tensor alpha as they are, not as inductor's fused multiply-adds
 # (one rounding; torch's eager kernels, which the live path matches, round each product); and
@@ -194,6 +194,10 @@ class _Capture:
     def __init__(self, optimizer: torch.optim.Optimizer, layout: tuple):
         if optimizer.defaults.get("differentiable"):
             raise NotCapturable("it is differentiable")
+        if any(group.get("fused") for group in optimizer.param_groups):
+            # torch's fused kernels, which dynamo does not trace (their step is recorded as
+            # one op: `zerojax.train.fused_optimizer_ops`)
+            raise NotCapturable("it is fused")
         self.optimizer = weakref.ref(optimizer)
         self.layout = layout
         self.twin, self.stands_for = _twin(optimizer)
@@ -271,7 +275,17 @@ def _twin(optimizer: torch.optim.Optimizer):
     and {id(twin tensor): (kind, live parameter, state key)}."""
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
-    stands_for: dict[int, tuple] = {}
+    # The optimizer's own tensors (a GradScaler's `grad_scale` and `found_inf`, a tensor
+    # learning rate): their values change between steps, and the twin's step would read them
+    # as constants of its graph. Such a step is not captured (`_Program`).
+    stands_for: dict[int, tuple] = {
+        id(value): (_OWN, None, name)
+        for name, value in [
+            *optimizer.__dict__.items(),
+            *((k, v) for group in optimizer.param_groups for k, v in group.items()),
+        ]
+        if isinstance(value, torch.Tensor)
+    }
     groups, state = [], collections.defaultdict(dict)
     for group in optimizer.param_groups:
         params = []
@@ -339,6 +353,8 @@ class _Program:
                 if not isinstance(tensor, torch.Tensor):
                     raise NotCapturable(f"an input of its graph is a {type(tensor).__name__}")
                 kind, param = (_CONSTANT, tensor.detach().clone()) if i < attrs else (_ARGUMENT, i - attrs)
+            if kind == _OWN:
+                raise NotCapturable(f"its step reads its tensor '{key}' (a value of each step)")
             if kind in (_HOST_STATE, _ARGUMENT, _CONSTANT) and tensor.dim() != 0:
                 # (a constant of another shape: state dynamo made for the twin as it traced --
                 # torch's `_init_group` for a parameter's first step -- which no live tensor
