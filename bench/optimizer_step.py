@@ -7,8 +7,8 @@ optimizer within 1.2x of it):
 
 - AdamW handed to `zerojax.initialize`: the engine's compiled update (zerojax.train.optimizers);
 - every other torch.optim optimizer, a user-defined one and Muon (for the matrices, beside
-  AdamW for the rest, as torch's docs advise): torch's own `step()` on live tensors, its ops
-  recorded and run as one program (zerojax.train.deferred);
+  AdamW for the rest, as torch's docs advise): torch's own `step()`, captured by torch.compile
+  on a twin and recorded as one op on the live tensors (zerojax.train.captured_step);
 - AdamW built *after* initialize on the model's parameters (minGPT's trainer, the HF Trainer):
   adopted at its first step as the engine's compiled update (zerojax.train.late_optimizers);
   and a subclass of AdamW built after initialize, which is not: torch's step on live tensors,
@@ -16,9 +16,10 @@ optimizer within 1.2x of it):
 - a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
   against `torch.optim.SGD` handed to initialize (target: within 1.1x);
 - plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale;
-- the hand-written loop, RMSprop, NAdam, Rprop, ASGD, SignMomentum and the AdamW subclass built
-  after initialize recorded at every step, not replayed (zerojax.train.replay switched off around
-  them): what the replay saves.
+- RMSprop, NAdam, Rprop, ASGD, SignMomentum and the AdamW subclass built after initialize
+  not captured (zerojax.train.captured_step switched off around them): their Python run and
+  replayed (zerojax.train.replay), as before; what the capture saves. And the hand-written
+  loop recorded at every step, not replayed (the replay switched off): what the replay saves.
 
 A zerojax timing ends when the updated parameters are ready (`engine.state` runs what was
 recorded; `jax.block_until_ready` waits for it). Gradients stay in place between steps (no
@@ -49,7 +50,7 @@ import zerojax
 from bench.architectures import gpt2_bench_model
 from bench.timing import interleaved_times_ms, paired_ratio
 from tests.train.test_torch_optimizers import SignMomentum
-from zerojax.train import live_tensor
+from zerojax.train import captured_step, live_tensor
 
 # name -> (make(parameters) -> optimizer or list of them, also time plain torch)
 OPTIMIZERS = {
@@ -67,8 +68,8 @@ OPTIMIZERS = {
     "SGD (compiled)": (lambda p: torch.optim.SGD(p, lr=1e-4), False),
 }
 REFERENCE = "zerojax AdamW (compiled)"
-# Also timed recorded at every step, not replayed.
-REPLAY_COMPARED = (
+# Also timed not captured (replayed, as before the capture).
+CAPTURE_COMPARED = (
     "RMSprop",
     "NAdam",
     "Rprop",
@@ -122,6 +123,14 @@ def _add_muon(contenders: dict, with_torch: bool) -> None:
     twin_adamw = torch.optim.AdamW([p for p in twin.parameters() if p.ndim != 2], lr=1e-4)
     _backward(twin, tokens, targets)
     contenders["torch Muon + AdamW"] = lambda: (twin_muon.step(), twin_adamw.step())
+
+
+def _not_captured(step):
+    def run():
+        with captured_step.disabled():
+            step()
+
+    return run
 
 
 def _not_replayed(step):
@@ -184,13 +193,13 @@ def main() -> None:
 
     contenders["zerojax hand-written p.data.add_ loop"] = _zerojax_step(by_hand, model)
 
-    # The same recorded every time, not replayed (zerojax.train.replay switched off
-    # around them): what the replay saves.
+    # The loop recorded every time, not replayed (zerojax.train.replay switched off around
+    # it): what the replay saves; optimizers not captured: what the capture saves.
     contenders["zerojax hand-written loop, not replayed"] = _not_replayed(
         contenders["zerojax hand-written p.data.add_ loop"]
     )
-    for name in REPLAY_COMPARED:
-        contenders[f"zerojax {name}, not replayed"] = _not_replayed(contenders[f"zerojax {name}"])
+    for name in CAPTURE_COMPARED:
+        contenders[f"zerojax {name}, not captured"] = _not_captured(contenders[f"zerojax {name}"])
 
     times = interleaved_times_ms(contenders, args.repeats, rotate=True)  # warm-up: compile
     print(
@@ -206,10 +215,10 @@ def main() -> None:
     )
     print(f"  hand-written loop / SGD (compiled): {ratio:.2f}x [{low:.2f}-{high:.2f}]")
     pairs = [("zerojax hand-written p.data.add_ loop", "zerojax hand-written loop, not replayed")]
-    pairs += [(f"zerojax {n}", f"zerojax {n}, not replayed") for n in REPLAY_COMPARED]
-    for name, unreplayed in pairs:
-        ratio, low, high = paired_ratio(times, name, unreplayed)
-        print(f"  {name} / not replayed: {ratio:.2f}x [{low:.2f}-{high:.2f}]")
+    pairs += [(f"zerojax {n}", f"zerojax {n}, not captured") for n in CAPTURE_COMPARED]
+    for name, other in pairs:
+        ratio, low, high = paired_ratio(times, name, other)
+        print(f"  {name} / {other.split(', ')[-1]}: {ratio:.2f}x [{low:.2f}-{high:.2f}]")
 
 
 if __name__ == "__main__":
