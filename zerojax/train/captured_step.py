@@ -204,6 +204,7 @@ class _Capture:
         self.lowered: list[_Graph] = []
         self.called = False
         self.dry = True
+        self.writing = False  # (set by `_Program.record` once it writes the live tensors)
         _counts["captures"] += 1
         # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
         # keep dynamo from seeing one graph): run under no_grad, as `_use_grad` runs it.
@@ -220,7 +221,7 @@ class _Capture:
             self._call()
         except NotCapturable:
             raise
-        except Exception as error:  # dynamo's own errors: the step is not one graph
+        except Exception as error:  # noqa: BLE001 (dynamo's own errors: not one graph)
             raise NotCapturable(_reason(error)) from None
         self.dry = False
 
@@ -244,11 +245,14 @@ class _Capture:
             for key, value in group.items():
                 if key not in _NOT_COPIED:
                     twin_group[key] = value
+        self.writing = False
         try:
             self._call()
         except NotCapturable:
             raise
-        except Exception as error:
+        except Exception as error:  # a new trace that dynamo or the lowering refused
+            if self.writing:  # the step has begun to write: not run again as before
+                raise
             raise NotCapturable(_reason(error)) from None
         return True
 
@@ -329,7 +333,7 @@ class _Graph:
         if self.program is None:
             self.program = _Program(capture, self.gm, args)
             self.gm = None
-        self.program.record(capture.optimizer(), args)
+        self.program.record(capture, args)
         return ()
 
 
@@ -439,7 +443,7 @@ class _Program:
             with jax.enable_x64(True):
                 jax.eval_shape(self._host_values, host_vectors)
             jax.eval_shape(self._device_values, live_avals + crossing_vectors, None)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (an op the bridge cannot lower, and why)
             raise NotCapturable(_reason(error)) from None
 
     def _evaluated(self, env: dict, wanted: list[torch.fx.Node], context) -> list:
@@ -485,10 +489,10 @@ class _Program:
         values = self._evaluated(env, self.device_outputs, _context)
         return [v.astype(a.dtype) for v, a in zip(values, self.avals, strict=True)], None
 
-    def record(self, optimizer: torch.optim.Optimizer, args: tuple) -> None:
+    def record(self, capture: _Capture, args: tuple) -> None:
         """Record the step on the live tensors (checked first: nothing is written where this
         raises NotCapturable)."""
-        state = optimizer.state
+        state = capture.optimizer().state
         sources = []
         for (source, param, key), (shape, dtype) in zip(
             self.live_sources, self.live_metadata, strict=True
@@ -506,6 +510,7 @@ class _Program:
         with jax.enable_x64(True):
             crossings, new_host = self.host_program(host)
         crossings = [np.asarray(v) for v in crossings]
+        capture.writing = True
         outputs = deferred.record(
             self.key, self._device_values, [s.value() for s in sources] + crossings, self.avals
         )
