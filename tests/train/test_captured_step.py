@@ -54,7 +54,11 @@ OPTIMIZERS = {
 
 
 def counts() -> dict[str, int]:
-    return {**captured_step.captures(), "replays": replay.replays(), "traces_replay": replay.traces()}
+    return {
+        **captured_step.captures(),
+        "replays": replay.replays(),
+        "traces_replay": replay.traces(),
+    }
 
 
 def delta(before: dict, after: dict) -> dict:

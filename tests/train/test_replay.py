@@ -36,6 +36,7 @@ def _steps_not_captured():
     with captured_step.disabled():
         yield
 
+
 ZERO3 = {"mesh": {"data": -1}, "zero_stage": 3}
 BATCH = 8
 

@@ -161,7 +161,10 @@ def _has_state(optimizer: torch.optim.Optimizer) -> bool:
     resumed run's steps are those of the run it resumes, bit for bit."""
     state = optimizer.state
     return all(
-        state.get(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        state.get(p)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None
     )
 
 
@@ -356,7 +359,9 @@ class _Program:
             if kind is None:
                 if not isinstance(tensor, torch.Tensor):
                     raise NotCapturable(f"an input of its graph is a {type(tensor).__name__}")
-                kind, param = (_CONSTANT, tensor.detach().clone()) if i < attrs else (_ARGUMENT, i - attrs)
+                kind, param = (
+                    (_CONSTANT, tensor.detach().clone()) if i < attrs else (_ARGUMENT, i - attrs)
+                )
             if kind == _OWN:
                 raise NotCapturable(f"its step reads its tensor '{key}' (a value of each step)")
             if kind in (_HOST_STATE, _ARGUMENT, _CONSTANT) and tensor.dim() != 0:
@@ -396,7 +401,9 @@ class _Program:
         self.device_outputs = [written[self.live[k]] for k in self.live_written]
 
         # The host inputs (0-d), one vector per dtype.
-        host_inputs = [i for i, (kind, _, _) in enumerate(inputs) if kind in (_HOST_STATE, _ARGUMENT)]
+        host_inputs = [
+            i for i, (kind, _, _) in enumerate(inputs) if kind in (_HOST_STATE, _ARGUMENT)
+        ]
         self.host_groups = _by_dtype(host_inputs, lambda i: examples[i].dtype)
         self.host_nodes = [[placeholders[i] for i in group] for _, group in self.host_groups]
         self.host_sources = [[inputs[i] for i in group] for _, group in self.host_groups]
@@ -406,11 +413,17 @@ class _Program:
         on_host = {placeholders[i] for i in host_inputs}
         on_host |= {node for node, tensor in self.constants.items() if tensor.numel() <= 1}
         for node in graph.nodes:
-            if node.op == "call_function" and _is_scalar(node) and set(node.all_input_nodes) <= on_host:
+            if (
+                node.op == "call_function"
+                and _is_scalar(node)
+                and set(node.all_input_nodes) <= on_host
+            ):
                 on_host.add(node)
         # Host values the recorded op takes ("crossings"), one vector per dtype.
         crossing = [
-            n for n in graph.nodes if n in on_host and any(u not in on_host and u.op != "output" for u in n.users)
+            n
+            for n in graph.nodes
+            if n in on_host and any(u not in on_host and u.op != "output" for u in n.users)
         ]
         self.crossing_groups = _by_dtype(crossing, lambda n: _node_dtype(n))
         # Host tensors written, one vector per dtype.
@@ -427,17 +440,20 @@ class _Program:
             for dtype, group in _by_dtype(host_written, lambda i: examples[i].dtype)
         ]
         self.host_targets = [
-            [inputs[i] for i in group] for _, group in _by_dtype(host_written, lambda i: examples[i].dtype)
+            [inputs[i] for i in group]
+            for _, group in _by_dtype(host_written, lambda i: examples[i].dtype)
         ]
         self.host_program = jax.jit(self._host_values)
         # A number of its own (never reused, as an id is): recorded programs are cached by key.
         self.key = ("captured step", next(_serials), tuple(self.live_shapes))
         # Traced now, so that an op without a lowering is known here, not when the step runs.
         host_vectors = [
-            jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype)) for dtype, group in self.host_groups
+            jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype))
+            for dtype, group in self.host_groups
         ]
         crossing_vectors = [
-            jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype)) for dtype, group in self.crossing_groups
+            jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype))
+            for dtype, group in self.crossing_groups
         ]
         try:
             with jax.enable_x64(True):
@@ -465,7 +481,9 @@ class _Program:
         in float64 (under `jax.enable_x64`), as torch's step computes them from Python floats."""
         env = {}
         for nodes, vector in zip(self.host_nodes, host, strict=True):
-            wide = vector.astype(jnp.float64) if jnp.issubdtype(vector.dtype, jnp.floating) else vector
+            wide = (
+                vector.astype(jnp.float64) if jnp.issubdtype(vector.dtype, jnp.floating) else vector
+            )
             env.update(zip(nodes, list(wide), strict=True))
         for node, tensor in self.constants.items():
             if tensor.numel() <= 1:
@@ -474,7 +492,9 @@ class _Program:
         vectors = []
         for dtype, nodes in groups:
             values = self._evaluated(env, nodes, _host_context)
-            vectors.append(jnp.stack([jnp.reshape(v, ()).astype(to_jax_dtype(dtype)) for v in values]))
+            vectors.append(
+                jnp.stack([jnp.reshape(v, ()).astype(to_jax_dtype(dtype)) for v in values])
+            )
         count = len(self.crossing_groups)
         return vectors[:count], vectors[count:]
 
@@ -537,9 +557,11 @@ def _node_dtype(node: torch.fx.Node) -> torch.dtype:
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
         return value.dtype
-    return {bool: torch.bool, int: torch.int64}.get(type(value), torch.float32) if not isinstance(
-        value, (torch.SymInt, torch.SymFloat, torch.SymBool)
-    ) else {torch.SymBool: torch.bool, torch.SymInt: torch.int64}.get(type(value), torch.float32)
+    return (
+        {bool: torch.bool, int: torch.int64}.get(type(value), torch.float32)
+        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+        else {torch.SymBool: torch.bool, torch.SymInt: torch.int64}.get(type(value), torch.float32)
+    )
 
 
 def _host_tensor(state, args: tuple, kind: int, param, key) -> torch.Tensor:
@@ -571,9 +593,9 @@ def _functional_aten(module: torch.fx.GraphModule, examples: list) -> tuple[torc
             return after
 
     with torch.no_grad():
-        traced = make_fx(functional, decomposition_table=decomposition_table(), tracing_mode="fake")(
-            *examples
-        )
+        traced = make_fx(
+            functional, decomposition_table=decomposition_table(), tracing_mode="fake"
+        )(*examples)
     return traced.graph
 
 
