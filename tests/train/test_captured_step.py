@@ -224,3 +224,27 @@ def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
     errors = relative_errors(model, twin)
     assert max(errors.values()) <= 1e-4, errors
     assert_state_like_torch(optimizer, twin_optimizer)
+
+
+def test_what_dynamo_keeps_of_a_capture_holds_it_weakly():
+    """Dynamo keeps each traced graph, its backend and guards as long as the traced code,
+    which a capture's own code object is: those hold the capture (the twin, the programs, the
+    live parameters, through them the engine) weakly, so that it goes with its optimizer."""
+    import gc
+    import weakref
+
+    run_what_earlier_tests_recorded()
+    module = MLP()
+    model, optimizer = zerojax.initialize(module, torch.optim.RMSprop(module.parameters()), ZERO3)
+    for _ in range(3):
+        F.cross_entropy(model(torch.randn(BATCH, 32)), torch.randint(0, 10, (BATCH,))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    inner = optimizer._optimizer
+    (capture,) = [c for c in captured_step._captures[inner].values() if c]
+    assert len(capture.lowered) >= 1 and capture.lowered[-1].program is not None
+    gone = weakref.ref(capture)
+    del capture
+    captured_step._captures.pop(inner)  # as when the optimizer goes
+    gc.collect()
+    assert gone() is None

@@ -203,7 +203,10 @@ class _Capture:
             raise NotCapturable("it is fused")
         self.optimizer = weakref.ref(optimizer)
         self.layout = layout
-        self.twin, self.stands_for = _twin(optimizer)
+        # (The parameters, and what each twin tensor stands for, are the capture's: what dynamo
+        # keeps of a trace, which is never freed, holds the capture weakly.)
+        self.twin, self.params, self.stands_for = _twin(optimizer)
+        self.sources: dict[int, list] = {}  # a program's number -> its live tensors' sources
         self.lowered: list[_Graph] = []
         self.called = False
         self.dry = True
@@ -212,7 +215,7 @@ class _Capture:
         # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
         # keep dynamo from seeing one graph): run under no_grad, as `_use_grad` runs it.
         step = _own_code(inspect.unwrap(type(optimizer).step))
-        self.compiled = torch.compile(step, backend=self._backend, fullgraph=True)
+        self.compiled = torch.compile(step, backend=_Backend(self), fullgraph=True)
         # Traced twice before it runs: with the learning rate as it is, then moved, so that a
         # schedule's next value does not trace it again (dynamo makes a float that changed an
         # input of the graph).
@@ -227,12 +230,6 @@ class _Capture:
         except Exception as error:  # noqa: BLE001 (dynamo's own errors: not one graph)
             raise NotCapturable(_reason(error)) from None
         self.dry = False
-
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs):
-        _counts["traces"] += 1
-        graph = _Graph(self, gm)
-        self.lowered.append(graph)
-        return graph
 
     def _call(self) -> None:
         self.called = False
@@ -278,10 +275,17 @@ def _own_code(function):
 
 
 def _twin(optimizer: torch.optim.Optimizer):
-    """An optimizer of `optimizer`'s class over plain CPU tensors standing for its live ones,
-    and {id(twin tensor): (kind, live parameter, state key)}."""
+    """An optimizer of `optimizer`'s class over plain CPU tensors standing for its live ones;
+    its parameters, in order; {id(twin tensor): (kind, index of its parameter, state key)}."""
     twin = object.__new__(type(optimizer))
-    twin.__dict__.update(optimizer.__dict__)
+    # Its attributes (defaults, a user's own), not its hooks nor methods set on it (an LR
+    # scheduler's wrapped `step`): those refer back to the optimizer, which the capture, a
+    # value of `_captures` under it, must not keep alive.
+    twin.__dict__.update(
+        (k, v)
+        for k, v in optimizer.__dict__.items()
+        if not callable(v) and not k.endswith("_hooks")
+    )
     # The optimizer's own tensors (a GradScaler's `grad_scale` and `found_inf`, a tensor
     # learning rate): their values change between steps, and the twin's step would read them
     # as constants of its graph. Such a step is not captured (`_Program`).
@@ -293,30 +297,46 @@ def _twin(optimizer: torch.optim.Optimizer):
         ]
         if isinstance(value, torch.Tensor)
     }
-    groups, state = [], collections.defaultdict(dict)
+    groups, state, originals = [], collections.defaultdict(dict), []
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
+            index = len(originals)
+            originals.append(p)
             stand_in = torch.nn.Parameter(
                 torch.empty(tuple(p.shape), dtype=p.dtype), requires_grad=p.requires_grad
             )
-            stands_for[id(stand_in)] = (_PARAM, p, None)
+            stands_for[id(stand_in)] = (_PARAM, index, None)
             if p.grad is not None:
                 stand_in.grad = torch.empty(tuple(p.shape), dtype=p.dtype)
-                stands_for[id(stand_in.grad)] = (_GRAD, p, None)
+                stands_for[id(stand_in.grad)] = (_GRAD, index, None)
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, LiveTensor):
                     copy = torch.empty(tuple(value.shape), dtype=value.dtype)
-                    stands_for[id(copy)] = (_STATE, p, key)
+                    stands_for[id(copy)] = (_STATE, index, key)
                 else:
                     copy = value.clone()
-                    stands_for[id(copy)] = (_HOST_STATE, p, key)
+                    stands_for[id(copy)] = (_HOST_STATE, index, key)
                 state[stand_in][key] = copy
             params.append(stand_in)
         groups.append({**group, "params": params})
     twin.param_groups = groups
     twin.state = state
-    return twin, stands_for
+    return twin, originals, stands_for
+
+
+class _Backend:
+    """torch.compile's backend for one capture: each graph dynamo traces becomes a `_Graph`.
+    It holds the capture weakly: dynamo keeps its backends as long as the traced code."""
+
+    def __init__(self, capture: _Capture):
+        self.capture = weakref.ref(capture)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        _counts["traces"] += 1
+        graph = _Graph(self.capture(), gm)
+        self.capture().lowered.append(graph)
+        return graph
 
 
 class _Graph:
@@ -324,12 +344,12 @@ class _Graph:
     on the live tensors at each call."""
 
     def __init__(self, capture: _Capture, gm: torch.fx.GraphModule):
-        self.capture = capture
+        self.capture = weakref.ref(capture)  # (dynamo keeps this object as long as the code)
         self.gm = gm
         self.program = None
 
     def __call__(self, *args):
-        capture = self.capture
+        capture = self.capture()
         capture.called = True
         if capture.dry:
             return ()
@@ -379,18 +399,10 @@ class _Program:
         if any(inputs[i][0] == _CONSTANT for i in written):
             raise NotCapturable("its step writes a tensor no live one stands for")
 
-        # The live inputs. A parameter's or gradient's live tensor is the stand-in's own, over
-        # its engine entry for good; a state tensor is looked up at each step
-        # (`load_state_dict` replaces it).
+        # The live inputs: (kind, index of its parameter, state key) each.
         self.live = [i for i, (kind, _, _) in enumerate(inputs) if kind in (_PARAM, _GRAD, _STATE)]
         self.live_nodes = [placeholders[i] for i in self.live]
-        self.live_sources = [
-            (live_of(param if kind == _PARAM else param.grad)._source, None, None)
-            if kind != _STATE
-            else (None, param, key)
-            for kind, param, key in (inputs[i] for i in self.live)
-        ]
-        self.live_shapes = [tuple(examples[i].shape) for i in self.live]
+        self.live_inputs = [inputs[i] for i in self.live]
         self.live_metadata = [(tuple(examples[i].shape), examples[i].dtype) for i in self.live]
         self.live_written = [k for k, i in enumerate(self.live) if i in written]
         live_avals = [
@@ -445,7 +457,8 @@ class _Program:
         ]
         self.host_program = jax.jit(self._host_values)
         # A number of its own (never reused, as an id is): recorded programs are cached by key.
-        self.key = ("captured step", next(_serials), tuple(self.live_shapes))
+        self.serial = next(_serials)
+        self.key = ("captured step", self.serial, tuple(self.live_metadata))
         # Traced now, so that an op without a lowering is known here, not when the step runs.
         host_vectors = [
             jax.ShapeDtypeStruct((len(group),), to_jax_dtype(dtype))
@@ -513,18 +526,30 @@ class _Program:
         """Record the step on the live tensors (checked first: nothing is written where this
         raises NotCapturable)."""
         state = capture.optimizer().state
+        params = capture.params
+        entries = capture.sources.get(self.serial)
+        if entries is None:
+            # A parameter's or gradient's live tensor is the stand-in's own, over its engine
+            # entry for good; a state tensor is looked up at each step (`load_state_dict`
+            # replaces it).
+            entries = capture.sources[self.serial] = [
+                (live_of(params[i] if kind == _PARAM else params[i].grad)._source, None)
+                if kind != _STATE
+                else (None, key)
+                for kind, i, key in self.live_inputs
+            ]
         sources = []
-        for (source, param, key), (shape, dtype) in zip(
-            self.live_sources, self.live_metadata, strict=True
+        for (source, key), (_, i, _), (shape, dtype) in zip(
+            entries, self.live_inputs, self.live_metadata, strict=True
         ):
             if source is None:
-                tensor = state[param][key]
+                tensor = state[params[i]][key]
                 if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                     raise NotCapturable(f"its state '{key}' changed shape or dtype")
                 source = tensor._source
             sources.append(source)
         host = [
-            torch.stack([_host_tensor(state, args, *source) for source in group]).numpy()
+            torch.stack([_host_tensor(state, params, args, *source) for source in group]).numpy()
             for group in self.host_sources
         ]
         with jax.enable_x64(True):
@@ -537,7 +562,7 @@ class _Program:
         for k, value in zip(self.live_written, outputs, strict=True):
             sources[k].write(value)
         for targets, vector in zip(self.host_targets, new_host, strict=True):
-            tensors = [state[param][key] for _, param, key in targets]
+            tensors = [state[params[i]][key] for _, i, key in targets]
             torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
 
 
@@ -564,10 +589,10 @@ def _node_dtype(node: torch.fx.Node) -> torch.dtype:
     )
 
 
-def _host_tensor(state, args: tuple, kind: int, param, key) -> torch.Tensor:
+def _host_tensor(state, params: list, args: tuple, kind: int, index, key) -> torch.Tensor:
     if kind == _HOST_STATE:
-        return state[param][key]
-    return args[param]  # an argument's position
+        return state[params[index]][key]
+    return args[index]  # an argument's position
 
 
 def _functional_aten(module: torch.fx.GraphModule, examples: list) -> tuple[torch.fx.Graph, list]:
