@@ -20,7 +20,9 @@ their optimizer on the returned model's parameters. torch's global optimizer ste
   (`grad_scale`) is not adopted, torch's step applies it.
 - **Any other** (another class, a subclass, one of several optimizers on one model): a plain
   torch optimizer whose step runs on the live tensors (`zerojax.train.recorded_adam`,
-  `zerojax.train.replay`). The state it makes (`zeros_like(p)`) takes its parameter's
+  `zerojax.train.replay`); from its second step the pre-step hook runs it as its captured
+  program (`zerojax.train.captured_step`) and torch's step then runs on a stand-in without
+  param groups, as for an adopted one. The state it makes (`zeros_like(p)`) takes its parameter's
   sharding, which under ZeRO-1 is replicated where the plan partitions optimizer state, so the
   hooks place it as `ZeroOptimizer` places the state of the optimizers it wraps
   (`live_optimizer_state.place_state`): on the plan's optimizer-state sharding of its

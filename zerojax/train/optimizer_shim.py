@@ -16,7 +16,9 @@ Two ways to update, chosen by the optimizer's class:
   unchanged; its parameters and gradients are live views of the engine's arrays
   (`zerojax.train.parameters`), and its ATen ops are recorded and run as one compiled program
   per step (`zerojax.train.deferred`; torch's `foreach` implementations are its default for
-  live parameters, `zerojax.train.foreach_default`). The state it creates (`zeros_like(p)`:
+  live parameters, `zerojax.train.foreach_default`); from its second step that program is
+  captured once by torch.compile on a twin, and the step's Python no longer runs
+  (`zerojax.train.captured_step`). The state it creates (`zeros_like(p)`:
   live tensors) is placed on the plan's optimizer-state sharding of its parameter after each
   step, so state memory follows the ZeRO stage; scalar state (step counts) stays as torch made
   it, on the host. The math is torch's own. LBFGS (many closure evaluations per step) and
