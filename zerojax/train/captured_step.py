@@ -552,7 +552,7 @@ class _Program:
             torch.stack([_host_tensor(state, params, args, *source) for source in group]).numpy()
             for group in self.host_sources
         ]
-        with jax.enable_x64(True):
+        with jax.enable_x64(True), jax.default_device(_host_device()):
             crossings, new_host = self.host_program(host)
         crossings = [np.asarray(v) for v in crossings]
         capture.writing = True
@@ -564,6 +564,16 @@ class _Program:
         for targets, vector in zip(self.host_targets, new_host, strict=True):
             tensors = [state[params[i]][key] for _, i, key in targets]
             torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
+
+
+@functools.cache
+def _host_device():
+    """Where the host program runs: the CPU (on an accelerator too: its values are read on the
+    host at once), or the default device where JAX was told of no CPU platform."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return None
 
 
 def _by_dtype(items: list, dtype_of) -> list[tuple]:
