@@ -53,6 +53,13 @@ OPTIMIZERS = {
 }
 
 
+# torch 2.11's dynamo fails on Adagrad's step (PendingUnbackedSymbolNotFound, from the
+# `.item()` of its step count in its learning-rate decay); 2.13's and 2.14's trace it.
+NOT_CAPTURED_BY_THIS_TORCH = (
+    {"Adagrad"} if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13) else set()
+)
+
+
 def counts() -> dict[str, int]:
     return {
         **captured_step.captures(),
@@ -85,9 +92,12 @@ def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
     # torch's format, the host step counts advanced as torch's were
     assert_state_like_torch(optimizer, twin_optimizer)
     after = captured_step.captures()
+    assert after["captures"] - before["captures"] == 1
+    if name in NOT_CAPTURED_BY_THIS_TORCH:  # refused by dynamo: replayed, as before
+        assert per_step == [(1, 0)] + [(0, 1)] * (STEPS - 1), per_step
+        return
     # Two traces, or one where dynamo already knows the learning rate changes (it keeps what
     # it learnt of a function's floats across its traces in one process: an earlier test's).
-    assert after["captures"] - before["captures"] == 1
     assert after["traces"] - before["traces"] in (1, 2)
     # (replay traces, replays) per step: the first step's recording traced, then none;
     # Adagrad has its state from its constructor: its first step is captured.
