@@ -72,6 +72,25 @@ def delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in before}
 
 
+def steps_beside_torch(pairs, count: int, after_backward=None) -> np.ndarray:
+    """`count` steps of each (model, optimizer) in `pairs` on the same batches; the losses,
+    one row per step. `after_backward(step, model)` runs between the backward and the step."""
+    losses = []
+    for step in range(count):
+        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+        row = []
+        for m, opt in pairs:
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(step, m)
+            opt.step()
+            opt.zero_grad()
+            row.append(float(loss.detach()))
+        losses.append(row)
+    return np.array(losses)
+
+
 def cosine(optimizer):
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
 
@@ -134,13 +153,6 @@ def test_a_changed_hyperparameter_is_traced_again_and_trains_like_torch():
 def test_gradients_present_in_some_steps_only_keep_a_capture_each():
     """One parameter without a gradient every other step: two layouts (which parameters
     have gradients), each captured once and run as it comes, not captured anew each time."""
-
-    def every_other_step(step, optimizers):
-        # On both models: the gradient of fc1.bias is gone in odd steps, as after a
-        # `p.grad = None` by hand (torch's optimizers skip such a parameter).
-        every_other_step.drop = step % 2 == 1
-
-    every_other_step.drop = False
     run_what_earlier_tests_recorded()
     torch.manual_seed(0)
     module = MLP()
@@ -148,20 +160,15 @@ def test_gradients_present_in_some_steps_only_keep_a_capture_each():
     model, optimizer = zerojax.initialize(module, torch.optim.RMSprop(module.parameters()), ZERO3)
     twin_optimizer = torch.optim.RMSprop(twin.parameters())
     before = counts()
-    losses = []
-    for step in range(9):
-        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
-        pair = []
-        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            if step % 2 == 1:
-                dict(m.named_parameters())["fc1.bias"].grad = None
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
-    assert_trains_like_torch(model, twin, np.array(losses))
+
+    def after_backward(step, m):
+        # on both models: fc1.bias's gradient gone in odd steps, as after a `p.grad = None`
+        # by hand (torch's optimizers skip such a parameter)
+        if step % 2 == 1:
+            dict(m.named_parameters())["fc1.bias"].grad = None
+
+    pairs = ((model, optimizer), (twin, twin_optimizer))
+    assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 9, after_backward))
     assert delta(before, counts())["captures"] == 2
 
 
@@ -190,18 +197,8 @@ def test_an_optimizer_built_after_initialize_is_captured():
     optimizer = torch.optim.NAdam(model.parameters(), lr=1e-2)
     twin_optimizer = torch.optim.NAdam(twin.parameters(), lr=1e-2)
     before = counts()
-    losses = []
-    for _ in range(6):
-        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
-        pair = []
-        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
-    assert_trains_like_torch(model, twin, np.array(losses))
+    pairs = ((model, optimizer), (twin, twin_optimizer))
+    assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 6))
     assert_state_like_torch(optimizer, twin_optimizer)
     assert delta(before, counts())["captures"] == 1
     assert delta(before, counts())["replays"] == 0
