@@ -77,7 +77,8 @@ log = logging.getLogger(__name__)
 # steps with no engine program between) must not grow one program without bound.
 _MAX_OPS = 20_000
 # `sys.getrefcount(array)` in `_unheld` for an input array only the recording holds: its
-# list's reference, `_unheld`'s argument and `getrefcount`'s own.
+# list's reference, `_unheld`'s argument and `getrefcount`'s own; where a call holds its
+# arguments once more (below), one more.
 _UNHELD = 3
 # Compiled recordings kept; beyond it the least recently added is dropped.
 _MAX_PROGRAMS = 256
@@ -387,7 +388,8 @@ def _run(recording: _Recording) -> None:
     # bound for the host fails the run ("Memory kind mismatch").
     donated = ()
     if not any(_in_host_memory(sharding) for sharding in out_shardings):
-        donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i]))
+        extra = _extra_argument_references()
+        donated = tuple(i for i in range(len(arrays)) if _unheld(recording, arrays[i], extra))
     layout, packed = _packed_scalars(recording.scalars)
     key = (
         tuple(op.signature for op in recording.ops),
@@ -436,11 +438,11 @@ def _in_host_memory(sharding) -> bool:
     return getattr(sharding, "memory_kind", None) not in (None, "device")
 
 
-def _unheld(recording: _Recording, array: jax.Array) -> bool:
+def _unheld(recording: _Recording, array: jax.Array, extra: int) -> bool:
     """Whether nothing outside `recording` will hold `array` once it has run: no reference but
     the recording's own, or else the engine's to an entry the recording writes anew (handed
     over right after the program) and `recording.entries`' note of it."""
-    references = sys.getrefcount(array)
+    references = sys.getrefcount(array) - extra  # (`_extra_argument_references`)
     if references <= _UNHELD:
         return True
     entry = recording.entries.get(id(array))
@@ -450,6 +452,19 @@ def _unheld(recording: _Recording, array: jax.Array) -> bool:
         and entry[1] in recording.writes
         and references <= _UNHELD + 2  # the engine's state and the note
     )
+
+
+def _extra_argument_references() -> int:
+    """How many references more than CPython 3.11's own a call holds to its argument: 0, or 1
+    in a process where some torch.compile traces failed (torch 2.11's dynamo on Adagrad's
+    step, 2.13's on a fused step: every call holds its arguments once more afterwards, which
+    `_unheld` would take for a holder of every array). Measured, not assumed."""
+    held = [object()]
+    return _argument_references(held[0]) - 3
+
+
+def _argument_references(value) -> int:
+    return sys.getrefcount(value)
 
 
 def _hand_over(recording: _Recording) -> None:
