@@ -589,14 +589,15 @@ def _is_scalar(node: torch.fx.Node) -> bool:
 
 
 def _node_dtype(node: torch.fx.Node) -> torch.dtype:
+    """The dtype of a graph value: a tensor's own; a Python scalar's as torch types it."""
     value = node.meta.get("val")
     if isinstance(value, torch.Tensor):
         return value.dtype
-    return (
-        {bool: torch.bool, int: torch.int64}.get(type(value), torch.float32)
-        if not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
-        else {torch.SymBool: torch.bool, torch.SymInt: torch.int64}.get(type(value), torch.float32)
-    )
+    if isinstance(value, (bool, torch.SymBool)):
+        return torch.bool
+    if isinstance(value, (int, torch.SymInt)):
+        return torch.int64
+    return torch.float32
 
 
 def _host_tensor(state, params: list, args: tuple, kind: int, index, key) -> torch.Tensor:
@@ -605,7 +606,7 @@ def _host_tensor(state, params: list, args: tuple, kind: int, index, key) -> tor
     return args[index]  # an argument's position
 
 
-def _functional_aten(module: torch.fx.GraphModule, examples: list) -> tuple[torch.fx.Graph, list]:
+def _functional_aten(module: torch.fx.GraphModule, examples: list) -> torch.fx.Graph:
     """`module`'s graph as functional core ATen (the bridge's decompositions), returning each
     input's value after it: the input itself where it is not written."""
 
