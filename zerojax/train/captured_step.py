@@ -45,6 +45,7 @@ import functools
 import inspect
 import itertools
 import logging
+import operator
 import types
 import weakref
 
@@ -334,8 +335,9 @@ class _Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         _counts["traces"] += 1
-        graph = _Graph(self.capture(), gm)
-        self.capture().lowered.append(graph)
+        capture = self.capture()
+        graph = _Graph(capture, gm)
+        capture.lowered.append(graph)
         return graph
 
 
@@ -371,8 +373,8 @@ class _Program:
         if any(v is not None for v in jax.tree.leaves(output.args[0])):
             raise NotCapturable("its graph returns values")
         lifted, examples, attrs = _lifted(gm, args)
-        # Where each input's value comes from at each step: (kind, parameter, state key);
-        # a constant's value, an argument's position, in the parameter's place.
+        # Where each input's value comes from at each step: (kind, index of its parameter,
+        # state key); a constant's value, an argument's position, in the index's place.
         inputs: list[tuple] = []
         for i, tensor in enumerate(examples):
             kind, param, key = capture.stands_for.get(id(tensor), (None, None, None))
@@ -447,14 +449,11 @@ class _Program:
                 if written[i] not in on_host:
                     raise NotCapturable("it writes a host tensor from device values")
                 host_written.append(i)
+        written_groups = _by_dtype(host_written, lambda i: examples[i].dtype)
         self.host_written_groups = [
-            (dtype, [written[i] for i in group])
-            for dtype, group in _by_dtype(host_written, lambda i: examples[i].dtype)
+            (dtype, [written[i] for i in group]) for dtype, group in written_groups
         ]
-        self.host_targets = [
-            [inputs[i] for i in group]
-            for _, group in _by_dtype(host_written, lambda i: examples[i].dtype)
-        ]
+        self.host_targets = [[inputs[i] for i in group] for _, group in written_groups]
         self.host_program = jax.jit(self._host_values)
         # A number of its own (never reused, as an id is): recorded programs are cached by key.
         self.serial = next(_serials)
@@ -645,7 +644,7 @@ def _lifted(gm: torch.fx.GraphModule, args: tuple):
     examples = []
     for n in attrs:
         env[n] = graph.placeholder(f"attr_{len(examples)}")
-        examples.append(_attribute(gm, n.target))
+        examples.append(operator.attrgetter(n.target)(gm))
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             env[n] = graph.placeholder(n.name)
@@ -654,13 +653,6 @@ def _lifted(gm: torch.fx.GraphModule, args: tuple):
         if n.op not in ("placeholder", "get_attr"):
             env[n] = graph.node_copy(n, lambda m: env[m])
     return torch.fx.GraphModule(torch.nn.Module(), graph), examples, len(attrs)
-
-
-def _attribute(gm: torch.fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _ancestors(nodes: list[torch.fx.Node], known: dict) -> set:

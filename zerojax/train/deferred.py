@@ -460,7 +460,7 @@ def _extra_argument_references() -> int:
     step, 2.13's on a fused step: every call holds its arguments once more afterwards, which
     `_unheld` would take for a holder of every array). Measured, not assumed."""
     held = [object()]
-    return _argument_references(held[0]) - 3
+    return _argument_references(held[0]) - _UNHELD
 
 
 def _argument_references(value) -> int:
