@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import logging
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from tests.train.test_replay import (
     assert_state_like_torch,
     assert_trains_like_torch,
     run_what_earlier_tests_recorded,
+    steps_beside_torch,
     train,
 )
 from tests.train.test_torch_optimizers import SignMomentum, relative_errors
@@ -70,25 +70,6 @@ def counts() -> dict[str, int]:
 
 def delta(before: dict, after: dict) -> dict:
     return {k: after[k] - before[k] for k in before}
-
-
-def steps_beside_torch(pairs, count: int, after_backward=None) -> np.ndarray:
-    """`count` steps of each (model, optimizer) in `pairs` on the same batches; the losses,
-    one row per step. `after_backward(step, model)` runs between the backward and the step."""
-    losses = []
-    for step in range(count):
-        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
-        row = []
-        for m, opt in pairs:
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            if after_backward is not None:
-                after_backward(step, m)
-            opt.step()
-            opt.zero_grad()
-            row.append(float(loss.detach()))
-        losses.append(row)
-    return np.array(losses)
 
 
 def cosine(optimizer):
@@ -168,7 +149,9 @@ def test_gradients_present_in_some_steps_only_keep_a_capture_each():
             dict(m.named_parameters())["fc1.bias"].grad = None
 
     pairs = ((model, optimizer), (twin, twin_optimizer))
-    assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 9, after_backward))
+    assert_trains_like_torch(
+        model, twin, steps_beside_torch(pairs, 9, after_backward=after_backward)
+    )
     assert delta(before, counts())["captures"] == 2
 
 
@@ -216,18 +199,16 @@ def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
         module, torch.optim.RMSprop(module.parameters(), lr=1e-2, momentum=0.5), ZERO3
     )
     twin_optimizer = torch.optim.RMSprop(twin.parameters(), lr=1e-2, momentum=0.5)
-    batches = [(torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))) for _ in range(7)]
-    for i, (x, y) in enumerate(batches):
-        if i == 3:  # a different state than the wrapped one's: the twin's, doubled
+
+    def before_step(step):
+        if step == 3:  # a different state than the wrapped one's: the twin's, doubled
             state = copy.deepcopy(twin_optimizer.state_dict())
             for entry in state["state"].values():
                 entry["square_avg"] = entry["square_avg"] * 2
             twin_optimizer.load_state_dict(copy.deepcopy(state))
             optimizer.load_state_dict(state)
-        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
-            F.cross_entropy(m(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+
+    steps_beside_torch(((model, optimizer), (twin, twin_optimizer)), 7, before_step=before_step)
     errors = relative_errors(model, twin)
     assert max(errors.values()) <= 1e-4, errors
     assert_state_like_torch(optimizer, twin_optimizer)

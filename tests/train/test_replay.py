@@ -143,6 +143,28 @@ def train(make, steps: int, schedule=None, each_step=None, config=ZERO3, per_ste
     return model, twin, np.array(losses), compiled, (optimizer, twin_optimizer)
 
 
+def steps_beside_torch(pairs, count: int, before_step=None, after_backward=None) -> np.ndarray:
+    """`count` steps of each (model, optimizer) in `pairs` on the same batches; the losses,
+    one row per step. `before_step(step)` runs before each step's batch is drawn,
+    `after_backward(step, model)` between a model's backward and its optimizer's step."""
+    losses = []
+    for step in range(count):
+        if before_step is not None:
+            before_step(step)
+        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
+        row = []
+        for m, opt in pairs:
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(step, m)
+            opt.step()
+            opt.zero_grad()
+            row.append(float(loss.detach()))
+        losses.append(row)
+    return np.array(losses)
+
+
 def assert_trains_like_torch(model, twin, losses) -> None:
     np.testing.assert_allclose(losses[:, 0], losses[:, 1], rtol=1e-5)
     errors = relative_errors(model, twin)
@@ -277,21 +299,13 @@ def test_a_step_after_load_state_dict_is_traced_again():
         module, torch.optim.RMSprop(module.parameters(), lr=1e-3), ZERO3
     )
     twin_optimizer = torch.optim.RMSprop(twin.parameters(), lr=1e-3)
-    losses = []
-    for step in range(8):
+
+    def before_step(step):
         if step == 4:
-            saved = copy.deepcopy(twin_optimizer.state_dict())
-            optimizer.load_state_dict(saved)
-        x, y = torch.randn(BATCH, 32), torch.randint(0, 10, (BATCH,))
-        pair = []
-        for m, opt in ((model, optimizer), (twin, twin_optimizer)):
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            pair.append(float(loss.detach()))
-        losses.append(pair)
-    assert_trains_like_torch(model, twin, np.array(losses))
+            optimizer.load_state_dict(copy.deepcopy(twin_optimizer.state_dict()))
+
+    pairs = ((model, optimizer), (twin, twin_optimizer))
+    assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 8, before_step=before_step))
 
 
 def test_a_hand_written_update_loop_is_replayed_and_trains_like_torch():
