@@ -82,11 +82,23 @@ _PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT, _OWN = range(7)
 # `addcdiv_` and `add_` with a tensor alpha as they are, not as inductor's fused multiply-adds
 # (one rounding; torch's eager kernels, which the live path matches, round each product); and
 # past its limit of traces per code object an error, not the twin's step run eagerly.
-_TRACING = functools.partial(
-    torch._dynamo.config.patch,
-    enable_dynamo_decompositions=False,
-    fail_on_recompile_limit_hit=True,
-)
+_TRACING_CONFIG = {"enable_dynamo_decompositions": False, "fail_on_recompile_limit_hit": True}
+
+
+class _Tracing:
+    """dynamo's config as `_TRACING_CONFIG` says within, as it was after: set and restored
+    attribute by attribute (`torch._dynamo.config.patch` costs twice as much, at every step)."""
+
+    def __enter__(self):
+        config = torch._dynamo.config
+        self.before = [(key, getattr(config, key)) for key in _TRACING_CONFIG]
+        for key, value in _TRACING_CONFIG.items():
+            setattr(config, key, value)
+
+    def __exit__(self, *exc):
+        config = torch._dynamo.config
+        for key, value in self.before:
+            setattr(config, key, value)
 # `.item()` in a traced step (Adafactor reads its step count so): the value, traced.
 _ITEM = torch.ops.aten._local_scalar_dense.default
 # torch's functions of Python scalars, which the values `.item()` read are in a traced step.
@@ -234,7 +246,7 @@ class _Capture:
 
     def _call(self) -> None:
         self.called = False
-        with torch.no_grad(), _TRACING():
+        with torch.no_grad(), _Tracing():
             self.compiled(self.twin)
         if not self.called:
             raise NotCapturable("dynamo ran the step without a graph of ours")

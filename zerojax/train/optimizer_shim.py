@@ -176,9 +176,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # state is brought in for the step.
             self._place_state(on_device=True)
             with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
-                if not captured_step.run(self._optimizer):
+                captured = captured_step.run(self._optimizer)
+                if not captured:
                     unhooked_step(self._optimizer)()
-            self._place_state()
+            # A captured step writes into the state tensors it was given, placed above: only
+            # offloaded ones go back to host memory (torch's own step may make new ones).
+            if not captured or "opt_state" in engine.plan.offloaded:
+                self._place_state()
         if self._reports_steps:
             engine.count_update()
 
