@@ -104,6 +104,11 @@ def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
     first = 0 if name == "Adagrad" else 1
     assert per_step == [(1, 0)] * first + [(0, 0)] * (STEPS - first), per_step
     assert compiled[-1] == compiled[first], compiled  # none compiled after the captured step
+    # Steps after the first captured one run its graph without dynamo (the learning rate read
+    # afresh); Rprop's step never reads its learning rate, so a scheduled one is a changed
+    # hyperparameter to dynamo's guards at every step (which pass: no trace).
+    shortcuts = 0 if name == "Rprop" else STEPS - first - 1
+    assert after["shortcuts"] - before["shortcuts"] == shortcuts
 
 
 def test_a_changed_hyperparameter_is_traced_again_and_trains_like_torch():
@@ -129,6 +134,47 @@ def test_a_changed_hyperparameter_is_traced_again_and_trains_like_torch():
     after = captured_step.captures()["traces"]
     assert traces[2:6] == [traces[2]] * 4 and traces[6:] == [after] * 4, traces
     assert after == traces[2] + 1, traces
+
+
+class LargeStepsThenSigns(torch.optim.Optimizer):
+    """A user's optimizer that branches on its learning rate: gradient steps while it is
+    above 0.05, sign steps below (dynamo guards the branch on the float it takes as input)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["steps"] = torch.zeros_like(p)
+                state["steps"].add_(1.0)
+                if group["lr"] > 0.05:
+                    p.add_(p.grad, alpha=-group["lr"])
+                else:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def test_a_branch_on_a_scheduled_learning_rate_is_never_run_without_dynamo():
+    """Its learning rate, a graph input, crosses the branch at step 5: dynamo traces the other
+    branch. No step runs a graph without dynamo's guards (a shortcut past them would run the
+    first branch's graph after the crossing and train differently from torch)."""
+
+    def decay(step, optimizers):
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = 0.1 * 0.8**step  # 0.1, 0.08, 0.064, 0.051, 0.041, ...
+
+    before = captured_step.captures()
+    model, twin, losses, *_ = train(LargeStepsThenSigns, 10, each_step=decay)
+    assert_trains_like_torch(model, twin, losses)
+    after = captured_step.captures()
+    assert after["captures"] - before["captures"] == 1
+    assert after["shortcuts"] == before["shortcuts"]
 
 
 def test_gradients_present_in_some_steps_only_keep_a_capture_each():

@@ -23,6 +23,10 @@ its sharded state are those of a recorded step; only the Python is gone.
   a graph input by dynamo after its first change; the twin is traced a second time with its
   learning rate moved at capture, so a schedule never traces it again. Any other value that
   changes is a new trace, guarded by dynamo.
+- **Without dynamo** (`_Shortcut`): while nothing its guards check has changed but the
+  floats its graph takes as inputs, the graph dynamo ran last runs again with those floats
+  read afresh, and dynamo's frame and guards cost nothing. A graph whose guards test such a
+  float (a branch on the learning rate) keeps dynamo at every step.
 - **Host scalars.** What the step computes from its host state and hyperparameters alone
   (torch's step counts, bias corrections, Rprop's and ASGD's 0-d tensors, RAdam's
   rectification) is computed by a small program of its own in float64, as torch computes it
@@ -46,6 +50,7 @@ import inspect
 import itertools
 import logging
 import operator
+import re
 import types
 import weakref
 
@@ -75,7 +80,7 @@ _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_LAYOUTS = 4
 _serials = itertools.count()
 _enabled = [True]
-_counts = {"captures": 0, "traces": 0}
+_counts = {"captures": 0, "traces": 0, "shortcuts": 0}
 # How an input of the captured graph gets its value each step.
 _PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT, _OWN = range(7)
 # How dynamo traces a twin's step, at every call (dynamo guards on its config): `addcmul_`,
@@ -121,7 +126,8 @@ class NotCapturable(Exception):
 
 
 def captures() -> dict[str, int]:
-    """How many twins were captured and how many graphs dynamo traced for them."""
+    """How many twins were captured, how many graphs dynamo traced for them, and how many
+    steps ran a graph without dynamo (`_Shortcut`)."""
     return dict(_counts)
 
 
@@ -223,6 +229,7 @@ class _Capture:
         self.lowered: list[_Graph] = []
         self.called = False
         self.dry = True
+        self.shortcut: _Shortcut | None = None
         self.writing = False  # (set by `_Program.record` once it writes the live tensors)
         _counts["captures"] += 1
         # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
@@ -253,13 +260,20 @@ class _Capture:
 
     def step(self) -> bool:
         optimizer = self.optimizer()
-        twin_groups = self.twin.param_groups
-        for group, twin_group in zip(optimizer.param_groups, twin_groups, strict=True):
-            for key, value in group.items():
-                if key not in _NOT_COPIED:
-                    twin_group[key] = value
         self.writing = False
         try:
+            with torch.no_grad():
+                shortcut = self.shortcut
+                args = None if shortcut is None else shortcut.args_for(optimizer.param_groups)
+                if args is not None:
+                    _counts["shortcuts"] += 1
+                    shortcut.graph.program.record(self, args)
+                    return True
+            twin_groups = self.twin.param_groups
+            for group, twin_group in zip(optimizer.param_groups, twin_groups, strict=True):
+                for key, value in group.items():
+                    if key not in _NOT_COPIED:
+                        twin_group[key] = value
             self._call()
         except NotCapturable:
             raise
@@ -348,19 +362,34 @@ class _Backend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         _counts["traces"] += 1
         capture = self.capture()
-        graph = _Graph(capture, gm)
+        graph = _Graph(capture, gm, _guards_values())
         capture.lowered.append(graph)
         return graph
+
+
+def _guards_values() -> bool:
+    """Whether dynamo's trace now ending guards the values of its float inputs (a branch on
+    the learning rate: `lr > 0.05` holds for this graph only), or cannot say: then no
+    `_Shortcut` runs its graph, which would skip that guard. (Its runtime asserts on values
+    the graph computes, from `.item()`, are no guards: dynamo does not check them either.)"""
+    try:
+        return bool(torch._guards.TracingContext.try_get().fake_mode.shape_env.guards)
+    except AttributeError:  # (another torch's internals: dynamo runs every step)
+        return True
 
 
 class _Graph:
     """One graph dynamo traced of a twin's step: lowered at its first real call, then recorded
     on the live tensors at each call."""
 
-    def __init__(self, capture: _Capture, gm: torch.fx.GraphModule):
+    def __init__(self, capture: _Capture, gm: torch.fx.GraphModule, guards_values: bool):
         self.capture = weakref.ref(capture)  # (dynamo keeps this object as long as the code)
         self.gm = gm
+        self.guards_values = guards_values
         self.program = None
+        # Where each float hyperparameter the graph takes as an input comes from
+        # (`_float_inputs`); None: from somewhere else (no shortcut).
+        self.floats: list[tuple] | None = None
 
     def __call__(self, *args):
         capture = self.capture()
@@ -369,9 +398,102 @@ class _Graph:
             return ()
         if self.program is None:
             self.program = _Program(capture, self.gm, args)
+            self.floats = _float_inputs(self.gm, args, capture)
             self.gm = None
         self.program.record(capture, args)
+        capture.shortcut = _Shortcut.taken(self, args, capture.optimizer().param_groups)
         return ()
+
+
+class _Shortcut:
+    """The graph dynamo ran last for a capture, run again without dynamo (its guards, its
+    frame, the hyperparameters copied into the twin: a third of a step's Python) while what
+    its guards check is as it was then: the twin (ours: never changed; another layout is
+    another capture), torch's global state (grad mode, default dtype, ...: dynamo's own
+    snapshot of it) and every hyperparameter of the live optimizer's groups, equal in type
+    and value -- but for the floats the graph takes as inputs (a scheduled learning rate),
+    which are read afresh, as dynamo would hand them over. Anything else changed: dynamo runs
+    the step (it may trace it again), and its graph is the next shortcut."""
+
+    def __init__(self, graph: _Graph, args: tuple, groups: list[dict]):
+        self.graph = graph
+        self.args = list(args)
+        self.groups = [{k: v for k, v in g.items() if k not in _NOT_COPIED} for g in groups]
+        self.floats = graph.floats
+        self.inputs = {(index, key) for _, index, key, _ in graph.floats}
+        self.global_state = torch._C._dynamo.guards.GlobalStateGuard()
+
+    @classmethod
+    def taken(cls, graph: _Graph, args: tuple, groups: list[dict]) -> _Shortcut | None:
+        """The shortcut to `graph`, just run on `args` with hyperparameters `groups`; None where
+        its inputs are not all the twin's tensors and hyperparameters."""
+        if graph.floats is None or graph.guards_values:
+            return None
+        for position, index, key, _ in graph.floats:  # (the name matched: the value must)
+            value = groups[index].get(key)
+            if type(value) is not float or args[position].item() != value:
+                return None
+        return cls(graph, args, groups)
+
+    def args_for(self, groups: list[dict]) -> list | None:
+        """The graph's arguments for a step with hyperparameters `groups`; None where dynamo
+        must run it."""
+        if len(groups) != len(self.groups) or not self.global_state.check():
+            return None
+        for index, (group, seen) in enumerate(zip(groups, self.groups, strict=True)):
+            if len(group) != len(seen) + len(_NOT_COPIED):  # a key added
+                return None
+            for key, value in seen.items():
+                now = group.get(key, _MISSING)
+                if (index, key) in self.inputs:
+                    if type(now) is not float:
+                        return None
+                elif not _same(now, value):
+                    return None
+        args = list(self.args)
+        for position, index, key, dtype in self.floats:
+            args[position] = torch.tensor(groups[index][key], dtype=dtype)
+        return args
+
+
+_MISSING = object()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _same(a, b) -> bool:
+    """Whether hyperparameter values `a` and `b` are equal as dynamo's guards take them: plain
+    values (and tuples of them: betas) of one type and equal. Anything else (a list, a tensor)
+    could have changed in place: never the same (dynamo checks it)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    return type(a) in _PLAIN and (a is b or a == b)
+
+
+def _float_inputs(gm: torch.fx.GraphModule, args: tuple, capture: _Capture) -> list | None:
+    """Where each input of `gm` that is not a twin tensor comes from, as (its position, group
+    index, hyperparameter key, dtype): a float hyperparameter dynamo made an input after it
+    changed, handed over as a 0-d tensor and named after its source (its placeholder's target
+    is dynamo's `L['self'].param_groups[0]['lr']` with each run of other characters as one
+    `_`). None where one is anything else."""
+    own = inspect.unwrap(type(capture.optimizer()).step).__code__.co_varnames[0]
+    names = {
+        re.sub(r"[^a-zA-Z0-9]+", "_", f"L['{own}'].param_groups[{index}]['{key}']"): (index, key)
+        for index, group in enumerate(capture.twin.param_groups)
+        for key in group
+        if key not in _NOT_COPIED
+    }
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    floats = []
+    for position, (node, arg) in enumerate(zip(placeholders, args, strict=True)):
+        if id(arg) in capture.stands_for:
+            continue
+        source = names.get(node.target)
+        if source is None or not isinstance(arg, torch.Tensor) or arg.dim() != 0:
+            return None
+        floats.append((position, *source, arg.dtype))
+    return floats
 
 
 class _Program:
