@@ -104,6 +104,8 @@ class _Tracing:
         config = torch._dynamo.config
         for key, value in self.before:
             setattr(config, key, value)
+
+
 # `.item()` in a traced step (Adafactor reads its step count so): the value, traced.
 _ITEM = torch.ops.aten._local_scalar_dense.default
 # torch's functions of Python scalars, which the values `.item()` read are in a traced step.
