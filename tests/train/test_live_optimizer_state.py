@@ -163,6 +163,15 @@ def test_offloaded_state_lives_on_the_host_with_the_same_numbers(name):
     state = offloaded[0].engine.state.opt_state
     kinds = {a.sharding.memory_kind for values in state.values() for a in values.values()}
     assert kinds == {"pinned_host"}
+    # and the parameter-shaped live tensors the next step reads, which the last (captured)
+    # step wrote (Adafactor's row and column means stay on the devices between steps)
+    live = [
+        value
+        for param, values in offloaded[1].state.items()
+        for value in values.values()
+        if value.shape == param.shape
+    ]
+    assert live and {v.array.sharding.memory_kind for v in live} == {"pinned_host"}
     assert_bitwise(host(state), host(on_device[0].engine.state.opt_state))
 
 
