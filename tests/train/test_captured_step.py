@@ -233,6 +233,27 @@ def test_an_optimizer_built_after_initialize_is_captured():
     assert delta(before, counts())["replays"] == 0
 
 
+def test_step_counts_a_user_holds_keep_counting():
+    """NAdam's step counts and `mu_product` (0-d host tensors) are read and written at once
+    from one buffer each once captured: the same tensor objects stay in the state, and one
+    taken before the capture shows every later step, as under torch."""
+    run_what_earlier_tests_recorded()
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(module, torch.optim.NAdam(module.parameters()), ZERO3)
+    twin_optimizer = torch.optim.NAdam(twin.parameters())
+    pairs = ((model, optimizer), (twin, twin_optimizer))
+    steps_beside_torch(pairs, 1)  # (the state made: not captured)
+    held = {(p, key): value for p, state in optimizer.state.items() for key, value in state.items()}
+    steps_beside_torch(pairs, 5)
+    assert_state_like_torch(optimizer, twin_optimizer)
+    for (p, key), value in held.items():
+        assert optimizer.state[p][key] is value, key
+    steps = [v for (_, key), v in held.items() if key == "step"]
+    assert steps and all(float(v) == 6.0 for v in steps)
+
+
 def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
     """`load_state_dict` replaces the state tensors (a resume): the captured step reads the
     new ones, not those of its capture. Loaded from the torch twin's state after 3 steps into
