@@ -76,6 +76,17 @@ def cosine(optimizer):
     return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
 
 
+def handed_over_and_twin(make):
+    """(model, optimizer): the MLP with `make`'s optimizer handed to `initialize` (ZeRO-3), and
+    (twin, twin's optimizer): a plain-torch copy with its own."""
+    run_what_earlier_tests_recorded()
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, optimizer = zerojax.initialize(module, make(module.parameters()), ZERO3)
+    return (model, optimizer), (twin, make(twin.parameters()))
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
     """The first step runs as before (it makes the state), unless the state is there already;
@@ -180,12 +191,7 @@ def test_a_branch_on_a_scheduled_learning_rate_is_never_run_without_dynamo():
 def test_gradients_present_in_some_steps_only_keep_a_capture_each():
     """One parameter without a gradient every other step: two layouts (which parameters
     have gradients), each captured once and run as it comes, not captured anew each time."""
-    run_what_earlier_tests_recorded()
-    torch.manual_seed(0)
-    module = MLP()
-    twin = copy.deepcopy(module)
-    model, optimizer = zerojax.initialize(module, torch.optim.RMSprop(module.parameters()), ZERO3)
-    twin_optimizer = torch.optim.RMSprop(twin.parameters())
+    (model, optimizer), (twin, twin_optimizer) = handed_over_and_twin(torch.optim.RMSprop)
     before = counts()
 
     def after_backward(step, m):
@@ -237,13 +243,8 @@ def test_step_counts_a_user_holds_keep_counting():
     """NAdam's step counts and `mu_product` (0-d host tensors) are read and written at once
     from one buffer each once captured: the same tensor objects stay in the state, and one
     taken before the capture shows every later step, as under torch."""
-    run_what_earlier_tests_recorded()
-    torch.manual_seed(0)
-    module = MLP()
-    twin = copy.deepcopy(module)
-    model, optimizer = zerojax.initialize(module, torch.optim.NAdam(module.parameters()), ZERO3)
-    twin_optimizer = torch.optim.NAdam(twin.parameters())
-    pairs = ((model, optimizer), (twin, twin_optimizer))
+    pairs = handed_over_and_twin(torch.optim.NAdam)
+    (_, optimizer), (_, twin_optimizer) = pairs
     steps_beside_torch(pairs, 1)  # (the state made: not captured)
     held = {(p, key): value for p, state in optimizer.state.items() for key, value in state.items()}
     steps_beside_torch(pairs, 5)
@@ -258,14 +259,9 @@ def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
     """`load_state_dict` replaces the state tensors (a resume): the captured step reads the
     new ones, not those of its capture. Loaded from the torch twin's state after 3 steps into
     the wrapped one, the next steps match the twin's."""
-    run_what_earlier_tests_recorded()
-    torch.manual_seed(0)
-    module = MLP()
-    twin = copy.deepcopy(module)
-    model, optimizer = zerojax.initialize(
-        module, torch.optim.RMSprop(module.parameters(), lr=1e-2, momentum=0.5), ZERO3
+    (model, optimizer), (twin, twin_optimizer) = handed_over_and_twin(
+        lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5)
     )
-    twin_optimizer = torch.optim.RMSprop(twin.parameters(), lr=1e-2, momentum=0.5)
 
     def before_step(step):
         if step == 3:  # a different state than the wrapped one's: the twin's, doubled
