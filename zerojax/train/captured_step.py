@@ -24,8 +24,9 @@ its sharded state are those of a recorded step; only the Python is gone.
   learning rate moved at capture, so a schedule never traces it again. Any other value that
   changes is a new trace, guarded by dynamo.
 - **Without dynamo** (`_Shortcut`): while nothing its guards check has changed but the
-  floats its graph takes as inputs, the graph dynamo ran last runs again with those floats
-  read afresh, and dynamo's frame and guards cost nothing. A graph whose guards test such a
+  floats its graph takes as inputs (and values its guards passed changed once), the graph
+  dynamo ran last runs again with those floats read afresh, and dynamo's frame and guards
+  cost nothing. A graph whose guards test such a
   float (a branch on the learning rate) keeps dynamo at every step.
 - **Host scalars.** What the step computes from its host state and hyperparameters alone
   (torch's step counts, bias corrections, Rprop's and ASGD's 0-d tensors, RAdam's
@@ -276,7 +277,17 @@ class _Capture:
                 for key, value in group.items():
                     if key not in _NOT_COPIED:
                         twin_group[key] = value
+            traces = _counts["traces"]
             self._call()
+            if (
+                shortcut is not None
+                and _counts["traces"] == traces
+                and self.shortcut is not None
+                and self.shortcut.graph is shortcut.graph
+            ):
+                # dynamo's guards passed the same graph on the values that stopped the
+                # shortcut: those its trace never read (Rprop's learning rate).
+                shortcut.graph.unguarded |= shortcut.changed(optimizer.param_groups)
         except NotCapturable:
             raise
         except Exception as error:  # a new trace that dynamo or the lowering refused
@@ -388,6 +399,9 @@ class _Graph:
         self.capture = weakref.ref(capture)  # (dynamo keeps this object as long as the code)
         self.gm = gm
         self.guards_values = guards_values
+        # (group index, key) of hyperparameters whose values its guards do not check (a
+        # `_Shortcut` checks only their types).
+        self.unguarded: set[tuple[int, str]] = set()
         self.program = None
         # Where each float hyperparameter the graph takes as an input comes from
         # (`_float_inputs`); None: from somewhere else (no shortcut).
@@ -414,8 +428,10 @@ class _Shortcut:
     another capture), torch's global state (grad mode, default dtype, ...: dynamo's own
     snapshot of it) and every hyperparameter of the live optimizer's groups, equal in type
     and value -- but for the floats the graph takes as inputs (a scheduled learning rate),
-    which are read afresh, as dynamo would hand them over. Anything else changed: dynamo runs
-    the step (it may trace it again), and its graph is the next shortcut."""
+    which are read afresh, as dynamo would hand them over, and for those whose change dynamo's
+    guards once passed on the same graph (its trace never read their values: Rprop's
+    learning rate), which keep only their type. Anything else changed: dynamo runs the step
+    (it may trace it again), and its graph is the next shortcut."""
 
     def __init__(self, graph: _Graph, args: tuple, groups: list[dict]):
         self.graph = graph
@@ -437,6 +453,18 @@ class _Shortcut:
                 return None
         return cls(graph, args, groups)
 
+    def changed(self, groups: list[dict]) -> set[tuple[int, str]]:
+        """(group index, key) of the plain hyperparameters (numbers, strings, tuples of them)
+        whose values in `groups` differ from this shortcut's, in the same type."""
+        return {
+            (index, key)
+            for index, (group, seen) in enumerate(zip(groups, self.groups, strict=False))
+            for key, value in seen.items()
+            if type(group.get(key, _MISSING)) is type(value)
+            and _same(value, value)  # a plain value: one `_same` can tell apart
+            and not _same(group[key], value)
+        }
+
     def args_for(self, groups: list[dict]) -> list | None:
         """The graph's arguments for a step with hyperparameters `groups`; None where dynamo
         must run it."""
@@ -449,6 +477,9 @@ class _Shortcut:
                 now = group.get(key, _MISSING)
                 if (index, key) in self.inputs:
                     if type(now) is not float:
+                        return None
+                elif (index, key) in self.graph.unguarded:
+                    if type(now) is not type(value):
                         return None
                 elif not _same(now, value):
                     return None
