@@ -188,10 +188,12 @@ def test_a_branch_on_a_scheduled_learning_rate_is_never_run_without_dynamo():
     assert after["shortcuts"] == before["shortcuts"]
 
 
-def test_gradients_present_in_some_steps_only_keep_a_capture_each():
+# NAdam: its step counts and `mu_product`, host tensors both captures read and write.
+@pytest.mark.parametrize("make", [torch.optim.RMSprop, torch.optim.NAdam])
+def test_gradients_present_in_some_steps_only_keep_a_capture_each(make):
     """One parameter without a gradient every other step: two layouts (which parameters
     have gradients), each captured once and run as it comes, not captured anew each time."""
-    (model, optimizer), (twin, twin_optimizer) = handed_over_and_twin(torch.optim.RMSprop)
+    (model, optimizer), (twin, twin_optimizer) = handed_over_and_twin(make)
     before = counts()
 
     def after_backward(step, m):
@@ -204,6 +206,7 @@ def test_gradients_present_in_some_steps_only_keep_a_capture_each():
     assert_trains_like_torch(
         model, twin, steps_beside_torch(pairs, 9, after_backward=after_backward)
     )
+    assert_state_like_torch(optimizer, twin_optimizer)
     assert delta(before, counts())["captures"] == 2
 
 

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zerojax.bridge.capture import decomposition_table
 from zerojax.bridge.dtypes import to_jax_dtype
@@ -756,15 +757,31 @@ class _SharedHostState:
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.buffer = torch.stack(tensors)
+        self.moved = False
         storage = self.buffer.untyped_storage()
         for i, tensor in enumerate(tensors):
             tensor.set_(storage, i, (), ())
+            # (another capture's program -- another layout: a parameter without its
+            # gradient -- made it a view of its own buffer before: no longer)
+            earlier = _views.get(tensor)
+            if earlier is not None:
+                earlier.moved = True
+            _views[tensor] = self
         self.tensors = tensors
         self.array = self.buffer.numpy()
 
     def holds(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether `tensors` are these (a loaded state dict's are new ones)."""
-        return len(tensors) == len(self.tensors) and all(map(operator.is_, tensors, self.tensors))
+        """Whether `tensors` are these, still views of this buffer (a loaded state dict's are
+        new ones; another program's vector may have taken some)."""
+        return (
+            not self.moved
+            and len(tensors) == len(self.tensors)
+            and all(map(operator.is_, tensors, self.tensors))
+        )
+
+
+# host state tensor -> the `_SharedHostState` whose buffer it is a view of
+_views = WeakIdKeyDictionary()
 
 
 def _sharable(tensor: torch.Tensor) -> bool:
