@@ -26,8 +26,10 @@ its sharded state are those of a recorded step; only the Python is gone.
 - **Without dynamo** (`_Shortcut`): while nothing its guards check has changed but the
   floats its graph takes as inputs (and values its guards passed changed once), the graph
   dynamo ran last runs again with those floats read afresh, and dynamo's frame and guards
-  cost nothing. A graph whose guards test such a
-  float (a branch on the learning rate) keeps dynamo at every step.
+  cost nothing. A graph whose guards test such a float (a branch on the learning rate)
+  keeps dynamo at every step.
+- **Step counts** (0-d host state of one dtype) are made views of one buffer in place
+  (`_SharedHostState`): read and written at once.
 - **Host scalars.** What the step computes from its host state and hyperparameters alone
   (torch's step counts, bias corrections, Rprop's and ASGD's 0-d tensors, RAdam's
   rectification) is computed by a small program of its own in float64, as torch computes it
