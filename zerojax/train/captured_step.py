@@ -241,6 +241,7 @@ class _Capture:
         # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
         # keep dynamo from seeing one graph): run under no_grad, as `_use_grad` runs it.
         step = _own_code(inspect.unwrap(type(optimizer).step))
+        self.own_name = step.__code__.co_varnames[0]  # (`self`: dynamo's names start from it)
         self.compiled = torch.compile(step, backend=_Backend(self), fullgraph=True)
         # Traced twice before it runs: with the learning rate as it is, then moved, so that a
         # schedule's next value does not trace it again (dynamo makes a float that changed an
@@ -440,7 +441,6 @@ class _Shortcut:
         self.graph = graph
         self.args = list(args)
         self.groups = [{k: v for k, v in g.items() if k not in _NOT_COPIED} for g in groups]
-        self.floats = graph.floats
         self.inputs = {(index, key) for _, index, key, _ in graph.floats}
         self.global_state = torch._C._dynamo.guards.GlobalStateGuard()
 
@@ -487,7 +487,7 @@ class _Shortcut:
                 elif not _same(now, value):
                     return None
         args = list(self.args)
-        for position, index, key, dtype in self.floats:
+        for position, index, key, dtype in self.graph.floats:
             args[position] = torch.tensor(groups[index][key], dtype=dtype)
         return args
 
@@ -513,7 +513,7 @@ def _float_inputs(gm: torch.fx.GraphModule, args: tuple, capture: _Capture) -> l
     changed, handed over as a 0-d tensor and named after its source (its placeholder's target
     is dynamo's `L['self'].param_groups[0]['lr']` with each run of other characters as one
     `_`). None where one is anything else."""
-    own = inspect.unwrap(type(capture.optimizer()).step).__code__.co_varnames[0]
+    own = capture.own_name
     names = {
         re.sub(r"[^a-zA-Z0-9]+", "_", f"L['{own}'].param_groups[{index}]['{key}']"): (index, key)
         for index, group in enumerate(capture.twin.param_groups)
@@ -624,8 +624,13 @@ class _Program:
             (dtype, [written[i] for i in group]) for dtype, group in written_groups
         ]
         self.host_targets = [[inputs[i] for i in group] for _, group in written_groups]
-        # Per host vector, its state tensors as views of one buffer, once they are.
+        # Per host vector, its state tensors as views of one buffer, where they are this
+        # step's (`_host_vector`); per written vector, the host vector of the same tensors.
         self.shared: list[_SharedHostState | None] = [None] * len(self.host_groups)
+        self.written_from = [
+            self.host_sources.index(t) if t in self.host_sources else None
+            for t in self.host_targets
+        ]
         self.host_program = jax.jit(self._host_values)
         # A number of its own (never reused, as an id is): recorded programs are cached by key.
         self.serial = next(_serials)
@@ -729,12 +734,14 @@ class _Program:
         )
         for k, value in zip(self.live_written, outputs, strict=True):
             sources[k].write(value)
-        for targets, vector in zip(self.host_targets, new_host, strict=True):
-            tensors = [state[params[i]][key] for _, i, key in targets]
-            shared = next((h for h in self.shared if h is not None and h.holds(tensors)), None)
-            if shared is not None:
+        for targets, group, vector in zip(
+            self.host_targets, self.written_from, new_host, strict=True
+        ):
+            shared = None if group is None else self.shared[group]
+            if shared is not None:  # (read from it above, in this step)
                 shared.array[...] = np.asarray(vector)
             else:
+                tensors = [state[params[i]][key] for _, i, key in targets]
                 torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
 
     def _host_vector(self, group: int, state, params: list, args: tuple) -> np.ndarray:
@@ -748,6 +755,7 @@ class _Program:
         if all(kind == _HOST_STATE for kind, _, _ in sources) and all(map(_sharable, tensors)):
             self.shared[group] = shared = _SharedHostState(tensors)
             return shared.array
+        self.shared[group] = None
         return torch.stack(tensors).numpy()
 
 

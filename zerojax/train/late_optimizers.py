@@ -188,10 +188,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs):
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if isinstance(optimizer, ZeroOptimizer) or _ADOPTED in optimizer.__dict__:
         return
-    # A captured step (torch's then ran on a stand-in, `_before_step`) wrote into the state
-    # tensors placed before it: only offloaded ones go back to host memory.
+    # (a captured step: torch's then ran on a stand-in, `_before_step`)
     captured = bool(args) and args[0] is not optimizer
     placed = _placed.setdefault(optimizer, {})
     for engine, names in _engines(optimizer).items():
-        if not captured or "opt_state" in engine.plan.offloaded:
-            place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}))
+        place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}), captured=captured)

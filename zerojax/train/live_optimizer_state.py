@@ -201,6 +201,7 @@ def place_state(
     plan,
     placed: dict[tuple[str, str], weakref.ref],
     on_device: bool = False,
+    captured: bool = False,
 ) -> None:
     """Put each parameter-shaped state tensor (a moment, a momentum buffer) of `optimizer`'s
     parameters in `names` (id(param) -> the engine's name) on `plan`'s optimizer-state sharding
@@ -208,8 +209,12 @@ def place_state(
     `offload.optimizer: host` keeps it in host memory between steps (`on_device`: the same
     shards in device memory, where the step computes). Host tensors of that shape (from
     `load_state_dict`) become live ones; scalars (step counts) stay as torch keeps them.
-    `placed`, kept by the caller between calls, notes the tensors placed already."""
+    `placed`, kept by the caller between calls, notes the tensors placed already.
+    `captured`: after a captured step (`zerojax.train.captured_step`), which wrote into the
+    tensors placed before it: only offloaded ones go back to host memory."""
     offloaded = "opt_state" in plan.offloaded
+    if captured and not offloaded:
+        return
     on_device = on_device and offloaded  # without offload the shards are on the devices
     # Without offload a state tensor once placed stays on its sharding (`Owned`): only
     # tensors not seen here before (a new state key, one `load_state_dict` put in) are

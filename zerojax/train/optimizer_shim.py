@@ -179,17 +179,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 captured = captured_step.run(self._optimizer)
                 if not captured:
                     unhooked_step(self._optimizer)()
-            # A captured step writes into the state tensors it was given, placed above: only
-            # offloaded ones go back to host memory (torch's own step may make new ones).
-            if not captured or "opt_state" in engine.plan.offloaded:
-                self._place_state()
+            self._place_state(captured=captured)
         if self._reports_steps:
             engine.count_update()
 
-    def _place_state(self, on_device: bool = False) -> None:
+    def _place_state(self, on_device: bool = False, captured: bool = False) -> None:
         """The state on the plan's optimizer-state shardings (`live_optimizer_state.place_state`;
-        `on_device`: in device memory, for the step, where it is offloaded)."""
-        place_state(self._optimizer, self._param_names, self._engine.plan, self._placed, on_device)
+        `on_device`: in device memory, for the step, where it is offloaded; `captured`: after a
+        captured step)."""
+        place_state(
+            self._optimizer,
+            self._param_names,
+            self._engine.plan,
+            self._placed,
+            on_device,
+            captured,
+        )
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next `step()` applies the update: always without gradient accumulation,
