@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ from tests.train.test_replay import (
     train,
 )
 from tests.train.test_torch_optimizers import SignMomentum, relative_errors
-from zerojax.train import captured_step, replay
+from zerojax.train import captured_step, deferred, replay
+from zerojax.train.parameters import live_of
 
 pytestmark = pytest.mark.multidevice
 
@@ -256,6 +258,59 @@ def test_step_counts_a_user_holds_keep_counting():
         assert optimizer.state[p][key] is value, key
     steps = [v for (_, key), v in held.items() if key == "step"]
     assert steps and all(float(v) == 6.0 for v in steps)
+
+
+def test_a_step_with_nothing_recorded_before_it_runs_alone_and_spares_held_arrays():
+    """With nothing recorded before it (`step()` on the optimizer handed to `initialize` runs
+    what is pending first), a captured step runs at once as a program of its own, with no
+    recording's bookkeeping per tensor, and reuses the buffers of the parameters and the
+    state it replaces -- but never one held anywhere else: an array of a state tensor and one
+    of a parameter, taken before a step, keep their values."""
+    pairs = handed_over_and_twin(lambda p: torch.optim.RMSprop(p, lr=1e-2))
+    (model, optimizer), (twin, twin_optimizer) = pairs
+    steps_beside_torch(pairs, 2)  # (the state made, then the step captured)
+    before, runs = counts(), deferred.programs_run()
+    steps_beside_torch(pairs, 3)
+    assert delta(before, counts())["alone"] == 3
+    assert deferred.programs_run() - runs == 3  # (live-tensor programs: the step's)
+
+    parameter = next(model.parameters())
+    held = [optimizer.state[parameter]["square_avg"].array, live_of(parameter).array]
+    values = [np.asarray(a).copy() for a in held]
+    losses = steps_beside_torch(pairs, 2)
+    for array, value in zip(held, values, strict=True):
+        np.testing.assert_array_equal(np.asarray(array), value)
+    assert not np.array_equal(live_of(parameter).numpy(), values[1])  # (it did step)
+    np.testing.assert_allclose(losses[:, 0], losses[:, 1], rtol=1e-5)
+    assert max(relative_errors(model, twin).values()) <= 1e-4
+    assert_state_like_torch(optimizer, twin_optimizer)
+
+
+def test_a_step_after_recorded_ops_joins_their_program():
+    """An optimizer built after `initialize` steps right after torch's clip (the Trainer's
+    order), whose ops are still recorded: its captured step joins their recording, one
+    program for both, and trains as torch does."""
+    run_what_earlier_tests_recorded()
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, _ = zerojax.initialize(module, None, ZERO3)
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    twin_optimizer = torch.optim.RMSprop(twin.parameters(), lr=1e-3)
+    pairs = ((model, optimizer), (twin, twin_optimizer))
+
+    def clip(step, m):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+
+    steps_beside_torch(pairs, 2, after_backward=clip)  # (the state made, the step captured)
+    before, runs = counts(), deferred.programs_run()
+    losses = steps_beside_torch(pairs, 4, after_backward=clip)
+    assert delta(before, counts())["alone"] == 0
+    assert delta(before, counts())["shortcuts"] == 4
+    assert deferred.programs_run() - runs == 4  # the clip's and the step's in one
+    np.testing.assert_allclose(losses[:, 0], losses[:, 1], rtol=1e-5)
+    assert max(relative_errors(model, twin).values()) <= 1e-4
+    assert_state_like_torch(optimizer, twin_optimizer)
 
 
 def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():

@@ -70,8 +70,8 @@ from zerojax.bridge.dtypes import to_jax_dtype
 from zerojax.bridge.interpreter import _evaluate
 from zerojax.bridge.registry import LoweringContext
 from zerojax.train import deferred
-from zerojax.train.live_tensor import LiveTensor
-from zerojax.train.parameters import live_of
+from zerojax.train.live_tensor import LiveTensor, Owned
+from zerojax.train.parameters import EngineEntry, live_of
 
 __all__ = ["captures", "disabled", "run"]
 
@@ -84,7 +84,7 @@ _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_LAYOUTS = 4
 _serials = itertools.count()
 _enabled = [True]
-_counts = {"captures": 0, "traces": 0, "shortcuts": 0}
+_counts = {"captures": 0, "traces": 0, "shortcuts": 0, "alone": 0}
 # How an input of the captured graph gets its value each step.
 _PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT, _OWN = range(7)
 # How dynamo traces a twin's step, at every call (dynamo guards on its config): `addcmul_`,
@@ -123,6 +123,9 @@ _SCALAR_FUNCTIONS = {
 
 # What a captured step's state tensors are: live ones, and host ones (0-d: `_Program`).
 _STATE_KINDS = frozenset({LiveTensor, torch.Tensor})
+# The sources a step run alone writes its results into itself (`_Program._run_alone`): a live
+# tensor's own array (the optimizer's state) and an engine entry (a parameter).
+_OWNERS = frozenset({Owned, EngineEntry})
 # Group entries a twin keeps its own of: its tensors.
 _NOT_COPIED = frozenset({"params"})
 
@@ -132,8 +135,9 @@ class NotCapturable(Exception):
 
 
 def captures() -> dict[str, int]:
-    """How many twins were captured, how many graphs dynamo traced for them, and how many
-    steps ran a graph without dynamo (`_Shortcut`)."""
+    """How many twins were captured, how many graphs dynamo traced for them, how many steps
+    ran a graph without dynamo (`_Shortcut`) and how many ran as a program of their own
+    (`_Program._run_alone`: nothing was recorded before them)."""
     return dict(_counts)
 
 
@@ -729,11 +733,18 @@ class _Program:
             crossings, new_host = self.host_program(host)
         crossings = [np.asarray(v) for v in crossings]
         capture.writing = True
-        outputs = deferred.record(
-            self.key, self._device_values, [s.value() for s in sources] + crossings, self.avals
-        )
-        for k, value in zip(self.live_written, outputs, strict=True):
-            sources[k].write(value)
+        with deferred.exclusive():
+            if deferred.idle() and all(type(sources[k]) in _OWNERS for k in self.live_written):
+                self._run_alone(capture, sources, crossings)
+            else:
+                outputs = deferred.record(
+                    self.key,
+                    self._device_values,
+                    [s.value() for s in sources] + crossings,
+                    self.avals,
+                )
+                for k, value in zip(self.live_written, outputs, strict=True):
+                    sources[k].write(value)
         for targets, group, vector in zip(
             self.host_targets, self.written_from, new_host, strict=True
         ):
@@ -743,6 +754,32 @@ class _Program:
             else:
                 tensors = [state[params[i]][key] for _, i, key in targets]
                 torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
+
+    def _run_alone(self, capture: _Capture, sources: list, crossings: list) -> None:
+        """The step as a program of its own, run now, where nothing else is recorded (there is
+        nothing to fuse it with): its results written straight into the live tensors' arrays
+        and, one call per writer, the engine's entries."""
+        _counts["alone"] += 1
+        arrays = [deferred.resolve(s.value()) for s in sources]
+        written = self.live_written
+        results = deferred.run_alone(
+            self.key,
+            self._device_values,
+            arrays,
+            crossings,
+            written,
+            [sources[k].sharding for k in written],
+            f"{type(capture.optimizer()).__name__}'s captured step",
+        )
+        by_writer: dict = {}
+        for k, value in zip(written, results, strict=True):
+            source = sources[k]
+            if type(source) is Owned:  # (left on its sharding by the program)
+                source.array = value
+            else:
+                by_writer.setdefault(source.writer, {})[source.name] = value
+        for writer, values in by_writer.items():
+            writer(values)
 
     def _host_vector(self, group: int, state, params: list, args: tuple) -> np.ndarray:
         """The values of host vector `group`'s tensors: read at once from the buffer they are

@@ -63,11 +63,14 @@ from zerojax.bridge.index_bounds import raise_if_out_of_range
 __all__ = [
     "Deferred",
     "current_recording",
+    "exclusive",
     "flush",
+    "idle",
     "programs_compiled",
     "programs_run",
     "record",
     "resolve",
+    "run_alone",
     "signature_generation",
 ]
 
@@ -236,6 +239,9 @@ _recording = _Recording()
 # mean nothing in another.
 _generation = [0]
 _programs: dict[tuple, Callable] = {}
+# (op key, donated inputs, result shardings) -> (its program, whether its arrays span several
+# devices) for ops run alone (`run_alone`).
+_alone_programs: dict[tuple, tuple[Callable, bool]] = {}
 _last_key: list[tuple] = []
 _compiled = [0]
 _runs = [0]
@@ -432,6 +438,100 @@ def _run(recording: _Recording) -> None:
     _hand_over(recording)
     for vector in flags:
         raise_if_out_of_range(vector)
+
+
+def idle() -> bool:
+    """Whether nothing is recorded or running, and no trace or replay is under way (their
+    hooks are set while one is): then an op run at once (`run_alone`) reads and leaves what a
+    recording of it would."""
+    recording = _recording
+    return not (
+        recording.ops
+        or recording.writes
+        or _running[0]
+        or interrupt[0] is not None
+        or write_hook[0] is not None
+    )
+
+
+def exclusive() -> threading.RLock:
+    """The lock a flush holds while it runs and hands over (`run_alone`'s caller holds it from
+    its reads to its writes)."""
+    return _lock
+
+
+def run_alone(
+    key: Hashable,
+    fn: Callable,
+    arrays: list[jax.Array],
+    rest: list,
+    written: Sequence[int],
+    out_shardings: Sequence[Any],
+    what: str,
+) -> list[jax.Array]:
+    """Run `fn(arrays + rest, None)` (an op, see `_Op`; `what` it is, for the log) at once as a program of its own, where
+    `idle()`: with nothing to fuse it with, a recording's bookkeeping per input (its origin,
+    its result's hand-over) would cost more than it saves (a captured optimizer step: ~1 ms of
+    Python for 156 arrays). `written`: the positions in `arrays` of the inputs its results
+    replace, in the results' order; results leave on `out_shardings`. Such an input's buffer is
+    the program's to reuse (as `flush` donates) where nothing holds it but `arrays` and the one
+    owner it was read from (a live tensor's own array; an engine entry, with the recording's
+    note of that read): the caller writes each result there. Empties `arrays`."""
+    extra = _extra_argument_references()
+    donated = tuple(k for k in written if _owner_only(arrays[k], extra))
+    program_key = (key, donated, tuple(out_shardings))
+    entry = _alone_programs.get(program_key)
+    if entry is None:
+        entry = _compile_alone(fn, arrays, donated, program_key, what)
+    program, spans_devices = entry
+    gone = set(donated)
+    given = [arrays[k] for k in donated]
+    kept = [a for k, a in enumerate(arrays) if k not in gone]
+    arrays.clear()
+    results, flags = program(given, kept, rest)
+    del given
+    if spans_devices:
+        jax.block_until_ready(results)
+    _runs[0] += 1
+    if flags is not None:
+        raise_if_out_of_range(flags)
+    return results
+
+
+def _owner_only(array: jax.Array, extra: int) -> bool:
+    """Whether nothing holds `array` but its list, its owner and, for an engine entry's value,
+    the recording's note of its read (`read_entry`)."""
+    references = sys.getrefcount(array) - extra  # (as `_unheld` counts)
+    noted = _recording.entries.get(id(array))
+    return references <= _UNHELD + 1 + (noted is not None and noted[0] is array)
+
+
+def _compile_alone(fn: Callable, arrays: list, donated: tuple, key: tuple, what: str) -> tuple:
+    count, out_shardings = len(arrays), key[2]
+    gone = set(donated)
+    kept = [i for i in range(count) if i not in gone]
+
+    def program(given, held, rest):
+        arrays = [None] * count
+        for i, array in zip(donated, given, strict=True):
+            arrays[i] = array
+        for i, array in zip(kept, held, strict=True):
+            arrays[i] = array
+        return fn(arrays + list(rest), None)
+
+    _compiled[0] += 1
+    log.info(
+        "zerojax: compiling %s, run alone; %d of its %d input arrays donated",
+        what,
+        len(donated),
+        count,
+    )
+    compiled = jax.jit(program, out_shardings=(list(out_shardings), None), donate_argnums=0)
+    spans_devices = any(_spans(a.sharding)[1] for a in arrays)
+    if len(_alone_programs) >= _MAX_PROGRAMS:
+        _alone_programs.pop(next(iter(_alone_programs)))
+    _alone_programs[key] = (compiled, spans_devices)
+    return compiled, spans_devices
 
 
 def _in_host_memory(sharding) -> bool:
