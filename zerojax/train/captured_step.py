@@ -84,7 +84,7 @@ _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_LAYOUTS = 4
 _serials = itertools.count()
 _enabled = [True]
-_counts = {"captures": 0, "traces": 0, "shortcuts": 0, "alone": 0}
+_counts = {"captures": 0, "traces": 0, "steps": 0, "shortcuts": 0, "alone": 0}
 # How an input of the captured graph gets its value each step.
 _PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT, _OWN = range(7)
 # How dynamo traces a twin's step, at every call (dynamo guards on its config): `addcmul_`,
@@ -136,8 +136,8 @@ class NotCapturable(Exception):
 
 def captures() -> dict[str, int]:
     """How many twins were captured, how many graphs dynamo traced for them, how many steps
-    ran a graph without dynamo (`_Shortcut`) and how many ran as a program of their own
-    (`_Program._run_alone`: nothing was recorded before them)."""
+    ran a captured graph, how many of those without dynamo (`_Shortcut`) and how many as a
+    program of their own (`_Program._run_alone`: nothing was recorded before them)."""
     return dict(_counts)
 
 
@@ -733,6 +733,7 @@ class _Program:
             crossings, new_host = self.host_program(host)
         crossings = [np.asarray(v) for v in crossings]
         capture.writing = True
+        _counts["steps"] += 1
         with deferred.exclusive():
             if deferred.idle() and all(type(sources[k]) in _OWNERS for k in self.live_written):
                 self._run_alone(capture, sources, crossings)
