@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -311,6 +312,33 @@ def test_a_step_after_recorded_ops_joins_their_program():
     np.testing.assert_allclose(losses[:, 0], losses[:, 1], rtol=1e-5)
     assert max(relative_errors(model, twin).values()) <= 1e-4
     assert_state_like_torch(optimizer, twin_optimizer)
+
+
+def test_host_scalars_are_computed_once_per_distinct_computation_over_the_parameters():
+    """NAdam computes its bias corrections and `mu_product` from each parameter's own step
+    count: the same few computations for every parameter, run once each over the vector of
+    the parameters' values, with the bits of the program computing them one by one."""
+    pairs = handed_over_and_twin(torch.optim.NAdam)
+    (_, optimizer), (_, twin_optimizer) = pairs
+    steps_beside_torch(pairs, 4)
+    assert_state_like_torch(optimizer, twin_optimizer)
+    inner = optimizer._optimizer
+    (capture,) = [c for c in captured_step._captures[inner].values() if c]
+    program = capture.shortcut.graph.program
+    by_parameters = program.host_program.__wrapped__
+    assert isinstance(by_parameters, captured_step._HostOverParameters)
+    outputs = sum(len(nodes) for _, nodes in program.crossing_groups + program.host_written_groups)
+    assert len(by_parameters.groups) * 4 <= outputs
+    state, args = inner.state, capture.shortcut.args
+    host = [
+        program._host_vector(g, state, capture.params, args)
+        for g in range(len(program.host_sources))
+    ]
+    with jax.enable_x64(True):
+        ours = jax.tree.leaves(program.host_program(host))
+        theirs = jax.tree.leaves(jax.jit(program._host_values)(host))
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
