@@ -341,6 +341,28 @@ def test_host_scalars_are_computed_once_per_distinct_computation_over_the_parame
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_class_captured_before_on_other_shapes_still_steps_without_dynamo():
+    """A process that captured an optimizer class on a model of other shapes has dynamo take
+    that class's tensor sizes as symbols, which the next trace pins to its twin's sizes: those
+    guards hold for the twin itself, so its steps still run without dynamo."""
+    run_what_earlier_tests_recorded()
+    for hidden in (48, 64):
+        torch.manual_seed(0)
+        module = MLP(hidden=hidden)
+        model, optimizer = zerojax.initialize(module, torch.optim.NAdam(module.parameters()), ZERO3)
+        scheduler = cosine(optimizer)
+        before = counts()
+        for _ in range(5):
+            F.cross_entropy(
+                model(torch.randn(BATCH, 32)), torch.randint(0, 10, (BATCH,))
+            ).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        # (the first step makes the state, the second is captured and traced)
+        assert delta(before, counts())["shortcuts"] == 3, (hidden, delta(before, counts()))
+
+
 def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
     """`load_state_dict` replaces the state tensors (a resume): the captured step reads the
     new ones, not those of its capture. Loaded from the torch twin's state after 3 steps into

@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch._dynamo.source import TensorPropertySource
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.weak import WeakIdKeyDictionary
@@ -392,9 +393,18 @@ def _guards_values() -> bool:
     """Whether dynamo's trace now ending guards the values of its float inputs (a branch on
     the learning rate: `lr > 0.05` holds for this graph only), or cannot say: then no
     `_Shortcut` runs its graph, which would skip that guard. (Its runtime asserts on values
-    the graph computes, from `.item()`, are no guards: dynamo does not check them either.)"""
+    the graph computes, from `.item()`, are no guards: dynamo does not check them either.)
+    Guards on the twin's tensor sizes alone do not count: a process that traced the same
+    optimizer class on other shapes before makes them symbols, which the trace pins to the
+    twin's sizes (`Eq(s84, 32)`), and the shortcut runs on the twin's own tensors."""
     try:
-        return bool(torch._guards.TracingContext.try_get().fake_mode.shape_env.guards)
+        shape_env = torch._guards.TracingContext.try_get().fake_mode.shape_env
+        sources = shape_env.var_to_sources
+        return any(
+            not all(isinstance(s, TensorPropertySource) for s in sources.get(symbol, [None]))
+            for guard in shape_env.guards
+            for symbol in guard.expr.free_symbols
+        )
     except AttributeError:  # (another torch's internals: dynamo runs every step)
         return True
 
