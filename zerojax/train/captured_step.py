@@ -28,13 +28,20 @@ its sharded state are those of a recorded step; only the Python is gone.
   dynamo ran last runs again with those floats read afresh, and dynamo's frame and guards
   cost nothing. A graph whose guards test such a float (a branch on the learning rate)
   keeps dynamo at every step.
+- **Run alone** (`_Program._run_alone`): with nothing recorded before it, the step runs at
+  once as a program of its own (`deferred.run_alone`), its results written straight into the
+  live tensors' arrays and the engine's entries, with no recording's bookkeeping per tensor.
+  After recorded ops (torch's clip before an optimizer built after `initialize`) it is
+  recorded as one op after them: one program for both.
 - **Step counts** (0-d host state of one dtype) are made views of one buffer in place
   (`_SharedHostState`): read and written at once.
 - **Host scalars.** What the step computes from its host state and hyperparameters alone
   (torch's step counts, bias corrections, Rprop's and ASGD's 0-d tensors, RAdam's
   rectification) is computed by a small program of its own in float64, as torch computes it
   from Python floats, and handed to the recorded op as inputs; the host state's new values are
-  copied into the live optimizer's tensors at once, as torch's step leaves them.
+  copied into the live optimizer's tensors at once, as torch's step leaves them. Each distinct
+  per-parameter computation runs once over the vector of the parameters' values
+  (`_HostOverParameters`), where that gives the same bits.
 - **Our guard** (`_layout`): which parameters each group holds, which have gradients, the
   state's keys and kinds. Another layout captures another twin (a few are kept).
 - **Not captured** (the step runs as before, replayed): the first step (it makes the state),

@@ -29,6 +29,10 @@ pitfalls kept out:
   by call again: `zerojax.train.replay` traces it and answers the next one's calls from the
   trace, rebuilding the recording they stand for before it runs here.
 
+An op that would be a recording's only one (a captured optimizer step, with nothing recorded
+before it) may instead run at once as a program of its own (`run_alone`): the same donation
+rule, none of a recording's bookkeeping per input.
+
 Only results still referenced when the recording runs leave the program (a Python temporary's
 value never reaches memory), which CPython's reference counting decides deterministically.
 Writes into the engine's state (a gradient, a weight, a buffer) are kept as pending writes
