@@ -90,6 +90,18 @@ def handed_over_and_twin(make):
     return (model, optimizer), (twin, make(twin.parameters()))
 
 
+def built_after_initialize_and_twin(make):
+    """(model, optimizer): the MLP wrapped (ZeRO-3) with no optimizer, and `make`'s built on
+    its parameters after `initialize` (minGPT's and the Trainer's way); (twin, twin's
+    optimizer): a plain-torch copy with its own."""
+    run_what_earlier_tests_recorded()
+    torch.manual_seed(0)
+    module = MLP()
+    twin = copy.deepcopy(module)
+    model, _ = zerojax.initialize(module, None, ZERO3)
+    return (model, make(model.parameters())), (twin, make(twin.parameters()))
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
     """The first step runs as before (it makes the state), unless the state is there already;
@@ -230,15 +242,9 @@ def test_an_optimizer_built_after_initialize_is_captured():
     """minGPT's and the Trainer's way: the optimizer built on the returned model's
     parameters (a class the compiled update does not adopt) takes the captured path at its
     second step, through torch's step hooks."""
-    run_what_earlier_tests_recorded()
-    torch.manual_seed(0)
-    module = MLP()
-    twin = copy.deepcopy(module)
-    model, _ = zerojax.initialize(module, None, ZERO3)
-    optimizer = torch.optim.NAdam(model.parameters(), lr=1e-2)
-    twin_optimizer = torch.optim.NAdam(twin.parameters(), lr=1e-2)
+    pairs = built_after_initialize_and_twin(lambda p: torch.optim.NAdam(p, lr=1e-2))
+    (model, optimizer), (twin, twin_optimizer) = pairs
     before = counts()
-    pairs = ((model, optimizer), (twin, twin_optimizer))
     assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 6))
     assert_state_like_torch(optimizer, twin_optimizer)
     assert delta(before, counts())["captures"] == 1
@@ -291,14 +297,8 @@ def test_a_step_after_recorded_ops_joins_their_program():
     """An optimizer built after `initialize` steps right after torch's clip (the Trainer's
     order), whose ops are still recorded: its captured step joins their recording, one
     program for both, and trains as torch does."""
-    run_what_earlier_tests_recorded()
-    torch.manual_seed(0)
-    module = MLP()
-    twin = copy.deepcopy(module)
-    model, _ = zerojax.initialize(module, None, ZERO3)
-    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3)
-    twin_optimizer = torch.optim.RMSprop(twin.parameters(), lr=1e-3)
-    pairs = ((model, optimizer), (twin, twin_optimizer))
+    pairs = built_after_initialize_and_twin(lambda p: torch.optim.RMSprop(p, lr=1e-3))
+    (model, optimizer), (twin, twin_optimizer) = pairs
 
     def clip(step, m):
         torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
