@@ -655,6 +655,7 @@ class _Program:
         self.host_program = jax.jit(self._host_values)
         # A number of its own (never reused, as an id is): recorded programs are cached by key.
         self.serial = next(_serials)
+        self.what = f"{type(capture.optimizer()).__name__}'s captured step"  # (for the log)
         self.key = ("captured step", self.serial, tuple(self.live_metadata))
         # Traced now, so that an op without a lowering is known here, not when the step runs.
         host_vectors = [
@@ -756,7 +757,7 @@ class _Program:
         _counts["steps"] += 1
         with deferred.exclusive():
             if deferred.idle() and all(type(sources[k]) in _OWNERS for k in self.live_written):
-                self._run_alone(capture, sources, crossings)
+                self._run_alone(sources, crossings)
             else:
                 outputs = deferred.record(
                     self.key,
@@ -776,7 +777,7 @@ class _Program:
                 tensors = [state[params[i]][key] for _, i, key in targets]
                 torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
 
-    def _run_alone(self, capture: _Capture, sources: list, crossings: list) -> None:
+    def _run_alone(self, sources: list, crossings: list) -> None:
         """The step as a program of its own, run now, where nothing else is recorded (there is
         nothing to fuse it with): its results written straight into the live tensors' arrays
         and, one call per writer, the engine's entries."""
@@ -790,7 +791,7 @@ class _Program:
             crossings,
             written,
             [sources[k].sharding for k in written],
-            f"{type(capture.optimizer()).__name__}'s captured step",
+            self.what,
         )
         by_writer: dict = {}
         for k, value in zip(written, results, strict=True):
