@@ -416,9 +416,7 @@ def _run(recording: _Recording) -> None:
             program = _compile(recording, wanted, key)
         given, kept = [], arrays
         if donated:
-            gone = set(donated)
-            given = [arrays[i] for i in donated]
-            kept = [a for i, a in enumerate(arrays) if i not in gone]
+            given, kept = _split(arrays, donated)
             recording.arrays = arrays = []
         with warnings.catch_warnings():
             if new:  # XLA reuses what it can; a buffer it cannot reuse is just freed
@@ -473,8 +471,8 @@ def run_alone(
     out_shardings: Sequence[Any],
     what: str,
 ) -> list[jax.Array]:
-    """Run `fn(arrays + rest, None)` (an op, see `_Op`; `what` it is, for the log) at once as a program of its own, where
-    `idle()`: with nothing to fuse it with, a recording's bookkeeping per input (its origin,
+    """Run `fn(arrays + rest, None)` (an op, see `_Op`; `what` it is, for the log) at once as
+    a program of its own, where `idle()`: with nothing to fuse it with, a recording's bookkeeping per input (its origin,
     its result's hand-over) would cost more than it saves (a captured optimizer step: ~1 ms of
     Python for 156 arrays). `written`: the positions in `arrays` of the inputs its results
     replace, in the results' order; results leave on `out_shardings`. Such an input's buffer is
@@ -485,20 +483,22 @@ def run_alone(
     donated = tuple(k for k in written if _owner_only(arrays[k], extra))
     program_key = (key, donated, tuple(out_shardings))
     entry = _alone_programs.get(program_key)
-    if entry is None:
+    new = entry is None
+    if new:
         entry = _compile_alone(fn, arrays, donated, program_key, what)
     program, spans_devices = entry
-    gone = set(donated)
-    given = [arrays[k] for k in donated]
-    kept = [a for k, a in enumerate(arrays) if k not in gone]
+    given, kept = _split(arrays, donated)
     arrays.clear()
-    results, flags = program(given, kept, rest)
+    with warnings.catch_warnings():
+        if new:  # (as `_run`: a buffer XLA cannot reuse is just freed)
+            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        results, flags = program(given, kept, rest)
     del given
     if spans_devices:
         jax.block_until_ready(results)
     _runs[0] += 1
-    if flags is not None:
-        raise_if_out_of_range(flags)
+    for vector in flags:
+        raise_if_out_of_range(vector)
     return results
 
 
@@ -512,16 +512,12 @@ def _owner_only(array: jax.Array, extra: int) -> bool:
 
 def _compile_alone(fn: Callable, arrays: list, donated: tuple, key: tuple, what: str) -> tuple:
     count, out_shardings = len(arrays), key[2]
-    gone = set(donated)
-    kept = [i for i in range(count) if i not in gone]
+    kept = _kept(count, donated)
 
     def program(given, held, rest):
-        arrays = [None] * count
-        for i, array in zip(donated, given, strict=True):
-            arrays[i] = array
-        for i, array in zip(kept, held, strict=True):
-            arrays[i] = array
-        return fn(arrays + list(rest), None)
+        value, flag = fn(_joined(count, donated, kept, given, held) + list(rest), None)
+        flags = flag if isinstance(flag, list) else [] if flag is None else [flag]
+        return jax.tree.leaves(value), flags
 
     _compiled[0] += 1
     log.info(
@@ -629,19 +625,36 @@ def _unpacked_scalars(layout: tuple, packed: tuple) -> list:
     return [next(sources[kind]) for kind in kinds]
 
 
+def _split(arrays: list, donated: tuple) -> tuple[list, list]:
+    """A program's input arrays as its two arguments: those it may reuse (`donated`, their
+    positions), the others in order."""
+    return [arrays[i] for i in donated], [arrays[i] for i in _kept(len(arrays), donated)]
+
+
+def _kept(count: int, donated: tuple) -> list[int]:
+    """The positions of a program's input arrays that are not donated."""
+    gone = set(donated)
+    return [i for i in range(count) if i not in gone]
+
+
+def _joined(count: int, donated: tuple, kept: list, given: list, held: list) -> list:
+    """`_split`'s two arguments as the input arrays in their order again (in the program)."""
+    arrays = [None] * count
+    for i, array in zip(donated, given, strict=True):
+        arrays[i] = array
+    for i, array in zip(kept, held, strict=True):
+        arrays[i] = array
+    return arrays
+
+
 def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
     steps = [(op.fn, op.refs, op.random) for op in recording.ops]
     count, donated, layout = key[2], key[4], key[5]
-    gone = set(donated)
-    kept = [i for i in range(count) if i not in gone]
+    kept = _kept(count, donated)
 
     def program(given, held, packed, rngs):
         scalars = _unpacked_scalars(layout, packed)
-        arrays = [None] * count
-        for i, array in zip(donated, given, strict=True):
-            arrays[i] = array
-        for i, array in zip(kept, held, strict=True):
-            arrays[i] = array
+        arrays = _joined(count, donated, kept, given, held)
         produced, flags, draws = [], [], iter(rngs)
         for fn, refs, random in steps:
             inputs = [
