@@ -63,6 +63,7 @@ import operator
 import re
 import types
 import weakref
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -672,9 +673,7 @@ class _Program:
             jax.eval_shape(self._device_values, live_avals + crossing_vectors, None)
         except Exception as error:  # noqa: BLE001 (an op the bridge cannot lower, and why)
             raise NotCapturable(_reason(error)) from None
-        by_parameters = _HostOverParameters.checked(self, host_vectors)
-        if by_parameters is not None:
-            self.host_program = jax.jit(by_parameters)
+        self.host_program = _HostOverParameters.checked(self, host_vectors) or self.host_program
 
     def _evaluated(self, env: dict, wanted: list[torch.fx.Node], context) -> list:
         needed = _ancestors(wanted, known=env)
@@ -874,17 +873,18 @@ class _HostOverParameters:
         self.crossings = len(program.crossing_groups)
 
     @classmethod
-    def checked(cls, program: _Program, host_vectors: list) -> _HostOverParameters | None:
-        """The program over vectors where it gives the bits of `program`'s host program on
-        drawn inputs (step counts and values in (0, 1)), else None."""
+    def checked(cls, program: _Program, host_vectors: list) -> Callable | None:
+        """The program over vectors, jitted (and compiled for `host_vectors`), where it gives
+        the bits of `program`'s host program on drawn inputs (step counts and values in
+        (0, 1)), else None."""
         try:
-            by_parameters = cls(program)
+            by_parameters = jax.jit(cls(program))
             rng = np.random.default_rng(0)
             with jax.enable_x64(True), jax.default_device(_host_device()):
                 for draw in (lambda n: rng.integers(1, 5000, n), lambda n: rng.random(n)):
                     host = [np.asarray(draw(v.shape[0])).astype(v.dtype) for v in host_vectors]
-                    ours = jax.tree.leaves(jax.jit(by_parameters)(host))
-                    theirs = jax.tree.leaves(jax.jit(program._host_values)(host))
+                    ours = jax.tree.leaves(by_parameters(host))
+                    theirs = jax.tree.leaves(program.host_program(host))
                     if not all(np.array_equal(a, b, equal_nan=True) for a, b in zip(ours, theirs)):
                         return None
         except Exception:  # noqa: BLE001 (an op whose lowering wants a scalar: element-wise)
