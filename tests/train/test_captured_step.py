@@ -387,6 +387,60 @@ def test_a_state_dict_loaded_between_steps_is_what_the_next_step_reads():
     assert_state_like_torch(optimizer, twin_optimizer)
 
 
+def test_state_replaced_between_steps_is_what_the_next_step_reads():
+    """Between two steps the optimizer holds the very objects its last captured step found,
+    and the next step is bound to them (`step_binding`: not looked up again) -- until one is
+    replaced: a moment assigned a new tensor, a step count a new host tensor. The step after
+    each reads the new one, as torch's does."""
+    pairs = handed_over_and_twin(lambda p: torch.optim.NAdam(p, lr=1e-2))
+    (model, optimizer), (twin, twin_optimizer) = pairs
+
+    def before_step(step):
+        for opt in (optimizer, twin_optimizer):
+            states = list(opt.state.values())
+            if step == 4:  # a moment replaced by a new (live, on our side) tensor
+                states[1]["exp_avg"] = states[1]["exp_avg"] * -3.0
+            if step == 6:  # a step count replaced by a new host tensor
+                states[2]["step"] = torch.tensor(40.0)
+            if step == 8:  # a moment's value written in place: the same object, bound still
+                states[3]["exp_avg_sq"].mul_(4.0)
+
+    before = counts()
+    losses = steps_beside_torch(pairs, 10, before_step=before_step)
+    assert_trains_like_torch(model, twin, losses)
+    assert_state_like_torch(optimizer, twin_optimizer)
+    assert float(list(optimizer.state.values())[2]["step"]) == 44.0
+    # Steps 0 and 1 make the state and capture the step; 4 and 6 see a replaced tensor; the
+    # step after a captured one that was not bound looks its tensors up under the binding
+    # made then (2, 5, 7). Bound: 3, 8 and 9.
+    assert delta(before, counts())["bound"] == 3, delta(before, counts())
+
+
+def test_a_loaded_state_dict_frees_the_state_a_bound_step_found():
+    """A binding keeps the state tensors its step found (to compare them by identity), and
+    `load_state_dict` replaces them: the binding goes first, so the old state's memory goes
+    with the old tensors, not at the next step."""
+    import gc
+    import weakref
+
+    pairs = handed_over_and_twin(lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5))
+    (_, optimizer), (_, twin_optimizer) = pairs
+    steps_beside_torch(pairs, 4)
+    old = [
+        weakref.ref(tensor)
+        for state in optimizer.state.values()
+        for tensor in state.values()
+        if tensor.dim() > 0  # (the step counts' buffer stays with the program, 4 bytes each)
+    ]
+    assert len(old) == 2 * len(optimizer.state) > 0
+    optimizer.load_state_dict(copy.deepcopy(twin_optimizer.state_dict()))
+    gc.collect()
+    assert not [ref for ref in old if ref() is not None]
+    # (and `optimizer.state` is what was loaded, as torch's is)
+    for ours, theirs in zip(optimizer.state.values(), twin_optimizer.state.values(), strict=True):
+        torch.testing.assert_close(ours["square_avg"].cpu(), theirs["square_avg"], rtol=0, atol=0)
+
+
 def test_what_dynamo_keeps_of_a_capture_holds_it_weakly():
     """Dynamo keeps each traced graph, its backend and guards as long as the traced code,
     which a capture's own code object is: those hold the capture (the twin, the programs, the

@@ -35,6 +35,10 @@ its sharded state are those of a recorded step; only the Python is gone.
   recorded as one op after them: one program for both.
 - **Step counts** (0-d host state of one dtype) are made views of one buffer in place
   (`_SharedHostState`): read and written at once.
+- **Bound** (`zerojax.train.step_binding`): while the optimizer holds the very objects it
+  held after its last captured step (groups, parameters, which have gradients, state dicts
+  and tensors: compared by identity), the step's layout, its live tensors' sources and its
+  host tensors are not looked up again, nor is its state placed again before it.
 - **Host scalars.** What the step computes from its host state and hyperparameters alone
   (torch's step counts, bias corrections, Rprop's and ASGD's 0-d tensors, RAdam's
   rectification) is computed by a small program of its own in float64, as torch computes it
@@ -78,7 +82,7 @@ from zerojax.bridge.capture import decomposition_table
 from zerojax.bridge.dtypes import to_jax_dtype
 from zerojax.bridge.interpreter import _evaluate
 from zerojax.bridge.registry import LoweringContext
-from zerojax.train import deferred
+from zerojax.train import deferred, step_binding
 from zerojax.train.live_tensor import LiveTensor, Owned
 from zerojax.train.parameters import EngineEntry, live_of
 
@@ -93,7 +97,7 @@ _captures: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MAX_LAYOUTS = 4
 _serials = itertools.count()
 _enabled = [True]
-_counts = {"captures": 0, "traces": 0, "steps": 0, "shortcuts": 0, "alone": 0}
+_counts = {"captures": 0, "traces": 0, "steps": 0, "shortcuts": 0, "alone": 0, "bound": 0}
 # How an input of the captured graph gets its value each step.
 _PARAM, _GRAD, _STATE, _HOST_STATE, _ARGUMENT, _CONSTANT, _OWN = range(7)
 # How dynamo traces a twin's step, at every call (dynamo guards on its config): `addcmul_`,
@@ -145,8 +149,9 @@ class NotCapturable(Exception):
 
 def captures() -> dict[str, int]:
     """How many twins were captured, how many graphs dynamo traced for them, how many steps
-    ran a captured graph, how many of those without dynamo (`_Shortcut`) and how many as a
-    program of their own (`_Program._run_alone`: nothing was recorded before them)."""
+    ran a captured graph, how many of those without dynamo (`_Shortcut`), how many as a
+    program of their own (`_Program._run_alone`: nothing was recorded before them) and how
+    many found their tensors as an earlier step had (`step_binding`)."""
     return dict(_counts)
 
 
@@ -161,9 +166,10 @@ def disabled():
         _enabled[0] = True
 
 
-def run(optimizer: torch.optim.Optimizer) -> bool:
+def run(optimizer: torch.optim.Optimizer, binding: step_binding.Binding | None = None) -> bool:
     """Run `optimizer`'s step as its captured program; False where it cannot (run it as
-    before then)."""
+    before then). `binding`: `step_binding.held(optimizer)`, where the optimizer holds what
+    its last captured step found (its layout and state are not looked up again)."""
     if not _enabled[0]:
         return False
     known = _captures.get(optimizer)
@@ -171,7 +177,7 @@ def run(optimizer: torch.optim.Optimizer) -> bool:
         known = _captures[optimizer] = {}
         if not _has_state(optimizer):  # its first step makes its state: the twin's could not
             return False
-    layout = _layout(optimizer)
+    layout = _layout(optimizer) if binding is None else binding.layout
     if layout is None:
         return False
     capture = known.get(layout, False)
@@ -186,11 +192,14 @@ def run(optimizer: torch.optim.Optimizer) -> bool:
     if capture is None:
         return False
     try:
-        return capture.step()
+        capture.step(binding)
     except NotCapturable as why:  # raised before anything was written
         log.info("zerojax: %s's step runs op by op: %s", type(optimizer).__name__, why)
         known[layout] = None
         return False
+    if binding is None:
+        step_binding.bind(optimizer, layout)
+    return True
 
 
 def _has_state(optimizer: torch.optim.Optimizer) -> bool:
@@ -250,6 +259,7 @@ class _Capture:
         self.dry = True
         self.shortcut: _Shortcut | None = None
         self.writing = False  # (set by `_Program.record` once it writes the live tensors)
+        self.binding: step_binding.Binding | None = None  # (during `step`: the step's)
         _counts["captures"] += 1
         # The step itself, without torch's wrappers (hooks; `_use_grad`, whose graph breaks
         # keep dynamo from seeing one graph): run under no_grad, as `_use_grad` runs it.
@@ -278,9 +288,10 @@ class _Capture:
         if not self.called:
             raise NotCapturable("dynamo ran the step without a graph of ours")
 
-    def step(self) -> bool:
+    def step(self, binding: step_binding.Binding | None) -> None:
         optimizer = self.optimizer()
         self.writing = False
+        self.binding = binding
         try:
             with torch.no_grad():
                 shortcut = self.shortcut
@@ -288,7 +299,7 @@ class _Capture:
                 if args is not None:
                     _counts["shortcuts"] += 1
                     shortcut.graph.program.record(self, args)
-                    return True
+                    return
             twin_groups = self.twin.param_groups
             for group, twin_group in zip(optimizer.param_groups, twin_groups, strict=True):
                 for key, value in group.items():
@@ -311,7 +322,8 @@ class _Capture:
             if self.writing:  # the step has begun to write: not run again as before
                 raise
             raise NotCapturable(_reason(error)) from None
-        return True
+        finally:
+            self.binding = None  # (it holds the state: `step_binding.bind`'s hook frees it)
 
 
 def _reason(error: Exception) -> str:
@@ -727,28 +739,18 @@ class _Program:
         raises NotCapturable)."""
         state = capture.optimizer().state
         params = capture.params
-        entries = capture.sources.get(self.serial)
-        if entries is None:
-            # A parameter's or gradient's live tensor is the stand-in's own, over its engine
-            # entry for good; a state tensor is looked up at each step (`load_state_dict`
-            # replaces it).
-            entries = capture.sources[self.serial] = [
-                (live_of(params[i] if kind == _PARAM else params[i].grad)._source, None)
-                if kind != _STATE
-                else (None, key)
-                for kind, i, key in self.live_inputs
-            ]
-        sources = []
-        for (source, key), (_, i, _), (shape, dtype) in zip(
-            entries, self.live_inputs, self.live_metadata, strict=True
-        ):
-            if source is None:
-                tensor = state[params[i]][key]
-                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-                    raise NotCapturable(f"its state '{key}' changed shape or dtype")
-                source = tensor._source
-            sources.append(source)
-        host = [self._host_vector(g, state, params, args) for g in range(len(self.host_sources))]
+        binding = capture.binding
+        # Under a binding that found them (`step_binding`): the same tensors, the same
+        # sources, the host tensors still views of their shared buffers.
+        found = None if binding is None else binding.found.get(self.serial)
+        sources = self._sources(capture, state) if found is None else found
+        _counts["bound"] += found is not None
+        host = [
+            self._host_vector(g, state, params, args, found is not None)
+            for g in range(len(self.host_sources))
+        ]
+        if binding is not None and found is None:
+            binding.found[self.serial] = sources
         with jax.enable_x64(True), jax.default_device(_host_device()):
             crossings, new_host = self.host_program(host)
         crossings = [np.asarray(v) for v in crossings]
@@ -776,6 +778,32 @@ class _Program:
                 tensors = [state[params[i]][key] for _, i, key in targets]
                 torch._foreach_copy_(tensors, torch.from_numpy(np.array(vector)).unbind())
 
+    def _sources(self, capture: _Capture, state) -> list:
+        """The sources of the live tensors the step reads, in `self.live_inputs`' order."""
+        params = capture.params
+        entries = capture.sources.get(self.serial)
+        if entries is None:
+            # A parameter's or gradient's live tensor is the stand-in's own, over its engine
+            # entry for good; a state tensor is looked up at each step (`load_state_dict`
+            # replaces it).
+            entries = capture.sources[self.serial] = [
+                (live_of(params[i] if kind == _PARAM else params[i].grad)._source, None)
+                if kind != _STATE
+                else (None, key)
+                for kind, i, key in self.live_inputs
+            ]
+        sources = []
+        for (source, key), (_, i, _), (shape, dtype) in zip(
+            entries, self.live_inputs, self.live_metadata, strict=True
+        ):
+            if source is None:
+                tensor = state[params[i]][key]
+                if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                    raise NotCapturable(f"its state '{key}' changed shape or dtype")
+                source = tensor._source
+            sources.append(source)
+        return sources
+
     def _run_alone(self, sources: list, crossings: list) -> None:
         """The step as a program of its own, run now, where nothing else is recorded (there is
         nothing to fuse it with): its results written straight into the live tensors' arrays
@@ -802,12 +830,17 @@ class _Program:
         for writer, values in by_writer.items():
             writer(values)
 
-    def _host_vector(self, group: int, state, params: list, args: tuple) -> np.ndarray:
+    def _host_vector(
+        self, group: int, state, params: list, args: tuple, bound: bool = False
+    ) -> np.ndarray:
         """The values of host vector `group`'s tensors: read at once from the buffer they are
-        views of (made so the first time they are all the optimizer's 0-d state tensors)."""
+        views of (made so the first time they are all the optimizer's 0-d state tensors).
+        `bound`: they are the tensors they were when this program last read them."""
+        shared = self.shared[group]
+        if bound and shared is not None and not shared.moved:
+            return shared.array
         sources = self.host_sources[group]
         tensors = [_host_tensor(state, params, args, *source) for source in sources]
-        shared = self.shared[group]
         if shared is not None and shared.holds(tensors):
             return shared.array
         if all(kind == _HOST_STATE for kind, _, _ in sources) and all(map(_sharable, tensors)):

@@ -47,7 +47,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from zerojax.train import captured_step, optimizers
+from zerojax.train import captured_step, optimizers, step_binding
 from zerojax.train.live_optimizer_state import place_state
 from zerojax.train.optimizer_shim import ZeroOptimizer, is_compiled
 from zerojax.train.parameters import ShardedParameter
@@ -168,6 +168,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs):
         return (_without_groups(optimizer), *args[1:]), kwargs
     placed = _placed.setdefault(optimizer, {})
     engines = _engines(optimizer)
+    binding = step_binding.held(optimizer)
     skipped = False
     for engine, names in engines.items():
         if not engine.loss_scale_allows_update():  # fp16 gradients overflowed: no step
@@ -176,11 +177,18 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs):
                 engine.drop_grad(name)
         # Host tensors of a parameter's shape (`load_state_dict`: the Trainer resuming) become
         # live ones, and offloaded state comes to device memory, where the step computes.
-        place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}), on_device=True)
+        place_state(
+            optimizer,
+            names,
+            engine.plan,
+            placed.setdefault(engine, {}),
+            on_device=True,
+            unchanged=binding is not None,
+        )
     # Its step as its captured program, torch's step then running on a stand-in without param
     # groups; not with a closure (the update must follow it), nor on a skipped step.
     closure = args[1] if len(args) > 1 else kwargs.get("closure")
-    if engines and not skipped and closure is None and captured_step.run(optimizer):
+    if engines and not skipped and closure is None and captured_step.run(optimizer, binding):
         return (_without_groups(optimizer), *args[1:]), kwargs
     return None
 

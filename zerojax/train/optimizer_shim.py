@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from zerojax.runtime import effective_time
-from zerojax.train import captured_step, optimizers
+from zerojax.train import captured_step, optimizers, step_binding
 from zerojax.train.engine import Engine
 from zerojax.train.live_optimizer_state import place_state, unhooked_step
 from zerojax.train.live_tensor import watching_host_reads
@@ -106,9 +106,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         }
         if self._compiled:
             engine.attach_optimizer(optimizer)
-        else:  # the state torch's step keeps (live tensors): `optimizer.state[p]` reads it
-            self.state = optimizer.state
+        else:
             engine.adopt_live_optimizer(optimizer, self._param_names)
+
+    @property
+    def state(self):
+        """Where the torch optimizer's own step runs (on live tensors), its state: the object
+        it holds now (`load_state_dict` replaces it), so `optimizer.state[p]` reads what its
+        step reads. Else this object's own (torch's `Optimizer` makes it; the engine holds the
+        compiled update's)."""
+        return self.__dict__["_own_state"] if self._compiled else self._optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["_own_state"] = value
 
     @property
     def compiled(self) -> bool:
@@ -174,19 +185,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Host state tensors (Adagrad builds its sums in its constructor, `load_state_dict`
             # puts host tensors in) become live before torch's step sees them, and offloaded
             # state is brought in for the step.
-            self._place_state(on_device=True)
+            binding = step_binding.held(self._optimizer)
+            self._place_state(on_device=True, unchanged=binding is not None)
             with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
-                captured = captured_step.run(self._optimizer)
+                captured = captured_step.run(self._optimizer, binding)
                 if not captured:
                     unhooked_step(self._optimizer)()
             self._place_state(captured=captured)
         if self._reports_steps:
             engine.count_update()
 
-    def _place_state(self, on_device: bool = False, captured: bool = False) -> None:
+    def _place_state(
+        self, on_device: bool = False, captured: bool = False, unchanged: bool = False
+    ) -> None:
         """The state on the plan's optimizer-state shardings (`live_optimizer_state.place_state`;
         `on_device`: in device memory, for the step, where it is offloaded; `captured`: after a
-        captured step)."""
+        captured step; `unchanged`: the state its last captured step found)."""
         place_state(
             self._optimizer,
             self._param_names,
@@ -194,6 +208,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._placed,
             on_device,
             captured,
+            unchanged,
         )
 
     def is_gradient_accumulation_boundary(self) -> bool:
