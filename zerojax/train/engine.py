@@ -638,6 +638,11 @@ class Engine:
         grads = self._current.grads
         return grads is not None and name in grads
 
+    def grads_present(self, names: list[str]) -> list[bool]:
+        """For each of `names`, whether it has an accumulated gradient (`has_grad`, at once)."""
+        grads = self._current.grads
+        return [False] * len(names) if grads is None else list(map(grads.__contains__, names))
+
     def grad_value(self, name: str, dtype) -> jax.Array | None:
         """One parameter's accumulated gradient as torch shows it: unscaled, in `dtype`; None
         when it has none. On the shards: nothing is gathered."""

@@ -46,9 +46,11 @@ class Binding:
         self.groups = list(optimizer.param_groups)
         self.group_keys = [tuple(group) for group in self.groups]
         self.params = _params(self.groups)
-        self.has_grad, self.names = engine.has_grad, names
-        self.grads = list(map(self.has_grad, names))
-        self.dicts = list(map(self.state.get, self.params))
+        self.grads_present, self.names = engine.grads_present, names
+        self.grads = self.grads_present(names)
+        # (the state's own order: no parameter is hashed to look it up)
+        self.keys = list(self.state.keys())
+        self.dicts = list(self.state.values())
         self.contents = _contents(self.dicts)
         self.found: dict[int, list] = {}
 
@@ -65,10 +67,11 @@ class Binding:
         params = _params(groups)
         if not _same_objects(params, self.params):
             return False
-        if list(map(self.has_grad, self.names)) != self.grads:
+        if self.grads_present(self.names) != self.grads:
             return False
-        dicts = list(map(self.state.get, params))
-        if not _same_objects(dicts, self.dicts):
+        state = self.state
+        dicts = list(state.values())
+        if not (_same_objects(dicts, self.dicts) and _same_objects(list(state.keys()), self.keys)):
             return False
         lengths, keys, values = _contents(dicts)
         then_lengths, then_keys, then_values = self.contents
