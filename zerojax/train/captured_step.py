@@ -475,7 +475,7 @@ class _Shortcut:
         self.graph = graph
         self.args = list(args)
         self.groups = [{k: v for k, v in g.items() if k not in _NOT_COPIED} for g in groups]
-        self.inputs = {(index, key) for _, index, key, _ in graph.floats}
+        self.inputs = {(index, key) for _, index, key in graph.floats}
         self.global_state = torch._C._dynamo.guards.GlobalStateGuard()
 
     @classmethod
@@ -484,7 +484,7 @@ class _Shortcut:
         its inputs are not all the twin's tensors and hyperparameters."""
         if graph.floats is None or graph.guards_values:
             return None
-        for position, index, key, _ in graph.floats:  # (the name matched: the value must)
+        for position, index, key in graph.floats:  # (the name matched: the value must)
             value = groups[index].get(key)
             if type(value) is not float or args[position].item() != value:
                 return None
@@ -521,8 +521,8 @@ class _Shortcut:
                 elif not _same(now, value):
                     return None
         args = list(self.args)
-        for position, index, key, dtype in self.graph.floats:
-            args[position] = torch.tensor(groups[index][key], dtype=dtype)
+        for position, index, key in self.graph.floats:
+            args[position] = groups[index][key]  # (a float: read as such by `_host_vector`)
         return args
 
 
@@ -543,7 +543,7 @@ def _same(a, b) -> bool:
 
 def _float_inputs(gm: torch.fx.GraphModule, args: tuple, capture: _Capture) -> list | None:
     """Where each input of `gm` that is not a twin tensor comes from, as (its position, group
-    index, hyperparameter key, dtype): a float hyperparameter dynamo made an input after it
+    index, hyperparameter key): a float hyperparameter dynamo made an input after it
     changed, handed over as a 0-d tensor and named after its source (its placeholder's target
     is dynamo's `L['self'].param_groups[0]['lr']` with each run of other characters as one
     `_`). None where one is anything else."""
@@ -562,7 +562,7 @@ def _float_inputs(gm: torch.fx.GraphModule, args: tuple, capture: _Capture) -> l
         source = names.get(node.target)
         if source is None or not isinstance(arg, torch.Tensor) or arg.dim() != 0:
             return None
-        floats.append((position, *source, arg.dtype))
+        floats.append((position, *source))
     return floats
 
 
@@ -625,6 +625,9 @@ class _Program:
         self.host_groups = _by_dtype(host_inputs, lambda i: examples[i].dtype)
         self.host_nodes = [[placeholders[i] for i in group] for _, group in self.host_groups]
         self.host_sources = [[inputs[i] for i in group] for _, group in self.host_groups]
+        self.host_numpy_dtypes = [
+            torch.empty((), dtype=dtype).numpy().dtype for dtype, _ in self.host_groups
+        ]
         self.constants = {
             placeholders[i]: param for i, (kind, param, _) in enumerate(inputs) if kind == _CONSTANT
         }
@@ -847,7 +850,9 @@ class _Program:
             self.shared[group] = shared = _SharedHostState(tensors)
             return shared.array
         self.shared[group] = None
-        return torch.stack(tensors).numpy()
+        # (a float the graph takes as an input is a Python float in a shortcut's arguments)
+        values = [t.item() if isinstance(t, torch.Tensor) else t for t in tensors]
+        return np.array(values, self.host_numpy_dtypes[group])
 
 
 class _HostOverParameters:
