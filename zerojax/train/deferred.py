@@ -63,6 +63,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from zerojax.bridge.index_bounds import raise_if_out_of_range
+from zerojax.train.xla_options import in_place_options
 
 __all__ = [
     "Deferred",
@@ -526,7 +527,12 @@ def _compile_alone(fn: Callable, arrays: list, donated: tuple, key: tuple, what:
         len(donated),
         count,
     )
-    compiled = jax.jit(program, out_shardings=(list(out_shardings), None), donate_argnums=0)
+    compiled = jax.jit(
+        program,
+        out_shardings=(list(out_shardings), None),
+        donate_argnums=0,
+        compiler_options=in_place_options(jax.default_backend()) or None,
+    )
     spans_devices = any(_spans(a.sharding)[1] for a in arrays)
     if len(_alone_programs) >= _MAX_PROGRAMS:
         _alone_programs.pop(next(iter(_alone_programs)))
@@ -680,7 +686,12 @@ def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
         len(donated),
         count,
     )
-    compiled = jax.jit(program, out_shardings=(list(key[3]), None), donate_argnums=0)
+    compiled = jax.jit(
+        program,
+        out_shardings=(list(key[3]), None),
+        donate_argnums=0,
+        compiler_options=in_place_options(jax.default_backend()) or None,
+    )
     if len(_programs) >= _MAX_PROGRAMS:
         _programs.pop(next(iter(_programs)))
     _programs[key] = compiled
