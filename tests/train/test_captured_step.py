@@ -441,10 +441,15 @@ def test_a_loaded_state_dict_frees_the_state_a_bound_step_found():
         torch.testing.assert_close(ours["square_avg"].cpu(), theirs["square_avg"], rtol=0, atol=0)
 
 
-def test_a_step_writes_its_state_in_place(monkeypatch):
-    """Rprop's step reads each previous gradient in two of its outputs (the new step sizes and
-    the new previous gradient) and writes it: its program, compiled as the update's is
-    (`xla_options.in_place_options`), writes it in place instead of copying every one first."""
+# Rprop reads each previous gradient in two of its outputs (the new step sizes, the new
+# previous gradient) and writes it; Adadelta's accumulated update and parameter both read
+# the square roots and the quotient of its step.
+@pytest.mark.parametrize("make", [torch.optim.Rprop, torch.optim.Adadelta])
+def test_a_step_keeps_no_parameter_sized_temporaries(monkeypatch, make):
+    """A captured step's program passes over its arrays as an update should: it writes its
+    state in place (compiled as the update is: `xla_options.in_place_options`), not into
+    copies of it, and computes a value two outputs share in each (`_computed_apart`) rather
+    than writing it out and reading it back. Either would take parameter-sized temporaries."""
     programs = []
     compile_alone = deferred._compile_alone
 
@@ -452,24 +457,23 @@ def test_a_step_writes_its_state_in_place(monkeypatch):
         program, spans_devices = compile_alone(fn, arrays, donated, key, what)
 
         def kept(given, held, rest):
-            programs.append((program.lower(given, held, rest).compile(), len(given)))
+            programs.append(program.lower(given, held, rest).compile())
             return program(given, held, rest)
 
         return kept, spans_devices
 
     monkeypatch.setattr(deferred, "_compile_alone", compile_and_keep)
     monkeypatch.setattr(deferred, "_alone_programs", {})
-    pairs = handed_over_and_twin(lambda p: torch.optim.Rprop(p, lr=1e-2))
+    pairs = handed_over_and_twin(lambda p: make(p, lr=1e-2))
     (model, optimizer), (twin, twin_optimizer) = pairs
     assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 4))
     assert_state_like_torch(optimizer, twin_optimizer)
-    (compiled, donated), *_ = programs
-    assert donated == 3 * len(list(model.parameters()))  # (parameters, step sizes, previous)
-    # Per device (ZeRO-3 over the 8): a copy of every previous gradient takes about a device's
-    # share of the parameters' bytes (3,680 of 3,525 B, the biases' shards padded); written in
-    # place, the update's element-wise loops need none (0 B).
+    # Per device (ZeRO-3 over the 8): Rprop's copies of its previous gradients took about a
+    # device's share of the parameters' bytes (3,680 of 3,525 B, the biases' shards padded),
+    # Adadelta's shared values written out two shares (7,392 B); an update's element-wise
+    # loops need none (0 B).
     share = sum(p.numel() * 4 for p in model.parameters()) / len(jax.devices())
-    temporaries = compiled.memory_analysis().temp_size_in_bytes
+    temporaries = programs[0].memory_analysis().temp_size_in_bytes
     assert temporaries < share / 4, (temporaries, share)
 
 

@@ -33,6 +33,9 @@ its sharded state are those of a recorded step; only the Python is gone.
   live tensors' arrays and the engine's entries, with no recording's bookkeeping per tensor.
   After recorded ops (torch's clip before an optimizer built after `initialize`) it is
   recorded as one op after them: one program for both.
+- **Outputs apart** (`_computed_apart`): where two outputs share an expensive element-wise
+  value (Adadelta's square roots), each output is computed on its own, so XLA:CPU does not
+  write that value out and read it back.
 - **Step counts** (0-d host state of one dtype) are made views of one buffer in place
   (`_SharedHostState`): read and written at once.
 - **Bound** (`zerojax.train.step_binding`): while the optimizer holds the very objects it
@@ -617,6 +620,7 @@ class _Program:
         ]
         self.avals = [live_avals[k] for k in self.live_written]
         self.device_outputs = [written[self.live[k]] for k in self.live_written]
+        self.apart = _computed_apart(self.device_outputs, set(self.live_nodes))
 
         # The host inputs (0-d), one vector per dtype.
         host_inputs = [
@@ -734,7 +738,15 @@ class _Program:
         for node, tensor in self.constants.items():
             if node not in env:
                 env[node] = jnp.asarray(tensor.numpy())
-        values = self._evaluated(env, self.device_outputs, _context)
+        if self.apart is None:
+            values = self._evaluated(env, self.device_outputs, _context)
+        else:  # each output from its own copy of the live inputs it reads (`_computed_apart`)
+            live = {node: env.pop(node) for node in self.live_nodes}
+            values = []
+            for node, reads in zip(self.device_outputs, self.apart, strict=True):
+                own = dict(env)
+                own.update(zip(reads, jax.lax.optimization_barrier([live[n] for n in reads])))
+                values.append(self._evaluated(own, [node], _context)[0])
         return [v.astype(a.dtype) for v, a in zip(values, self.avals, strict=True)], None
 
     def record(self, capture: _Capture, args: tuple) -> None:
@@ -1147,6 +1159,51 @@ def _lifted(gm: torch.fx.GraphModule, args: tuple):
         if n.op not in ("placeholder", "get_attr"):
             env[n] = graph.node_copy(n, lambda m: env[m])
     return torch.fx.GraphModule(torch.nn.Module(), graph), examples, len(attrs)
+
+
+# Element-wise ops that XLA:CPU computes once and writes out where two outputs read them (it
+# duplicates only cheap ones into each consumer's loop, and fuses no sibling outputs).
+_EXPENSIVE = frozenset(
+    {
+        torch.ops.aten.sqrt.default,
+        torch.ops.aten.rsqrt.default,
+        torch.ops.aten.div.Tensor,
+        torch.ops.aten.reciprocal.default,
+        torch.ops.aten.exp.default,
+        torch.ops.aten.log.default,
+        torch.ops.aten.pow.Tensor_Scalar,
+        torch.ops.aten.pow.Tensor_Tensor,
+    }
+)
+
+
+def _computed_apart(outputs: list[torch.fx.Node], live: set) -> list[list] | None:
+    """Per output, the live inputs it reads, where each output is better computed on its own:
+    an expensive element-wise value two outputs share (Adadelta's square roots and quotient,
+    read by its accumulated update and by the parameter's) is otherwise written out and read
+    back, a pass over a parameter-sized array each way. Computed from its own copy of its
+    inputs (an optimization barrier apiece, which keeps XLA from merging the copies again),
+    each output is one loop over its inputs, the shared value computed in each. None where
+    nothing expensive is shared, or where a reduction is (computing it twice costs a pass of
+    its own: Adafactor's row and column means)."""
+    ancestry = [_ancestors([node], known={}) for node in outputs]
+    shared = collections.Counter(node for nodes in ancestry for node in nodes)
+    if not any(count > 1 and node.target in _EXPENSIVE for node, count in shared.items()) or any(
+        _reduces(node) for node, count in shared.items() if count > 1
+    ):
+        return None
+    return [[node for node in nodes if node in live] for nodes in ancestry]
+
+
+def _reduces(node: torch.fx.Node) -> bool:
+    """Whether `node` gives fewer elements than a tensor it reads (a sum, a mean, a norm)."""
+    value = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(value, torch.Tensor):
+        return False
+    return any(
+        isinstance(i.meta.get("val"), torch.Tensor) and i.meta["val"].numel() > value.numel()
+        for i in node.all_input_nodes
+    )
 
 
 def _ancestors(nodes: list[torch.fx.Node], known: dict) -> set:
