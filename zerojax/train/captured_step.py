@@ -629,9 +629,7 @@ class _Program:
         self.host_groups = _by_dtype(host_inputs, lambda i: examples[i].dtype)
         self.host_nodes = [[placeholders[i] for i in group] for _, group in self.host_groups]
         self.host_sources = [[inputs[i] for i in group] for _, group in self.host_groups]
-        self.host_numpy_dtypes = [
-            torch.empty((), dtype=dtype).numpy().dtype for dtype, _ in self.host_groups
-        ]
+        self.host_numpy_dtypes = [np.dtype(to_jax_dtype(dtype)) for dtype, _ in self.host_groups]
         self.constants = {
             placeholders[i]: param for i, (kind, param, _) in enumerate(inputs) if kind == _CONSTANT
         }
