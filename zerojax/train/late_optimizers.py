@@ -183,7 +183,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args, kwargs):
             engine.plan,
             placed.setdefault(engine, {}),
             on_device=True,
-            unchanged=binding is not None,
+            all_placed=binding is not None,
         )
     # Its step as its captured program, torch's step then running on a stand-in without param
     # groups; not with a closure (the update must follow it), nor on a skipped step.
@@ -200,4 +200,6 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     captured = bool(args) and args[0] is not optimizer
     placed = _placed.setdefault(optimizer, {})
     for engine, names in _engines(optimizer).items():
-        place_state(optimizer, names, engine.plan, placed.setdefault(engine, {}), captured=captured)
+        place_state(
+            optimizer, names, engine.plan, placed.setdefault(engine, {}), all_placed=captured
+        )

@@ -201,8 +201,7 @@ def place_state(
     plan,
     placed: dict[tuple[str, str], weakref.ref],
     on_device: bool = False,
-    captured: bool = False,
-    unchanged: bool = False,
+    all_placed: bool = False,
 ) -> None:
     """Put each parameter-shaped state tensor (a moment, a momentum buffer) of `optimizer`'s
     parameters in `names` (id(param) -> the engine's name) on `plan`'s optimizer-state sharding
@@ -211,12 +210,11 @@ def place_state(
     shards in device memory, where the step computes). Host tensors of that shape (from
     `load_state_dict`) become live ones; scalars (step counts) stay as torch keeps them.
     `placed`, kept by the caller between calls, notes the tensors placed already.
-    `captured`: after a captured step (`zerojax.train.captured_step`), which wrote into the
-    tensors placed before it: only offloaded ones go back to host memory. `unchanged`: the
-    optimizer holds the tensors its last captured step found (`step_binding.held`), placed
-    then: only offloaded ones are moved."""
+    `all_placed`: every state tensor was placed before -- after a captured step
+    (`zerojax.train.captured_step`), which wrote into the tensors placed before it, or before
+    a step bound to the last captured one's (`step_binding.held`): only offloaded ones move."""
     offloaded = "opt_state" in plan.offloaded
-    if (captured or unchanged) and not offloaded:
+    if all_placed and not offloaded:
         return
     on_device = on_device and offloaded  # without offload the shards are on the devices
     # Without offload a state tensor once placed stays on its sharding (`Owned`): only

@@ -186,29 +186,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # puts host tensors in) become live before torch's step sees them, and offloaded
             # state is brought in for the step.
             binding = step_binding.held(self._optimizer)
-            self._place_state(on_device=True, unchanged=binding is not None)
+            self._place_state(on_device=True, all_placed=binding is not None)
             with watching_host_reads(functools.partial(_note_host_read, self._optimizer)):
                 captured = captured_step.run(self._optimizer, binding)
                 if not captured:
                     unhooked_step(self._optimizer)()
-            self._place_state(captured=captured)
+            self._place_state(all_placed=captured)
         if self._reports_steps:
             engine.count_update()
 
-    def _place_state(
-        self, on_device: bool = False, captured: bool = False, unchanged: bool = False
-    ) -> None:
+    def _place_state(self, on_device: bool = False, all_placed: bool = False) -> None:
         """The state on the plan's optimizer-state shardings (`live_optimizer_state.place_state`;
-        `on_device`: in device memory, for the step, where it is offloaded; `captured`: after a
-        captured step; `unchanged`: the state its last captured step found)."""
+        `on_device`: in device memory, for the step, where it is offloaded; `all_placed`: every
+        state tensor was placed before)."""
         place_state(
             self._optimizer,
             self._param_names,
             self._engine.plan,
             self._placed,
             on_device,
-            captured,
-            unchanged,
+            all_placed,
         )
 
     def is_gradient_accumulation_boundary(self) -> bool:
