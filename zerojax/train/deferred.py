@@ -527,17 +527,23 @@ def _compile_alone(fn: Callable, arrays: list, donated: tuple, key: tuple, what:
         len(donated),
         count,
     )
-    compiled = jax.jit(
-        program,
-        out_shardings=(list(out_shardings), None),
-        donate_argnums=0,
-        compiler_options=in_place_options(jax.default_backend()) or None,
-    )
+    compiled = _jitted(program, out_shardings)
     spans_devices = any(_spans(a.sharding)[1] for a in arrays)
     if len(_alone_programs) >= _MAX_PROGRAMS:
         _alone_programs.pop(next(iter(_alone_programs)))
     _alone_programs[key] = (compiled, spans_devices)
     return compiled, spans_devices
+
+
+def _jitted(program: Callable, out_shardings) -> Callable:
+    """`program` (given arrays first, donated) jitted with its results on `out_shardings`,
+    written in place as the update's are (`xla_options.in_place_options`)."""
+    return jax.jit(
+        program,
+        out_shardings=(list(out_shardings), None),
+        donate_argnums=0,
+        compiler_options=in_place_options(jax.default_backend()) or None,
+    )
 
 
 def _in_host_memory(sharding) -> bool:
@@ -686,12 +692,7 @@ def _compile(recording: _Recording, wanted: list, key: tuple) -> Callable:
         len(donated),
         count,
     )
-    compiled = jax.jit(
-        program,
-        out_shardings=(list(key[3]), None),
-        donate_argnums=0,
-        compiler_options=in_place_options(jax.default_backend()) or None,
-    )
+    compiled = _jitted(program, key[3])
     if len(_programs) >= _MAX_PROGRAMS:
         _programs.pop(next(iter(_programs)))
     _programs[key] = compiled
