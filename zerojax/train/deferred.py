@@ -183,22 +183,31 @@ class _Recording:
         # (`read_entry`); one this recording writes anew loses the engine's hold when it runs.
         self.entries: dict[int, tuple[jax.Array, tuple[Callable, str]]] = {}
 
-    def take_arrays(self, arrays: list[jax.Array]) -> None:
+    def take_arrays(self, arrays: list[jax.Array], final: bool = False) -> None:
         """Take `arrays` as the next input arrays (a replay rebuilding a recording: the same
-        array may fill two slots, as a recording made afresh could not)."""
-        slots, start = self.array_slots, len(self.arrays)
-        for i, array in enumerate(arrays, start):
-            slots.setdefault(id(array), i)
+        array may fill two slots, as a recording made afresh could not). `final`: no op will
+        be recorded after them (the recording runs next), so no slot is noted for one."""
+        if not final:
+            slots, start = self.array_slots, len(self.arrays)
+            for i, array in enumerate(arrays, start):
+                slots.setdefault(id(array), i)
         self.arrays.extend(arrays)
-        for sharding in {id(a.sharding): a.sharding for a in arrays}.values():
+        shardings = {}
+        for array in arrays:
+            sharding = array.sharding
+            shardings[id(sharding)] = sharding
+        for sharding in shardings.values():
             processes, devices = _spans(sharding)
             self.spans_processes |= processes
             self.spans_devices |= devices
 
-    def take_scalar(self, value) -> None:
-        """Take `value` as the next scalar input (see `take_arrays`)."""
-        self.scalar_slots.setdefault(id(value), len(self.scalars))
-        self.scalars.append(value)
+    def take_scalars(self, values: list, final: bool = False) -> None:
+        """Take `values` as the next scalar inputs (see `take_arrays`)."""
+        if not final:
+            slots, start = self.scalar_slots, len(self.scalars)
+            for i, value in enumerate(values, start):
+                slots.setdefault(id(value), i)
+        self.scalars.extend(values)
 
     def take_ops(self, ops: list, outputs: list[list]) -> None:
         """Take recorded `ops` (recorded before, their inputs taken here in the same order)

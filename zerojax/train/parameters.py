@@ -170,6 +170,31 @@ class _StandIn:
             view = self._zerojax_live_view = _live_view(self, self._reader, self._writer)
         return view
 
+    @property
+    def data(self):
+        """`p.data`: a new live tensor over the same entry, as torch's `.data` of the live view
+        is (its alias route). A property of its own, not torch's descriptor: that one goes
+        through `__torch_function__` (~2 us per access), and a hand-written update loop
+        asks once per parameter per step."""
+        if is_plain():
+            with torch._C.DisableTorchFunctionSubclass():
+                return _DATA_GET(self)
+        return self.live().aliased()
+
+    @data.setter
+    def data(self, value):
+        if is_plain():
+            with torch._C.DisableTorchFunctionSubclass():
+                _DATA_SET(self, value)
+            return
+        if tuple(value.shape) != tuple(self.shape):
+            raise RuntimeError(
+                f"zerojax: `.data = tensor` with shape {tuple(value.shape)} on "
+                f"'{self._zerojax_name}' of shape {tuple(self.shape)}; a zerojax "
+                f"tensor's shape is fixed at initialize"
+            )
+        self.live().copy_(value)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -177,23 +202,12 @@ class _StandIn:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         # A descriptor's `__get__`/`__set__` is a new method-wrapper at each access: compared
-        # with ==, never `is`.
+        # with ==, never `is`. (`p.data` itself is the property above; these are explicit
+        # calls of torch's descriptor.)
         if func == _DATA_GET:
-            # `p.data`: a new live tensor over the same entry, as torch's `.data` of the live
-            # view is (its alias route), without the round trip through the dispatcher: a
-            # hand-written update loop asks once per parameter per step.
-            (stand_in,) = args
-            return stand_in.live().aliased()
+            return _StandIn.data.fget(*args)
         if func == _DATA_SET:
-            stand_in, value = args
-            if tuple(value.shape) != tuple(stand_in.shape):
-                raise RuntimeError(
-                    f"zerojax: `.data = tensor` with shape {tuple(value.shape)} on "
-                    f"'{stand_in._zerojax_name}' of shape {tuple(stand_in.shape)}; a zerojax "
-                    f"tensor's shape is fixed at initialize"
-                )
-            stand_in.live().copy_(value)
-            return None
+            return _StandIn.data.fset(*args)
         plain_kwargs = not kwargs or not any(
             isinstance(v, (_StandIn, list, tuple, dict)) for v in kwargs.values()
         )

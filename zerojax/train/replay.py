@@ -376,7 +376,7 @@ class _Session:
         try:
             if replayer is not None:
                 if replayer.next == len(replayer.trace.entries) or replayer.switch(None):
-                    deferred.interrupt[0] = None  # materializing reads the sources
+                    self._uninstall()  # materializing reads and writes the sources
                     replayer.materialize(goes_on=False)
                     return replayer.trace, None
                 self.interrupt(f"{len(replayer.trace.entries) - replayer.next} fewer dispatches")
@@ -932,9 +932,8 @@ class _Replayer:
         sources = [ref() for ref in trace.array_sources[: last.arrays if last else 0]]
         # The values before the recording (nothing is written yet), as it took them in.
         values = [deferred.resolve(source.value()) for source in sources]
-        recording.take_arrays(values)
-        for value in self.scalars[: last.scalars if last else 0]:
-            recording.take_scalar(value)
+        recording.take_arrays(values, final=not goes_on)
+        recording.take_scalars(self.scalars[: last.scalars if last else 0], final=not goes_on)
         ops = trace.ops[: last.ops if last else 0]
         for entry in entries[:done]:
             for target, position, shape, dtype in entry.writes:
