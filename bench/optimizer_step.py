@@ -15,7 +15,13 @@ optimizer within 1.2x of it):
   one recorded op (zerojax.train.recorded_adam);
 - a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
   against `torch.optim.SGD` handed to initialize (target: within 1.1x);
-- plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale;
+- plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale, timed in a
+  second interleaved pass with the compiled AdamW update as their reference: torch's CPU
+  ops leave its OpenMP threads spinning for a while after they return, and a zerojax step
+  right after one ran 1.25x as long as alone (NAdam after torch's Adafactor, 6.2 vs 5.0 ms;
+  5.2 vs 4.8 ms with OMP_WAIT_POLICY=PASSIVE), which in one pass penalized whichever zerojax
+  contenders followed a torch one (Adafactor 1.77x and NAdam 1.66x the compiled AdamW in
+  one pass, 1.24x and 1.08x without the torch twins);
 - RMSprop, NAdam, Rprop, ASGD, SignMomentum and the AdamW subclass built after initialize
   not captured (zerojax.train.captured_step switched off around them): their Python run and
   replayed (zerojax.train.replay), as before; what the capture saves. And the hand-written
@@ -102,7 +108,7 @@ def _zerojax_step(step, model):
     return run
 
 
-def _add_muon(contenders: dict, with_torch: bool) -> None:
+def _add_muon(contenders: dict, torch_contenders: dict | None) -> None:
     """Muon for the matrices beside AdamW for the rest (torch's docs): both handed over."""
     module, tokens, targets = _bench_model()
     matrices = [p for p in module.parameters() if p.ndim == 2]
@@ -114,7 +120,7 @@ def _add_muon(contenders: dict, with_torch: bool) -> None:
     )
     _backward(model, tokens, targets)
     contenders["zerojax Muon + AdamW"] = _zerojax_step(lambda: (muon.step(), adamw.step()), model)
-    if not with_torch:
+    if torch_contenders is None:
         return
     # Muon's Newton-Schulz matmuls (bfloat16) are most of its step, in torch as here: its
     # scale is torch's own Muon step, not the element-wise AdamW update.
@@ -122,7 +128,7 @@ def _add_muon(contenders: dict, with_torch: bool) -> None:
     twin_muon = torch.optim.Muon([p for p in twin.parameters() if p.ndim == 2], lr=1e-4)
     twin_adamw = torch.optim.AdamW([p for p in twin.parameters() if p.ndim != 2], lr=1e-4)
     _backward(twin, tokens, targets)
-    contenders["torch Muon + AdamW"] = lambda: (twin_muon.step(), twin_adamw.step())
+    torch_contenders["torch Muon + AdamW"] = lambda: (twin_muon.step(), twin_adamw.step())
 
 
 def _not_captured(step):
@@ -144,6 +150,13 @@ def _not_replayed(step):
     return run
 
 
+def _print_against_reference(times: dict) -> None:
+    for name, samples in times.items():
+        median = sorted(samples)[len(samples) // 2]
+        ratio, low, high = paired_ratio(times, name, REFERENCE)
+        print(f"  {name:44s} {median:8.1f} ms  {ratio:5.2f}x  [{low:.2f}-{high:.2f}]")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -152,7 +165,7 @@ def main() -> None:
     )
     parser.add_argument("--skip-torch", action="store_true", help="no plain-torch twins")
     args = parser.parse_args()
-    contenders = {}
+    contenders, torch_contenders = {}, {}
     for name, (make, with_torch) in OPTIMIZERS.items():
         module, tokens, targets = _bench_model()
         twin = copy.deepcopy(module)
@@ -164,10 +177,10 @@ def main() -> None:
         if with_torch and not args.skip_torch:
             twin_optimizer = make(twin.parameters())
             _backward(twin, tokens, targets)
-            contenders[f"torch {name.split(' ')[0]}"] = twin_optimizer.step
+            torch_contenders[f"torch {name.split(' ')[0]}"] = twin_optimizer.step
 
     if not args.skip_muon:
-        _add_muon(contenders, with_torch=not args.skip_torch)
+        _add_muon(contenders, None if args.skip_torch else torch_contenders)
 
     # AdamW built after initialize on the model's parameters (minGPT, the HF Trainer).
     module, tokens, targets = _bench_model()
@@ -206,10 +219,7 @@ def main() -> None:
         f"GPT-2 bench model (52 parameters, 3.49M elements), one CPU device; median of "
         f"{args.repeats} interleaved rounds; ratio = per-round median against {REFERENCE}"
     )
-    for name, samples in times.items():
-        median = sorted(samples)[len(samples) // 2]
-        ratio, low, high = paired_ratio(times, name, REFERENCE)
-        print(f"  {name:44s} {median:8.1f} ms  {ratio:5.2f}x  [{low:.2f}-{high:.2f}]")
+    _print_against_reference(times)
     ratio, low, high = paired_ratio(
         times, "zerojax hand-written p.data.add_ loop", "zerojax SGD (compiled)"
     )
@@ -219,6 +229,10 @@ def main() -> None:
     for name, other in pairs:
         ratio, low, high = paired_ratio(times, name, other)
         print(f"  {name} / {other.split(', ')[-1]}: {ratio:.2f}x [{low:.2f}-{high:.2f}]")
+    if torch_contenders:
+        print("plain torch on twins, in a pass of their own with the same reference:")
+        torch_contenders = {REFERENCE: contenders[REFERENCE], **torch_contenders}
+        _print_against_reference(interleaved_times_ms(torch_contenders, args.repeats, rotate=True))
 
 
 if __name__ == "__main__":
