@@ -477,6 +477,33 @@ def test_a_step_keeps_no_parameter_sized_temporaries(monkeypatch, make):
     assert temporaries < share / 4, (temporaries, share)
 
 
+def test_reductions_of_one_gradient_are_each_computed_from_their_own_copy():
+    """Adafactor's row and column means of a matrix gradient's squares each read the gradient
+    through a copy of their own (`_reductions_apart`): XLA:CPU writes out an element-wise value
+    two reductions share (a pass over the gradient's size each way) rather than computing it
+    in each. A vector's one variance, the parameter's norm and the update's norm (computed
+    from more than one input) are left as they are; the step still trains like torch's."""
+    pairs = handed_over_and_twin(lambda p: torch.optim.Adafactor(p, lr=1e-2))
+    (model, optimizer), (twin, twin_optimizer) = pairs
+    assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 4))
+    assert_state_like_torch(optimizer, twin_optimizer)
+    (capture,) = [c for c in captured_step._captures[optimizer._optimizer].values() if c]
+    program = capture.lowered[-1].program
+    gradients = {
+        node.name
+        for node, (kind, _, _) in zip(program.live_nodes, program.live_inputs, strict=True)
+        if kind == captured_step._GRAD
+    }
+    apart = {
+        source.name: [node.target for node in nodes] for source, nodes in program.reductions_apart
+    }
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    assert len(apart) == len(matrices) > 0
+    assert set(apart) <= set(gradients)
+    norm = torch.ops.aten.linalg_vector_norm.default
+    assert all(targets == [norm, norm] for targets in apart.values()), apart
+
+
 def test_what_dynamo_keeps_of_a_capture_holds_it_weakly():
     """Dynamo keeps each traced graph, its backend and guards as long as the traced code,
     which a capture's own code object is: those hold the capture (the twin, the programs, the

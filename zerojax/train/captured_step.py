@@ -36,6 +36,9 @@ its sharded state are those of a recorded step; only the Python is gone.
 - **Outputs apart** (`_computed_apart`): where two outputs share an expensive element-wise
   value (Adadelta's square roots), each output is computed on its own, so XLA:CPU does not
   write that value out and read it back.
+- **Reductions apart** (`_reductions_apart`): several reductions of one input alone
+  (Adafactor's row and column means of a gradient's squares) each read a copy of their own,
+  so each computes its element-wise producer itself instead of reading it written out.
 - **Step counts** (0-d host state of one dtype) are made views of one buffer in place
   (`_SharedHostState`): read and written at once.
 - **Bound** (`zerojax.train.step_binding`): while the optimizer holds the very objects it
@@ -621,6 +624,7 @@ class _Program:
         self.avals = [live_avals[k] for k in self.live_written]
         self.device_outputs = [written[self.live[k]] for k in self.live_written]
         self.apart = _computed_apart(self.device_outputs, set(self.live_nodes))
+        self.reductions_apart = _reductions_apart(graph, set(self.live_nodes))
 
         # The host inputs (0-d), one vector per dtype.
         host_inputs = [
@@ -736,6 +740,13 @@ class _Program:
         for node, tensor in self.constants.items():
             if node not in env:
                 env[node] = jnp.asarray(tensor.numpy())
+        # Reductions that read one live input alone, each from its own copy of it
+        # (`_reductions_apart`), before anything else is computed from it.
+        for source, reductions in self.reductions_apart:
+            copies = jax.lax.optimization_barrier([env[source]] * len(reductions))
+            for reduction, copy in zip(reductions, copies, strict=True):
+                own = {**env, source: copy}
+                env[reduction] = self._evaluated(own, [reduction], _context)[0]
         if self.apart is None:
             values = self._evaluated(env, self.device_outputs, _context)
         else:  # each output from its own copy of the live inputs it reads (`_computed_apart`)
@@ -1191,6 +1202,38 @@ def _computed_apart(outputs: list[torch.fx.Node], live: set) -> list[list] | Non
     ):
         return None
     return [[node for node in nodes if node in live] for nodes in ancestry]
+
+
+def _reductions_apart(graph: torch.fx.Graph, live: set) -> list[tuple]:
+    """(live input, the reductions computed from it alone), where several are: a row and a
+    column mean of one gradient's squares (Adafactor's). XLA:CPU computes a shared
+    element-wise value once and writes it out (the squares, a pass over a parameter-sized
+    array each way), and a reduction's library fusion takes an element-wise producer in only
+    where the producer has no other consumer. Each such reduction, computed from its own copy
+    of its input (one optimization barrier over the copies, which keeps XLA from merging them
+    again), is one pass over the input. Only reductions whose path from the input has no
+    other tensor input: a value computed from more inputs costs more to compute twice."""
+    readers = collections.defaultdict(list)
+    for node in graph.nodes:
+        if _reduces(node):
+            source = _sole_source(node, live)
+            if source is not None:
+                readers[source].append(node)
+    return [(source, nodes) for source, nodes in readers.items() if len(nodes) > 1]
+
+
+def _sole_source(node: torch.fx.Node, live: set) -> torch.fx.Node | None:
+    """The live input `node` is computed from through ops of one tensor input each (None where
+    it is not)."""
+    while True:
+        tensors = [i for i in node.all_input_nodes if isinstance(i.meta.get("val"), torch.Tensor)]
+        if len(tensors) != 1:
+            return None
+        (node,) = tensors
+        if node in live:
+            return node
+        if node.op != "call_function" or _reduces(node):
+            return None
 
 
 def _reduces(node: torch.fx.Node) -> bool:
