@@ -481,8 +481,9 @@ def test_reductions_of_one_gradient_are_each_computed_from_their_own_copy():
     """Adafactor's row and column means of a matrix gradient's squares each read the gradient
     through a copy of their own (`_reductions_apart`): XLA:CPU writes out an element-wise value
     two reductions share (a pass over the gradient's size each way) rather than computing it
-    in each. A vector's one variance, the parameter's norm and the update's norm (computed
-    from more than one input) are left as they are; the step still trains like torch's."""
+    in each. A reduction alone on its input (a vector's variance, the parameter's norm) and
+    the update's norm (computed from more than one input) are left as they are; the step
+    still trains like torch's."""
     pairs = handed_over_and_twin(lambda p: torch.optim.Adafactor(p, lr=1e-2))
     (model, optimizer), (twin, twin_optimizer) = pairs
     assert_trains_like_torch(model, twin, steps_beside_torch(pairs, 4))
@@ -499,7 +500,7 @@ def test_reductions_of_one_gradient_are_each_computed_from_their_own_copy():
     }
     matrices = [p for p in model.parameters() if p.dim() == 2]
     assert len(apart) == len(matrices) > 0
-    assert set(apart) <= set(gradients)
+    assert set(apart) <= gradients
     norm = torch.ops.aten.linalg_vector_norm.default
     assert all(targets == [norm, norm] for targets in apart.values()), apart
 
