@@ -14,7 +14,8 @@ optimizer within 1.2x of it):
   and a subclass of AdamW built after initialize, which is not: torch's step on live tensors,
   one recorded op (zerojax.train.recorded_adam);
 - a hand-written update loop, `p.data.add_(p.grad, alpha=-lr)` (pytorch/examples' style),
-  against `torch.optim.SGD` handed to initialize (target: within 1.1x);
+  against `torch.optim.SGD` handed to initialize: the update alone
+  (`bench/manual_update_loop.py` times such a loop's whole training step against SGD's);
 - plain torch's AdamW, RMSprop, Adafactor and Muon + AdamW on a twin, for scale, timed in a
   second interleaved pass with the compiled AdamW update as their reference: torch's CPU
   ops leave its OpenMP threads spinning for a while after they return, and a zerojax step
