@@ -340,8 +340,13 @@ def _reason(error: Exception) -> str:
 
 def _own_code(function):
     """`function` with a code object of its own: dynamo keeps its traces per code object, and
-    each optimizer's twin is traced apart (its cache never holds another's graphs)."""
-    code = function.__code__.replace()
+    each optimizer's twin is traced apart (its cache never holds another's graphs). Its name
+    is its own too: what dynamo learns of a function's values across traces (which floats and
+    sizes changed, and so become graph inputs: `torch._dynamo.pgo`) is keyed by file, line and
+    name, and a capture that inherited an earlier one's (Adafactor captured with weight decay
+    0 and then 0.1 in one process) took its weight decay as an input with a guard on it, which
+    kept every later Adafactor capture of the process out of the shortcut past dynamo."""
+    code = function.__code__.replace(co_name=f"{function.__code__.co_name}_{next(_serials)}")
     own = types.FunctionType(
         code, function.__globals__, function.__name__, function.__defaults__, function.__closure__
     )
