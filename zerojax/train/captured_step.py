@@ -178,6 +178,12 @@ def run(optimizer: torch.optim.Optimizer, binding: step_binding.Binding | None =
     its last captured step found (its layout and state are not looked up again)."""
     if not _enabled[0]:
         return False
+    if any(_is_zero(group.get("lr")) for group in optimizer.param_groups):
+        # dynamo traces an optimizer's step with `capturable` set (torch's own choice for a
+        # compiled step), and Adam's capturable step divides by the learning rate: at lr 0 (a
+        # frozen group, a schedule that ends at 0) every parameter became NaN, where torch's
+        # own step leaves them as they are. Such a step runs as before.
+        return False
     known = _captures.get(optimizer)
     if known is None:
         known = _captures[optimizer] = {}
@@ -206,6 +212,11 @@ def run(optimizer: torch.optim.Optimizer, binding: step_binding.Binding | None =
     if binding is None:
         step_binding.bind(optimizer, layout)
     return True
+
+
+def _is_zero(value) -> bool:
+    """Whether `value` is a Python number equal to 0 (a tensor is not looked at: no host read)."""
+    return type(value) in (float, int) and value == 0
 
 
 def _has_state(optimizer: torch.optim.Optimizer) -> bool:
