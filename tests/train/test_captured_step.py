@@ -123,8 +123,8 @@ def test_captured_steps_train_like_torch_under_a_cosine_schedule(name):
     if name in NOT_CAPTURED_BY_THIS_TORCH:  # refused by dynamo: replayed, as before
         assert per_step == [(1, 0)] + [(0, 1)] * (STEPS - 1), per_step
         return
-    # Two traces, or one where dynamo already knows the learning rate changes (it keeps what
-    # it learnt of a function's floats across its traces in one process: an earlier test's).
+    # Two traces (as it is, then with the learning rate moved), or one where dynamo already
+    # took the learning rate for an input at the first.
     assert after["traces"] - before["traces"] in (1, 2)
     # (replay traces, replays) per step: the first step's recording traced, then none;
     # Adagrad has its state from its constructor: its first step is captured.

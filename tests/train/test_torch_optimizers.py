@@ -169,7 +169,7 @@ def test_muon_beside_adamw_under_zero3():
     all tensors, not tensor by tensor: how far each tensor lands is a draw of that motion,
     and one float32 run can land a tensor close by chance (on an AVX-512 host, torch's
     fc2.bias 7e-5 from float64 and zerojax's 1.4e-3, while the weights of both were 1e-3 to
-    7e-3 off). A tensor updated wrongly (an AdamW bias not stepped: ~0.5 relative after six
+    7e-3 off). A tensor updated wrongly (the AdamW biases not stepped: 0.27-1.0 relative after six
     steps at lr 1e-2) is still far outside 10x that."""
     model, optimizers, twin, losses = train(muon_and_adamw)
     assert [type(o.torch_optimizer) for o in optimizers] == [torch.optim.Muon, torch.optim.AdamW]
