@@ -209,18 +209,13 @@ def test_a_step_at_a_learning_rate_of_zero_leaves_the_parameters_as_torch_does()
     divides by the learning rate: AdamW beside another optimizer (its step captured, not the
     compiled update) at lr 0 (a frozen model, a schedule held at 0) made every parameter NaN
     by its third step, where torch's step leaves them as they are. Such steps run as before."""
-    run_what_earlier_tests_recorded()
-    torch.manual_seed(0)
-    module = MLP()
-    twin = copy.deepcopy(module)
-    before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    model, (optimizer,) = zerojax.initialize(
-        module, [torch.optim.AdamW(module.parameters(), lr=0.0)], ZERO3
+    (model, (optimizer,)), (twin, (twin_optimizer,)) = handed_over_and_twin(
+        lambda p: [torch.optim.AdamW(p, lr=0.0)]
     )
-    pairs = ((model, optimizer), (twin, torch.optim.AdamW(twin.parameters(), lr=0.0)))
-    steps_beside_torch(pairs, 4)
+    before = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    steps_beside_torch(((model, optimizer), (twin, twin_optimizer)), 4)
     for name, p in model.named_parameters():
-        np.testing.assert_array_equal(p.detach().numpy(), before[name].numpy(), err_msg=name)
+        np.testing.assert_array_equal(p.detach().numpy(), before[name], err_msg=name)
 
 
 def test_a_capture_learns_nothing_from_an_earlier_capture_of_its_class():
