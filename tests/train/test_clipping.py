@@ -126,8 +126,14 @@ def test_grad_in_place_ops_write_the_engine_gradients():
             ps[0].grad.view(-1)[-5:].mul_(2.0)
             ps[1].grad.t()[1:3].zero_()
             ps[-1].grad = replacement.clone() if is_ref else replacement
-    for p, q in zip(params, ref_params, strict=True):
+    for (name, p), q in zip(model.named_parameters(), ref_params, strict=True):
         # Multiplying by 0.5 or 2 is exact and by 3.0 rounds once, alike on both sides: the
-        # gradients differ only as they did before (the forward's reordering), in float32 ulps.
-        torch.testing.assert_close(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-7)
+        # gradients differ only as they did before, by the forward's and backward's reordered
+        # sums (<= 64 terms each, 2 * 63 * 2^-24 ~ 7.5e-6 relative to the terms' magnitudes).
+        # Compared normwise per tensor: one element that is a near-cancelling sum can differ by
+        # many of its own ulps (2.0e-7 on a value of 8.5e-3 with XLA and ATen at AVX2), where a
+        # lost write moves its tensor's norm by >= ~5% (5 of fc1.weight's 2,048 doubled).
+        ours, theirs = torch.from_numpy(p.grad.numpy()).double(), q.grad.double()
+        difference = float((ours - theirs).norm())
+        assert difference <= 1e-5 * float(theirs.norm()), (name, difference)
     assert params[0].grad.data_ptr() == 0  # a live tensor: no host storage behind it
