@@ -125,28 +125,32 @@ def test_torch_fp32_orders_are_distinct_evaluations():
     torch's own test utilities freeze the global flags on import (`disable_global_flags`, as
     the OpInfo tests beside this one do): switching oneDNN off must still work then, and
     leave oneDNN's fp32 precision (no TF32) as it was."""
-    if not torch.backends.mkldnn.enabled:
-        pytest.skip("torch runs without oneDNN here (--torch-without-onednn): no oneDNN order")
     torch.backends.disable_global_flags()
-    precision = torch.backends.mkldnn.fp32_precision
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 16, 3, padding=1),
-        torch.nn.Flatten(),
-        torch.nn.Linear(16 * 8 * 8, 10),
-    )
-    built = model_zoo.Built(model, (torch.randn(2, 3, 16, 16),), {}, None)
-    probe = model_zoo.probes([(2, 10)])
-    runs = {order: run for order, run, _ in model_zoo._torch_fp32_runs(built, probe)}
-    assert list(runs) == ["contiguous", "channels_last", "onednn_off"]
-    assert torch.backends.mkldnn.enabled
-    assert torch.backends.mkldnn.fp32_precision == precision
-    contiguous = runs["contiguous"][1]["0.weight"]
-    for order in ("channels_last", "onednn_off"):
-        assert not np.array_equal(runs[order][1]["0.weight"], contiguous), order
+    mkldnn = torch.backends.mkldnn
+    precision = mkldnn.fp32_precision
+    # oneDNN on for the test, whatever the suite runs with (`--torch-without-onednn` turns it
+    # off): the order it adds is the one switched off here.
+    with mkldnn.flags(
+        enabled=True, deterministic=mkldnn.deterministic, allow_tf32=None, fp32_precision=precision
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(16, 16, 3, padding=1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(16 * 8 * 8, 10),
+        )
+        built = model_zoo.Built(model, (torch.randn(2, 3, 16, 16),), {}, None)
+        probe = model_zoo.probes([(2, 10)])
+        runs = {order: run for order, run, _ in model_zoo._torch_fp32_runs(built, probe)}
+        assert list(runs) == ["contiguous", "channels_last", "onednn_off"]
+        assert torch.backends.mkldnn.enabled
+        assert torch.backends.mkldnn.fp32_precision == precision
+        contiguous = runs["contiguous"][1]["0.weight"]
+        for order in ("channels_last", "onednn_off"):
+            assert not np.array_equal(runs[order][1]["0.weight"], contiguous), order
     tokens = model_zoo.Built(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2]]),), {}, None)
     assert [order for order, *_ in model_zoo._torch_fp32_runs(tokens, None)] == ["contiguous"]
 
